@@ -1,0 +1,107 @@
+#pragma once
+// Index sets and boxes: along one dim, the global indices two ranks both hold
+// are a union of runs. intersect_dim() returns them as RunGroups: a run of
+// `len` indices repeated `count` times at a fixed period, with the local index
+// of each occurrence on both sides. A group is one or two box dims of a copy
+// (count x len), so block-cyclic patterns never expand element by element.
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "dim_spec.hpp"
+
+namespace reshard {
+
+struct RunGroup {
+  std::int64_t count = 1, len = 0;
+  std::int64_t g0 = 0, gper = 0;  ///< global start and period
+  std::int64_t s0 = 0, sper = 0;  ///< source local start and period
+  std::int64_t d0 = 0, dper = 0;  ///< destination local start and period
+  std::int64_t elements() const { return count * len; }
+};
+
+namespace detail {
+/// Global index window covered by local window [a, b) of a part.
+inline std::pair<std::int64_t, std::int64_t> global_window(const DimPart& p, std::int64_t a, std::int64_t b) {
+  if (a >= b) return {0, 0};
+  return {p.global(a), p.global(b - 1) + 1};
+}
+/// Local period of a part for a global period L (a multiple of k*B when cyclic).
+inline std::int64_t local_period(const DimPart& p, std::int64_t L) {
+  return p.cyclic ? L / (p.k * p.B) * p.B : L;
+}
+inline std::int64_t next_in(const DimPart& p, std::int64_t i) { return p.cyclic ? p.next_held(i) : i; }
+inline std::int64_t run_end_in(const DimPart& p, std::int64_t i) {
+  return p.cyclic ? p.run_end(i) : INT64_MAX;
+}
+/// Runs of indices held by both parts in [lo, hi); the window already lies
+/// inside both contiguous ranges.
+template <class F>
+void sweep(const DimPart& s, const DimPart& d, std::int64_t lo, std::int64_t hi, F&& f) {
+  std::int64_t i = lo;
+  while (i < hi) {
+    const std::int64_t a = next_in(s, i);
+    const std::int64_t b = next_in(d, a);
+    if (b != a) {
+      i = b;
+      continue;
+    }
+    if (a >= hi) break;
+    const std::int64_t e = std::min({run_end_in(s, a), run_end_in(d, a), hi});
+    f(a, e);
+    i = e;
+  }
+}
+}  // namespace detail
+
+/// The global indices in [0, n) held both by source part `s` within its local
+/// window [s_lo, s_hi) and by destination part `d` within [d_lo, d_hi),
+/// appended to `out`.
+/// @post every such index lies in exactly one occurrence of one group.
+inline void intersect_dim(const DimPart& s, std::int64_t s_lo, std::int64_t s_hi, const DimPart& d,
+                          std::int64_t d_lo, std::int64_t d_hi, std::int64_t n, std::vector<RunGroup>& out) {
+  if (s_lo >= s_hi || d_lo >= d_hi) return;
+  const auto [sa, sb] = detail::global_window(s, s_lo, s_hi);
+  const auto [da, db] = detail::global_window(d, d_lo, d_hi);
+  const std::int64_t lo = std::max(sa, da), hi = std::min({sb, db, n});
+  if (lo >= hi) return;
+  auto emit = [&](std::int64_t a, std::int64_t e, std::int64_t count, std::int64_t L) {
+    out.push_back(RunGroup{count, e - a, a, L, s.local(a), detail::local_period(s, L), d.local(a),
+                           detail::local_period(d, L)});
+  };
+  if (!s.cyclic && !d.cyclic) {
+    emit(lo, hi, 1, 0);
+    return;
+  }
+  std::int64_t L = 0;
+  const std::int64_t Ls = s.cyclic ? s.k * s.B : 1, Ld = d.cyclic ? d.k * d.B : 1;
+  const std::int64_t g = std::gcd(Ls, Ld);
+  const bool fits = !__builtin_mul_overflow(Ls / g, Ld, &L);
+  if (!fits || L >= hi - lo) {  // no repetition worth folding: list the runs
+    detail::sweep(s, d, lo, hi, [&](std::int64_t a, std::int64_t e) { emit(a, e, 1, 0); });
+    return;
+  }
+  // Both patterns repeat every L from 0: sweep one aligned period, then fold
+  // each run's occurrences inside [lo, hi) into a group.
+  const std::int64_t w0 = lo / L * L;
+  detail::sweep(s, d, w0, w0 + L, [&](std::int64_t a, std::int64_t e) {
+    const std::int64_t m_first = e > lo ? 0 : 1;
+    if (a + m_first * L >= hi) return;
+    const std::int64_t m_last = (hi - a + L - 1) / L - 1;
+    const std::int64_t mf = a >= lo ? 0 : 1;
+    const std::int64_t ml = hi >= e ? (hi - e) / L : -1;
+    if (m_first < mf) {  // m = 0 clipped on the left
+      const std::int64_t ca = std::max(a, lo), ce = std::min(e, hi);
+      if (ca < ce) emit(ca, ce, 1, 0);
+    }
+    if (mf <= ml) emit(a + mf * L, e + mf * L, ml - mf + 1, L);
+    const std::int64_t right = std::max(ml + 1, mf);
+    if (right <= m_last && !(right == 0 && m_first < mf)) {
+      const std::int64_t ca = std::max(a + right * L, lo), ce = std::min(e + right * L, hi);
+      if (ca < ce) emit(ca, ce, 1, 0);
+    }
+  });
+}
+
+}  // namespace reshard

@@ -1,0 +1,344 @@
+#pragma once
+// Layout: one side of a refit (the training job or the inference job): a mesh,
+// the global tensors, how each is cut over the mesh, and which local buffers
+// hold the pieces (CONTRACT.md §1). validate() checks everything the contract
+// requires and resolves the cuts; the planner only ever sees validated layouts.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "dim_spec.hpp"
+#include "dtype.hpp"
+#include "error.hpp"
+#include "mesh.hpp"
+
+namespace reshard {
+
+inline constexpr int kMaxTensorRank = 8;
+
+struct StageCoord {
+  int axis = 0;
+  std::int64_t coord = 0;
+};
+
+struct TensorSpec {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::f32;
+  std::vector<DimSpec> dims;       ///< one per dim, or empty = none cut
+  std::vector<StageCoord> stage;   ///< lives only where these coordinates match
+
+  // Resolved by Layout::validate().
+  std::vector<DimCut> cuts;
+  int buffer = -1;  ///< index into Layout::buffers, -1 = stored alone
+  int rank() const { return static_cast<int>(shape.size()); }
+  std::int64_t elements() const {
+    std::int64_t n = 1;
+    for (auto e : shape) n *= e;
+    return n;
+  }
+};
+
+enum class BufferKind : std::uint8_t { concat, flat };
+
+/// A named buffer holding several tensors' local pieces (fused projections,
+/// flat parameter buckets).
+struct BufferSpec {
+  std::string name;
+  std::vector<std::string> parts;
+  BufferKind kind = BufferKind::concat;
+  int dim = 0;                  ///< concat dim
+  std::int64_t interleave = 1;  ///< concat rounds G
+  DimSpec flat;                 ///< flat: how the flattened sequence is cut
+
+  // Resolved by Layout::validate().
+  std::vector<int> part_ids;
+};
+
+/// A buffer as it exists on ranks: a BufferSpec, or one tensor stored alone.
+struct LocalBuffer {
+  std::string name;
+  int spec = -1;              ///< index into Layout::buffers, or -1
+  std::vector<int> tensors;   ///< tensors in it, in order
+  DType dtype = DType::f32;
+};
+
+class Layout {
+ public:
+  Mesh mesh;
+  std::vector<TensorSpec> tensors;
+  std::vector<BufferSpec> buffers;
+  std::string origin = "<memory>";  ///< file name, for messages
+
+  /// Validates and resolves; throws LayoutError naming origin, tensor, field.
+  inline void validate();
+  bool validated() const { return validated_; }
+
+  int find_tensor(std::string_view name) const {
+    auto it = tensor_index_.find(std::string(name));
+    return it == tensor_index_.end() ? -1 : it->second;
+  }
+  int find_buffer(std::string_view name) const {
+    auto it = buffer_index_.find(std::string(name));
+    return it == buffer_index_.end() ? -1 : it->second;
+  }
+  const std::vector<LocalBuffer>& local_buffers() const { return local_buffers_; }
+  int buffer_of(int tensor) const { return tensor_buffer_[static_cast<std::size_t>(tensor)]; }
+
+  bool in_stage(std::int64_t pos, int t) const {
+    for (const auto& s : tensors[static_cast<std::size_t>(t)].stage)
+      if (mesh.coord(pos, s.axis) != s.coord) return false;
+    return true;
+  }
+  DimPart dim_part(std::int64_t pos, int t, int d) const {
+    const auto& ts = tensors[static_cast<std::size_t>(t)];
+    const auto& spec = ts.dims[static_cast<std::size_t>(d)];
+    return ts.cuts[static_cast<std::size_t>(d)].part(spec.part_of(mesh, pos));
+  }
+  /// Extents of the local array of tensor t on a position (padding included);
+  /// all zero when the position holds nothing of it.
+  std::vector<std::int64_t> local_extents(std::int64_t pos, int t) const {
+    const auto& ts = tensors[static_cast<std::size_t>(t)];
+    std::vector<std::int64_t> e(ts.shape.size(), 0);
+    if (!in_stage(pos, t)) return e;
+    for (int d = 0; d < ts.rank(); ++d) e[static_cast<std::size_t>(d)] = dim_part(pos, t, d).local_extent;
+    return e;
+  }
+  /// Does the position hold a (non-empty) local array of tensor t?
+  bool holds(std::int64_t pos, int t) const {
+    if (!in_stage(pos, t)) return false;
+    const auto& ts = tensors[static_cast<std::size_t>(t)];
+    for (int d = 0; d < ts.rank(); ++d)
+      if (dim_part(pos, t, d).local_extent == 0) return false;
+    return true;
+  }
+
+ private:
+  inline void validate_tensor(std::size_t i, std::vector<std::vector<AxisRef>>& refs);
+  inline void validate_buffer(std::size_t b);
+  ErrorContext ctx(const std::string& tensor, const std::string& field) const {
+    return ErrorContext{origin, tensor, field};
+  }
+  bool validated_ = false;
+  std::unordered_map<std::string, int> tensor_index_, buffer_index_;
+  std::vector<LocalBuffer> local_buffers_;
+  std::vector<int> tensor_buffer_;
+};
+
+namespace detail {
+/// Do two axis references share a digit of the same axis?
+inline bool refs_overlap(const AxisRef& a, const AxisRef& b) {
+  if (a.axis != b.axis) return false;
+  return a.stride < b.stride * b.size && b.stride < a.stride * a.size;
+}
+inline bool checked_mul(std::int64_t a, std::int64_t b, std::int64_t& out) {
+  return !__builtin_mul_overflow(a, b, &out);
+}
+}  // namespace detail
+
+/// Checks one axis reference against the mesh.
+inline void validate_axis_ref(const Mesh& mesh, const AxisRef& r, const ErrorContext& c) {
+  if (r.axis < 0 || r.axis >= static_cast<int>(mesh.axes.size()))
+    layout_fail(c, "axis index {} is not an axis of the mesh", r.axis);
+  const auto& ax = mesh.axes[static_cast<std::size_t>(r.axis)];
+  if (r.stride < 1 || r.size < 1)
+    layout_fail(c, "sub-axis of '{}' needs stride >= 1 and size >= 1 (got stride {}, size {})", ax.name,
+                r.stride, r.size);
+  std::int64_t span = 0;
+  if (!detail::checked_mul(r.stride, r.size, span) || ax.size % span != 0)
+    layout_fail(c, "sub-axis of '{}': stride {} * size {} does not divide the axis size {}", ax.name,
+                r.stride, r.size, ax.size);
+}
+
+inline void Layout::validate_tensor(std::size_t i, std::vector<std::vector<AxisRef>>& refs) {
+  auto& t = tensors[i];
+  if (t.name.empty()) layout_fail(ctx("", fmt::format("tensors[{}].name", i)), "tensor name is empty");
+  if (!tensor_index_.emplace(t.name, static_cast<int>(i)).second)
+    layout_fail(ctx(t.name, "name"), "tensor name appears twice");
+  if (t.shape.empty() || t.shape.size() > kMaxTensorRank)
+    layout_fail(ctx(t.name, "shape"), "shape has {} dims, it must have 1 to {}", t.shape.size(),
+                kMaxTensorRank);
+  std::int64_t n = 1, padded = 1;
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    if (t.shape[d] < 1)
+      layout_fail(ctx(t.name, fmt::format("shape[{}]", d)), "extent {} must be positive", t.shape[d]);
+    if (!detail::checked_mul(n, t.shape[d], n))
+      layout_fail(ctx(t.name, "shape"), "the product of the extents overflows 64 bits");
+  }
+  if (t.dims.empty()) t.dims.resize(t.shape.size());
+  if (t.dims.size() != t.shape.size())
+    layout_fail(ctx(t.name, "dims"), "has {} dimspecs for a tensor of {} dims", t.dims.size(),
+                t.shape.size());
+  auto& used = refs[i];
+  auto use = [&](const AxisRef& r, const std::string& field) {
+    validate_axis_ref(mesh, r, ctx(t.name, field));
+    for (const auto& u : used)
+      if (detail::refs_overlap(u, r))
+        layout_fail(ctx(t.name, field), "axis '{}' is referenced more than once",
+                    mesh.axes[static_cast<std::size_t>(r.axis)].name);
+    used.push_back(r);
+  };
+  for (std::size_t s = 0; s < t.stage.size(); ++s) {
+    const auto field = fmt::format("stage[{}]", s);
+    const auto& st = t.stage[s];
+    if (st.axis < 0 || st.axis >= static_cast<int>(mesh.axes.size()))
+      layout_fail(ctx(t.name, field), "axis index {} is not an axis of the mesh", st.axis);
+    const auto& ax = mesh.axes[static_cast<std::size_t>(st.axis)];
+    if (st.coord < 0 || st.coord >= ax.size)
+      layout_fail(ctx(t.name, field), "coordinate {} is outside axis '{}' of size {}", st.coord, ax.name,
+                  ax.size);
+    use(AxisRef{st.axis, 1, ax.size}, field);
+  }
+  t.cuts.clear();
+  for (std::size_t d = 0; d < t.dims.size(); ++d) {
+    const auto field = fmt::format("dims[{}]", d);
+    for (std::size_t a = 0; a < t.dims[d].axes.size(); ++a)
+      use(t.dims[d].axes[a], fmt::format("{}.axes[{}]", field, a));
+    t.cuts.push_back(resolve_dim(t.dims[d], t.shape[d], ctx(t.name, field)));
+    if (!detail::checked_mul(padded, t.cuts.back().padded, padded))
+      layout_fail(ctx(t.name, field), "the product of the padded extents overflows 64 bits");
+  }
+  t.buffer = -1;
+}
+
+inline void Layout::validate_buffer(std::size_t b) {
+  auto& buf = buffers[b];
+  const std::string bname = buf.name;
+  auto bctx = [&](const std::string& f) { return ErrorContext{origin, "", fmt::format("buffers[{}] '{}'.{}", b, bname, f)}; };
+  if (buf.name.empty()) layout_fail(bctx("name"), "buffer name is empty");
+  if (buf.parts.empty()) layout_fail(bctx("parts"), "a buffer needs at least one part");
+  buf.part_ids.clear();
+  for (std::size_t p = 0; p < buf.parts.size(); ++p) {
+    const int t = find_tensor(buf.parts[p]);
+    if (t < 0) layout_fail(bctx(fmt::format("parts[{}]", p)), "no tensor named '{}'", buf.parts[p]);
+    auto& ts = tensors[static_cast<std::size_t>(t)];
+    if (ts.buffer >= 0)
+      layout_fail(ctx(ts.name, "buffer"), "tensor is part of two buffers ('{}' and '{}')",
+                  buffers[static_cast<std::size_t>(ts.buffer)].name, bname);
+    ts.buffer = static_cast<int>(b);
+    buf.part_ids.push_back(t);
+  }
+  const auto& first = tensors[static_cast<std::size_t>(buf.part_ids[0])];
+  for (std::size_t p = 1; p < buf.part_ids.size(); ++p) {
+    const auto& ts = tensors[static_cast<std::size_t>(buf.part_ids[p])];
+    if (ts.dtype != first.dtype)
+      layout_fail(bctx(fmt::format("parts[{}]", p)), "part '{}' is {} but '{}' is {}: a buffer has one dtype",
+                  ts.name, to_string(ts.dtype), first.name, to_string(first.dtype));
+    bool same_stage = ts.stage.size() == first.stage.size();
+    for (std::size_t s = 0; same_stage && s < ts.stage.size(); ++s) {
+      bool found = false;
+      for (const auto& o : first.stage) found |= o.axis == ts.stage[s].axis && o.coord == ts.stage[s].coord;
+      same_stage = found;
+    }
+    if (!same_stage)
+      layout_fail(bctx(fmt::format("parts[{}]", p)), "part '{}' has another stage than '{}'", ts.name,
+                  first.name);
+  }
+  if (buf.kind == BufferKind::concat) {
+    if (buf.dim < 0 || buf.dim >= first.rank())
+      layout_fail(bctx("dim"), "concat dim {} is outside the {} dims of '{}'", buf.dim, first.rank(), first.name);
+    if (buf.interleave < 1) layout_fail(bctx("interleave"), "interleave {} must be >= 1", buf.interleave);
+    for (std::size_t p = 1; p < buf.part_ids.size(); ++p) {
+      const auto& ts = tensors[static_cast<std::size_t>(buf.part_ids[p])];
+      if (ts.rank() != first.rank())
+        layout_fail(bctx(fmt::format("parts[{}]", p)), "part '{}' has {} dims but '{}' has {}", ts.name,
+                    ts.rank(), first.name, first.rank());
+    }
+    for (std::int64_t pos = 0; pos < mesh.size(); ++pos) {
+      std::vector<std::int64_t> ref;
+      std::string ref_name;
+      for (int t : buf.part_ids) {
+        if (!holds(pos, t)) continue;
+        auto e = local_extents(pos, t);
+        const auto& ts = tensors[static_cast<std::size_t>(t)];
+        if (e[static_cast<std::size_t>(buf.dim)] % buf.interleave != 0)
+          layout_fail(bctx("interleave"),
+                      "interleave {} does not divide the local extent {} of '{}' along dim {} on rank {}",
+                      buf.interleave, e[static_cast<std::size_t>(buf.dim)], ts.name, buf.dim,
+                      mesh.global_rank(pos));
+        e[static_cast<std::size_t>(buf.dim)] = 0;
+        if (ref_name.empty()) {
+          ref = e;
+          ref_name = ts.name;
+        } else if (e != ref) {
+          layout_fail(bctx("parts"),
+                      "on rank {} the local arrays of '{}' and '{}' differ outside concat dim {}",
+                      mesh.global_rank(pos), ref_name, ts.name, buf.dim);
+        }
+      }
+    }
+    return;
+  }
+  // flat
+  for (std::size_t a = 0; a < buf.flat.axes.size(); ++a) {
+    const auto field = fmt::format("flat.axes[{}]", a);
+    validate_axis_ref(mesh, buf.flat.axes[a], bctx(field));
+    for (std::size_t o = 0; o < a; ++o)
+      if (detail::refs_overlap(buf.flat.axes[o], buf.flat.axes[a]))
+        layout_fail(bctx(field), "axis '{}' is referenced more than once",
+                    mesh.axes[static_cast<std::size_t>(buf.flat.axes[a].axis)].name);
+    for (int t : buf.part_ids) {
+      const auto& ts = tensors[static_cast<std::size_t>(t)];
+      std::vector<AxisRef> used;
+      for (const auto& d : ts.dims) used.insert(used.end(), d.axes.begin(), d.axes.end());
+      for (const auto& s : ts.stage)
+        used.push_back(AxisRef{s.axis, 1, mesh.axes[static_cast<std::size_t>(s.axis)].size});
+      for (const auto& u : used)
+        if (detail::refs_overlap(u, buf.flat.axes[a]))
+          layout_fail(ctx(ts.name, "dims"), "flat axis '{}' of buffer '{}' also cuts this part",
+                      mesh.axes[static_cast<std::size_t>(u.axis)].name, bname);
+    }
+  }
+  if (buf.flat.split == Split::cyclic)
+    layout_fail(bctx("flat.cyclic"), "a flat buffer is a contiguous range: cyclic is not allowed");
+  for (std::int64_t pos = 0; pos < mesh.size(); ++pos) {
+    std::int64_t L = 0;
+    bool any = false;
+    for (int t : buf.part_ids) {
+      if (!holds(pos, t)) continue;
+      any = true;
+      std::int64_t sz = 1;
+      for (auto e : local_extents(pos, t)) sz *= e;
+      L += sz;
+    }
+    if (!any) continue;
+    auto c = bctx("flat");
+    c.field = fmt::format("buffers[{}] '{}'.flat (rank {}, sequence length {})", b, bname,
+                          mesh.global_rank(pos), L);
+    resolve_dim(buf.flat, L, c);
+  }
+}
+
+inline void Layout::validate() {
+  validated_ = false;
+  mesh.validate(ErrorContext{origin, "", ""});
+  tensor_index_.clear();
+  buffer_index_.clear();
+  local_buffers_.clear();
+  std::vector<std::vector<AxisRef>> refs(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) validate_tensor(i, refs);
+  for (std::size_t b = 0; b < buffers.size(); ++b) validate_buffer(b);
+  tensor_buffer_.assign(tensors.size(), -1);
+  auto add = [&](LocalBuffer lb, const ErrorContext& c) {
+    if (!buffer_index_.emplace(lb.name, static_cast<int>(local_buffers_.size())).second)
+      layout_fail(c, "buffer name '{}' is used twice", lb.name);
+    for (int t : lb.tensors) tensor_buffer_[static_cast<std::size_t>(t)] = static_cast<int>(local_buffers_.size());
+    local_buffers_.push_back(std::move(lb));
+  };
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    const auto& bs = buffers[b];
+    add(LocalBuffer{bs.name, static_cast<int>(b), bs.part_ids,
+                    tensors[static_cast<std::size_t>(bs.part_ids[0])].dtype},
+        ErrorContext{origin, "", fmt::format("buffers[{}].name", b)});
+  }
+  for (std::size_t t = 0; t < tensors.size(); ++t)
+    if (tensors[t].buffer < 0)
+      add(LocalBuffer{tensors[t].name, -1, {static_cast<int>(t)}, tensors[t].dtype},
+          ErrorContext{origin, tensors[t].name, "name"});
+  validated_ = true;
+}
+
+}  // namespace reshard

@@ -1,0 +1,224 @@
+#pragma once
+// Storage: where a rank's local pieces sit in its local buffers. Every storage
+// form (a tensor alone, concat with interleave, flat buckets) reduces to a
+// list of HeldBoxes: boxes of the tensor's local array with an affine map into
+// a buffer. Concat rounds become one box per round; a flat range becomes the
+// few boxes that tile a row-major interval.
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "layout.hpp"
+
+namespace reshard {
+
+/// Local index window [lo, hi) of a tensor's local array, stored at buffer
+/// element `base + sum_d j_d * stride[d]` for local index j.
+struct HeldBox {
+  int rank = 0;
+  std::array<std::int64_t, kMaxTensorRank> lo{}, hi{}, stride{};
+  std::int64_t base = 0;
+  std::int64_t elements() const {
+    std::int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= hi[static_cast<std::size_t>(d)] - lo[static_cast<std::size_t>(d)];
+    return n;
+  }
+};
+
+/// What one rank holds of one tensor.
+struct TensorStorage {
+  int buffer = -1;                      ///< local buffer id
+  std::vector<DimPart> parts;           ///< per dim
+  std::vector<std::int64_t> extents;    ///< local array extents
+  std::int64_t lin_lo = 0, lin_hi = 0;  ///< held interval of the row-major local array
+  std::vector<HeldBox> boxes;
+  bool empty() const { return boxes.empty(); }
+};
+
+/// A flat buffer on one rank: each part's offset in the flattened sequence
+/// (-1 = not held), the sequence length L and the rank's range [lo, hi).
+struct FlatRange {
+  std::vector<std::int64_t> offset;
+  std::int64_t length = 0, lo = 0, hi = 0;
+  bool any = false;
+};
+
+inline std::int64_t product(const std::vector<std::int64_t>& e) {
+  std::int64_t n = 1;
+  for (auto x : e) n *= x;
+  return n;
+}
+
+inline FlatRange flat_range(const Layout& L, std::int64_t pos, const BufferSpec& bs) {
+  FlatRange f;
+  for (int t : bs.part_ids) {
+    if (!L.holds(pos, t)) {
+      f.offset.push_back(-1);
+      continue;
+    }
+    f.any = true;
+    f.offset.push_back(f.length);
+    f.length += product(L.local_extents(pos, t));
+  }
+  if (!f.any) return f;
+  const DimCut cut = resolve_dim(bs.flat, f.length, ErrorContext{L.origin, "", bs.name});
+  const DimPart part = cut.part(bs.flat.part_of(L.mesh, pos));
+  f.lo = part.lo;
+  f.hi = part.hi;
+  return f;
+}
+
+/// Appends the boxes that tile the row-major interval [a, b) of an array with
+/// extents e (at most 2*rank-1 boxes).
+inline void linear_to_boxes(const std::vector<std::int64_t>& e, std::int64_t a, std::int64_t b,
+                            std::vector<std::array<std::int64_t, 2 * kMaxTensorRank>>& out) {
+  const int n = static_cast<int>(e.size());
+  std::array<std::int64_t, kMaxTensorRank + 1> row{};  // row[d] = elements of one index of dim d
+  row[static_cast<std::size_t>(n)] = 1;
+  for (int d = n - 1; d >= 0; --d) row[static_cast<std::size_t>(d)] = row[static_cast<std::size_t>(d) + 1] * e[static_cast<std::size_t>(d)];
+  // row[d+1] is the size of one step along dim d.
+  while (a < b) {
+    // The coarsest dim whose step divides a; take whole steps along it.
+    int d = 0;
+    for (; d < n; ++d)
+      if (a % row[static_cast<std::size_t>(d) + 1] == 0) break;
+    std::int64_t step = row[static_cast<std::size_t>(d) + 1];
+    std::int64_t idx = (a / step) % e[static_cast<std::size_t>(d)];
+    std::int64_t cnt = std::min((b - a) / step, e[static_cast<std::size_t>(d)] - idx);
+    while (cnt == 0) {  // not even one step fits: go finer
+      ++d;
+      step = row[static_cast<std::size_t>(d) + 1];
+      idx = (a / step) % e[static_cast<std::size_t>(d)];
+      cnt = std::min((b - a) / step, e[static_cast<std::size_t>(d)] - idx);
+    }
+    std::array<std::int64_t, 2 * kMaxTensorRank> box{};
+    for (int k = 0; k < n; ++k) {
+      const auto uk = static_cast<std::size_t>(k);
+      if (k < d) {
+        const std::int64_t c = (a / row[uk + 1]) % e[uk];
+        box[2 * uk] = c;
+        box[2 * uk + 1] = c + 1;
+      } else if (k == d) {
+        box[2 * uk] = idx;
+        box[2 * uk + 1] = idx + cnt;
+      } else {
+        box[2 * uk] = 0;
+        box[2 * uk + 1] = e[uk];
+      }
+    }
+    out.push_back(box);
+    a += cnt * step;
+  }
+}
+
+/// What position `pos` holds of tensor t under layout L, and where.
+inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
+                                    const FlatRange* flat = nullptr) {
+  TensorStorage s;
+  const auto& ts = L.tensors[static_cast<std::size_t>(t)];
+  s.buffer = L.buffer_of(t);
+  if (!L.holds(pos, t)) return s;
+  const int n = ts.rank();
+  for (int d = 0; d < n; ++d) s.parts.push_back(L.dim_part(pos, t, d));
+  s.extents = L.local_extents(pos, t);
+  const std::int64_t size = product(s.extents);
+  std::vector<std::int64_t> rowstride(static_cast<std::size_t>(n), 1);
+  for (int d = n - 2; d >= 0; --d)
+    rowstride[static_cast<std::size_t>(d)] = rowstride[static_cast<std::size_t>(d) + 1] * s.extents[static_cast<std::size_t>(d) + 1];
+  HeldBox whole;
+  whole.rank = n;
+  for (int d = 0; d < n; ++d) {
+    whole.hi[static_cast<std::size_t>(d)] = s.extents[static_cast<std::size_t>(d)];
+    whole.stride[static_cast<std::size_t>(d)] = rowstride[static_cast<std::size_t>(d)];
+  }
+  s.lin_lo = 0;
+  s.lin_hi = size;
+  if (ts.buffer < 0) {
+    s.boxes.push_back(whole);
+    return s;
+  }
+  const auto& bs = L.buffers[static_cast<std::size_t>(ts.buffer)];
+  std::size_t slot = 0;
+  while (bs.part_ids[slot] != t) ++slot;
+  if (bs.kind == BufferKind::concat) {
+    const auto cd = static_cast<std::size_t>(bs.dim);
+    const std::int64_t G = bs.interleave;
+    std::int64_t total = 0, prefix = 0;
+    for (std::size_t q = 0; q < bs.part_ids.size(); ++q) {
+      if (!L.holds(pos, bs.part_ids[q])) continue;
+      const std::int64_t e = L.local_extents(pos, bs.part_ids[q])[cd];
+      if (q < slot) prefix += e;
+      total += e;
+    }
+    // Buffer extents equal the local array's except along cd (total).
+    std::vector<std::int64_t> bstride(static_cast<std::size_t>(n), 1);
+    for (int d = n - 2; d >= 0; --d) {
+      const auto ud = static_cast<std::size_t>(d);
+      bstride[ud] = bstride[ud + 1] * (ud + 1 == cd ? total : s.extents[ud + 1]);
+    }
+    const std::int64_t S = s.extents[cd] / G, T = total / G, off = prefix / G;
+    for (std::int64_t g = 0; g < G; ++g) {
+      HeldBox hb = whole;
+      for (int d = 0; d < n; ++d) hb.stride[static_cast<std::size_t>(d)] = bstride[static_cast<std::size_t>(d)];
+      hb.lo[cd] = g * S;
+      hb.hi[cd] = (g + 1) * S;
+      // buffer index along cd of local j: g*T + off + (j - g*S)
+      hb.base = (g * T + off - g * S) * bstride[cd];
+      s.boxes.push_back(hb);
+    }
+    return s;
+  }
+  const FlatRange fr = flat ? *flat : flat_range(L, pos, bs);
+  const std::int64_t off = fr.offset[slot];
+  s.lin_lo = std::max<std::int64_t>(0, fr.lo - off);
+  s.lin_hi = std::min<std::int64_t>(size, fr.hi - off);
+  if (s.lin_lo >= s.lin_hi) {
+    s.lin_lo = s.lin_hi = 0;
+    return s;
+  }
+  std::vector<std::array<std::int64_t, 2 * kMaxTensorRank>> tiles;
+  linear_to_boxes(s.extents, s.lin_lo, s.lin_hi, tiles);
+  for (const auto& tile : tiles) {
+    HeldBox hb = whole;
+    for (int d = 0; d < n; ++d) {
+      hb.lo[static_cast<std::size_t>(d)] = tile[2 * static_cast<std::size_t>(d)];
+      hb.hi[static_cast<std::size_t>(d)] = tile[2 * static_cast<std::size_t>(d) + 1];
+    }
+    hb.base = off - fr.lo;
+    s.boxes.push_back(hb);
+  }
+  return s;
+}
+
+/// Shape of local buffer `buf` on a position: empty when the rank has no such
+/// buffer; a flat buffer is 1-D (possibly of extent 0).
+inline std::vector<std::int64_t> buffer_shape(const Layout& L, std::int64_t pos, int buf) {
+  const auto& lb = L.local_buffers()[static_cast<std::size_t>(buf)];
+  if (lb.spec < 0) {
+    const int t = lb.tensors[0];
+    return L.holds(pos, t) ? L.local_extents(pos, t) : std::vector<std::int64_t>{};
+  }
+  const auto& bs = L.buffers[static_cast<std::size_t>(lb.spec)];
+  if (bs.kind == BufferKind::flat) {
+    const FlatRange fr = flat_range(L, pos, bs);
+    if (!fr.any) return {};
+    return {fr.hi - fr.lo};
+  }
+  std::vector<std::int64_t> shape;
+  for (int t : bs.part_ids) {
+    if (!L.holds(pos, t)) continue;
+    auto e = L.local_extents(pos, t);
+    if (shape.empty())
+      shape = e;
+    else
+      shape[static_cast<std::size_t>(bs.dim)] += e[static_cast<std::size_t>(bs.dim)];
+  }
+  return shape;
+}
+
+inline std::int64_t buffer_elements(const Layout& L, std::int64_t pos, int buf) {
+  auto s = buffer_shape(L, pos, buf);
+  return s.empty() ? 0 : product(s);
+}
+
+}  // namespace reshard
