@@ -104,4 +104,84 @@ inline void intersect_dim(const DimPart& s, std::int64_t s_lo, std::int64_t s_hi
   });
 }
 
+/// How many source-local indices of the groups lie below x (the groups of
+/// one intersect_dim call: their occurrences never overlap).
+inline std::int64_t source_indices_below(const std::vector<RunGroup>& groups, std::int64_t x) {
+  std::int64_t n = 0;
+  for (const auto& g : groups) {
+    if (x <= g.s0) continue;
+    if (g.count == 1) {
+      n += std::min(g.len, x - g.s0);
+      continue;
+    }
+    // Occurrences starting below x; all but the last lie wholly below it.
+    const std::int64_t m = std::min(g.count, (x - g.s0 - 1) / g.sper + 1);
+    n += (m - 1) * g.len + std::min(g.len, x - g.s0 - (m - 1) * g.sper);
+  }
+  return n;
+}
+
+/// A product of per-dim index sets in a part's local coordinates (what one
+/// destination box needs of one source part): counts of its elements below
+/// a local index along one dim or below a row-major position, so replicas can
+/// be given slabs with equal element counts.
+class NeededBox {
+ public:
+  NeededBox(std::vector<std::vector<RunGroup>> dims, std::vector<std::int64_t> extents)
+      : dims_(std::move(dims)), extents_(std::move(extents)) {
+    for (const auto& g : dims_) {
+      std::int64_t n = 0;
+      for (const auto& r : g) n += r.elements();
+      totals_.push_back(n);
+    }
+  }
+  int rank() const { return static_cast<int>(dims_.size()); }
+  std::int64_t total(int d) const { return totals_[static_cast<std::size_t>(d)]; }
+  std::int64_t elements() const {
+    std::int64_t n = 1;
+    for (auto t : totals_) n *= t;
+    return n;
+  }
+  std::int64_t below(int d, std::int64_t x) const { return source_indices_below(dims_[static_cast<std::size_t>(d)], x); }
+  /// Needed elements whose row-major index in the local array is below x.
+  std::int64_t linear_below(std::int64_t x) const {
+    const int n = rank();
+    std::int64_t size = 1;
+    for (auto e : extents_) size *= e;
+    if (x >= size) return elements();
+    std::vector<std::int64_t> digit(static_cast<std::size_t>(n));
+    for (int d = n - 1; d >= 0; --d) {
+      digit[static_cast<std::size_t>(d)] = x % extents_[static_cast<std::size_t>(d)];
+      x /= extents_[static_cast<std::size_t>(d)];
+    }
+    // Tuples that agree with x on dims < d and are below it on dim d.
+    std::int64_t count = 0;
+    for (int d = 0; d < n; ++d) {
+      std::int64_t inner = 1;
+      for (int e = d + 1; e < n; ++e) inner *= totals_[static_cast<std::size_t>(e)];
+      const std::int64_t xd = digit[static_cast<std::size_t>(d)];
+      count += below(d, xd) * inner;
+      if (below(d, xd + 1) == below(d, xd)) break;  // x's own index on dim d is not needed
+    }
+    return count;
+  }
+  /// Smallest x in [lo, hi] with f(x) >= target, for a nondecreasing f.
+  template <class F>
+  static std::int64_t first_reaching(std::int64_t lo, std::int64_t hi, std::int64_t target, F&& f) {
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (f(mid) >= target)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    return lo;
+  }
+
+ private:
+  std::vector<std::vector<RunGroup>> dims_;
+  std::vector<std::int64_t> extents_;
+  std::vector<std::int64_t> totals_;
+};
+
 }  // namespace reshard

@@ -3,6 +3,7 @@
 // the global tensors, how each is cut over the mesh, and which local buffers
 // hold the pieces (CONTRACT.md §1). validate() checks everything the contract
 // requires and resolves the cuts; the planner only ever sees validated layouts.
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -87,6 +88,8 @@ class Layout {
   }
   const std::vector<LocalBuffer>& local_buffers() const { return local_buffers_; }
   int buffer_of(int tensor) const { return tensor_buffer_[static_cast<std::size_t>(tensor)]; }
+  /// Index of tensor t among the parts of its BufferSpec (-1 when stored alone).
+  int slot_in_buffer(int tensor) const { return tensor_slot_[static_cast<std::size_t>(tensor)]; }
 
   bool in_stage(std::int64_t pos, int t) const {
     for (const auto& s : tensors[static_cast<std::size_t>(t)].stage)
@@ -126,6 +129,7 @@ class Layout {
   std::unordered_map<std::string, int> tensor_index_, buffer_index_;
   std::vector<LocalBuffer> local_buffers_;
   std::vector<int> tensor_buffer_;
+  std::vector<int> tensor_slot_;
 };
 
 namespace detail {
@@ -219,6 +223,7 @@ inline void Layout::validate_buffer(std::size_t b) {
       layout_fail(ctx(ts.name, "buffer"), "tensor is part of two buffers ('{}' and '{}')",
                   buffers[static_cast<std::size_t>(ts.buffer)].name, bname);
     ts.buffer = static_cast<int>(b);
+    tensor_slot_[static_cast<std::size_t>(t)] = static_cast<int>(buf.part_ids.size());
     buf.part_ids.push_back(t);
   }
   const auto& first = tensors[static_cast<std::size_t>(buf.part_ids[0])];
@@ -247,26 +252,28 @@ inline void Layout::validate_buffer(std::size_t b) {
         layout_fail(bctx(fmt::format("parts[{}]", p)), "part '{}' has {} dims but '{}' has {}", ts.name,
                     ts.rank(), first.name, first.rank());
     }
+    // Fixed arrays, no allocation: this runs for every position x part.
+    const int n = first.rank();
     for (std::int64_t pos = 0; pos < mesh.size(); ++pos) {
-      std::vector<std::int64_t> ref;
-      std::string ref_name;
+      std::array<std::int64_t, kMaxTensorRank> ref{}, e{};
+      int ref_t = -1;
       for (int t : buf.part_ids) {
         if (!holds(pos, t)) continue;
-        auto e = local_extents(pos, t);
         const auto& ts = tensors[static_cast<std::size_t>(t)];
+        for (int d = 0; d < n; ++d) e[static_cast<std::size_t>(d)] = dim_part(pos, t, d).local_extent;
         if (e[static_cast<std::size_t>(buf.dim)] % buf.interleave != 0)
           layout_fail(bctx("interleave"),
                       "interleave {} does not divide the local extent {} of '{}' along dim {} on rank {}",
                       buf.interleave, e[static_cast<std::size_t>(buf.dim)], ts.name, buf.dim,
                       mesh.global_rank(pos));
         e[static_cast<std::size_t>(buf.dim)] = 0;
-        if (ref_name.empty()) {
+        if (ref_t < 0) {
           ref = e;
-          ref_name = ts.name;
+          ref_t = t;
         } else if (e != ref) {
           layout_fail(bctx("parts"),
                       "on rank {} the local arrays of '{}' and '{}' differ outside concat dim {}",
-                      mesh.global_rank(pos), ref_name, ts.name, buf.dim);
+                      mesh.global_rank(pos), tensors[static_cast<std::size_t>(ref_t)].name, ts.name, buf.dim);
         }
       }
     }
@@ -301,7 +308,8 @@ inline void Layout::validate_buffer(std::size_t b) {
       if (!holds(pos, t)) continue;
       any = true;
       std::int64_t sz = 1;
-      for (auto e : local_extents(pos, t)) sz *= e;
+      const auto& ts = tensors[static_cast<std::size_t>(t)];
+      for (int d = 0; d < ts.rank(); ++d) sz *= dim_part(pos, t, d).local_extent;
       L += sz;
     }
     if (!any) continue;
@@ -320,6 +328,7 @@ inline void Layout::validate() {
   local_buffers_.clear();
   std::vector<std::vector<AxisRef>> refs(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) validate_tensor(i, refs);
+  tensor_slot_.assign(tensors.size(), -1);
   for (std::size_t b = 0; b < buffers.size(); ++b) validate_buffer(b);
   tensor_buffer_.assign(tensors.size(), -1);
   auto add = [&](LocalBuffer lb, const ErrorContext& c) {

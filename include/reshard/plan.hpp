@@ -10,9 +10,15 @@
 // copies a full plan gives it.
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <set>
+#include <unordered_map>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #include "box.hpp"
 #include "layout.hpp"
@@ -24,8 +30,10 @@ namespace reshard {
 struct PlanOptions {
   /// >= 0: plan only the copies this global rank sends or receives.
   std::int64_t only_rank = -1;
-  /// Pieces with several replicas and at least this many bytes are cut into
-  /// one slab per replica, so every replica sends its even share.
+  /// Pieces with R > 1 replicas and at least this many bytes are cut into R
+  /// slabs of equal needed element counts (along one dim; for flat sources,
+  /// along the row-major order), one per replica, so every replica sends its
+  /// even share. Smaller pieces go whole to one replica, by rotation.
   std::int64_t split_bytes = 64 * 1024;
   bool coalesce = true;
 };
@@ -83,6 +91,26 @@ inline std::vector<std::int64_t> positions_of_part(const Layout& L, int t, const
   return out;
 }
 
+namespace detail {
+/// Prefaults the storage for the next `n` elements of v (within its
+/// capacity) in one call: a full plan writes gigabytes of copies, and taking
+/// one page fault per 4 KiB would cost more than planning them.
+template <class T>
+void prefault(std::vector<T>& v, std::size_t n) {
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE) && !defined(RESHARD_NO_PREFAULT)
+  constexpr std::uintptr_t page = 4096;
+  n = std::min(n, v.capacity() - v.size());
+  if (n * sizeof(T) < 16 * page) return;
+  const auto at = reinterpret_cast<std::uintptr_t>(v.data() + v.size());
+  const std::uintptr_t lo = at & ~(page - 1), hi = (at + n * sizeof(T) + page - 1) & ~(page - 1);
+  (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);  // a hint only: may fail
+#else
+  (void)v;
+  (void)n;
+#endif
+}
+}  // namespace detail
+
 class Planner {
  public:
   Planner(const Layout& src, const Layout& dst, PlanOptions opt = {}) : src_(src), dst_(dst), opt_(opt) {
@@ -96,13 +124,30 @@ class Planner {
     for (const auto& b : src_.local_buffers()) s.src_buffers.push_back(b.name);
     for (const auto& b : dst_.local_buffers()) s.dst_buffers.push_back(b.name);
     s.only_rank = opt_.only_rank;
+    std::vector<Copy> batch;
     if (opt_.only_rank < 0) {
-      for (std::int64_t p = 0; p < dst_.mesh.size(); ++p)
-        for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, s.copies);
+      // One destination at a time: its copies are sorted and coalesced in a
+      // small batch (no copy ever merges across destination ranks), so the
+      // big output is written once, in order.
+      bool ordered = true;
+      for (std::int64_t p = 0; p < dst_.mesh.size(); ++p) {
+        if (p > 0 && dst_.mesh.global_rank(p) < dst_.mesh.global_rank(p - 1)) ordered = false;
+        batch.clear();
+        for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, batch);
+        if (s.copies.capacity() == 0 && !batch.empty()) {
+          s.copies.reserve(batch.size() * static_cast<std::size_t>(dst_.mesh.size()) * 5 / 4 + 16);
+        }
+        detail::prefault(s.copies, batch.size());
+        finish(batch, s.copies);
+      }
+      if (!ordered)
+        std::stable_sort(s.copies.begin(), s.copies.end(),
+                         [](const Copy& a, const Copy& b) { return a.dst_rank < b.dst_rank; });
     } else {
-      plan_rank(opt_.only_rank, s.copies);
+      plan_rank(opt_.only_rank, batch);
+      s.copies.reserve(batch.size());  // coalescing only shrinks
+      finish(batch, s.copies);
     }
-    finish(s.copies);
     std::set<std::int64_t> ranks;
     for (auto r : src_.mesh.global_ranks()) ranks.insert(r);
     for (auto r : dst_.mesh.global_ranks()) ranks.insert(r);
@@ -122,8 +167,42 @@ class Planner {
     if (it == cache.end()) it = cache.emplace(key, flat_range(L, pos, L.buffers[static_cast<std::size_t>(b)])).first;
     return &it->second;
   }
-  TensorStorage src_storage(std::int64_t pos, int t) { return tensor_storage(src_, pos, t, flat_of(src_, pos, t, src_flat_)); }
-  TensorStorage dst_storage(std::int64_t pos, int t) { return tensor_storage(dst_, pos, t, flat_of(dst_, pos, t, dst_flat_)); }
+  const ConcatRange* concat_of(const Layout& L, std::int64_t pos, int t,
+                               std::unordered_map<std::uint64_t, ConcatRange>& cache) {
+    const int b = L.tensors[static_cast<std::size_t>(t)].buffer;
+    if (b < 0 || L.buffers[static_cast<std::size_t>(b)].kind != BufferKind::concat) return nullptr;
+    const auto key = static_cast<std::uint64_t>(pos) * L.buffers.size() + static_cast<std::uint64_t>(b);
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, concat_range(L, pos, L.buffers[static_cast<std::size_t>(b)])).first;
+    return &it->second;
+  }
+  /// Source storages are met by many destinations: kept for the whole plan.
+  const TensorStorage& src_storage(std::int64_t pos, int t) {
+    if (src_store_index_.empty())
+      src_store_index_.assign(static_cast<std::size_t>(src_.mesh.size()) * src_.tensors.size(), -1);
+    auto& i = src_store_index_[static_cast<std::size_t>(pos) * src_.tensors.size() + static_cast<std::size_t>(t)];
+    if (i < 0) {
+      i = static_cast<std::int32_t>(src_store_.size());
+      src_store_.push_back(
+          tensor_storage(src_, pos, t, flat_of(src_, pos, t, src_flat_), concat_of(src_, pos, t, src_concat_)));
+    }
+    return src_store_[static_cast<std::size_t>(i)];
+  }
+  TensorStorage dst_storage(std::int64_t pos, int t) {
+    if (!dst_.holds(pos, t)) return TensorStorage{};
+    return tensor_storage(dst_, pos, t, flat_of(dst_, pos, t, dst_flat_), concat_of(dst_, pos, t, dst_concat_));
+  }
+  /// positions_of_part(src_, st, parts), computed once per part in a plan.
+  const std::vector<std::int64_t>& src_holders(int st, const std::vector<std::int64_t>& parts) {
+    const auto& cuts = src_.tensors[static_cast<std::size_t>(st)].cuts;
+    std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
+    for (std::size_t d = 0; d < parts.size(); ++d)
+      lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
+    const std::uint64_t key = (static_cast<std::uint64_t>(st) << 32) | lin;
+    auto it = holders_.find(key);
+    if (it == holders_.end()) it = holders_.emplace(key, positions_of_part(src_, st, parts)).first;
+    return it->second;
+  }
 
   /// What one rank sends or receives: its own receives in full, plus, for each
   /// destination whose pieces meet what the rank holds, the copies from it.
@@ -178,11 +257,20 @@ class Planner {
   /// All copies into destination position dpos for tensor dt (only those from
   /// global rank keep_src when keep_src >= 0).
   void plan_dst_tensor(std::int64_t dpos, int dt, std::int64_t keep_src, std::vector<Copy>& out) {
-    const TensorStorage ds = dst_storage(dpos, dt);
-    if (ds.empty()) return;
     const int st = src_of_dst_[static_cast<std::size_t>(dt)];
     const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
     const int n = sts.rank();
+    // Copies from keep_src come only from the one part it holds: the other
+    // parts need not be planned (their holders never include it).
+    std::vector<std::int64_t> own;
+    if (keep_src >= 0) {
+      const auto kpos = src_.mesh.position_of(keep_src);
+      if (!kpos || !src_.holds(*kpos, st)) return;
+      for (int d = 0; d < n; ++d)
+        own.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, *kpos));
+    }
+    const TensorStorage ds = dst_storage(dpos, dt);
+    if (ds.empty()) return;
     const std::int64_t drank = dst_.mesh.global_rank(dpos);
     const auto local_pos = src_.mesh.position_of(drank);
     Ctx c{dpos, dt, st, drank, keep_src, &ds, nullptr, &out};
@@ -194,7 +282,9 @@ class Planner {
         const auto ud = static_cast<std::size_t>(d);
         auto [glo, ghi] = detail::global_window(ds.parts[ud], D.lo[ud], D.hi[ud]);
         ghi = std::min(ghi, sts.shape[ud]);
-        sts.cuts[ud].for_parts_meeting(glo, ghi, [&](std::int64_t p) { cand[ud].push_back(p); });
+        sts.cuts[ud].for_parts_meeting(glo, ghi, [&](std::int64_t p) {
+          if (own.empty() || p == own[ud]) cand[ud].push_back(p);
+        });
         empty = cand[ud].empty();
       }
       if (empty) continue;
@@ -216,71 +306,90 @@ class Planner {
     const auto& sts = src_.tensors[static_cast<std::size_t>(c.st)];
     const int n = sts.rank();
     std::vector<DimPart> sp(static_cast<std::size_t>(n));
-    Window whole{};
-    std::int64_t part_key = 0;
+    // Unsigned: the key only feeds the replica rotation, wrapping is fine.
+    std::uint64_t part_key = 0;
     for (int d = 0; d < n; ++d) {
       const auto ud = static_cast<std::size_t>(d);
       sp[ud] = sts.cuts[ud].part(parts[ud]);
-      whole[2 * ud + 1] = sp[ud].local_extent;
-      part_key = part_key * 1000003 + parts[ud];
+      part_key = part_key * 1000003u + static_cast<std::uint64_t>(parts[ud]);
     }
-    // Needed region in the part's local coordinates: bounding window and size.
+    // Needed region in the part's local coordinates: per dim the run groups,
+    // their bounding window, and the element counts.
     Window need{};
-    std::int64_t need_elems = 1;
+    std::vector<std::vector<RunGroup>> groups(static_cast<std::size_t>(n));
+    std::vector<std::int64_t> ext(static_cast<std::size_t>(n));
     for (int d = 0; d < n; ++d) {
       const auto ud = static_cast<std::size_t>(d);
-      std::vector<RunGroup> g;
+      auto& g = groups[ud];
       intersect_dim(sp[ud], 0, sp[ud].local_extent, c.ds->parts[ud], c.D->lo[ud], c.D->hi[ud], sts.shape[ud], g);
       if (g.empty()) return;
-      std::int64_t lo = INT64_MAX, hi = 0, cnt = 0;
+      std::int64_t lo = INT64_MAX, hi = 0;
       for (const auto& r : g) {
         lo = std::min(lo, r.s0);
         hi = std::max(hi, r.s0 + (r.count - 1) * r.sper + r.len);
-        cnt += r.elements();
       }
       need[2 * ud] = lo;
       need[2 * ud + 1] = hi;
-      need_elems *= cnt;
+      ext[ud] = sp[ud].local_extent;
     }
-    const std::vector<std::int64_t> holders = positions_of_part(src_, c.st, parts);
+    const NeededBox needed(std::move(groups), ext);
+    const std::int64_t ebytes = element_bytes(sts.dtype);
+    const std::vector<std::int64_t>& holders = src_holders(c.st, parts);
     if (holders.empty()) fail("plan: no source rank holds a part of tensor '{}'", sts.name);
     const bool flat = flat_of(src_, holders[0], c.st, src_flat_) != nullptr;
-    const std::int64_t rot = c.dpos + c.dt + part_key;
+    const auto rot = static_cast<std::uint64_t>(c.dpos) + static_cast<std::uint64_t>(c.dt) + part_key;
+    // Replica i of R for slab j (a rotation, so each replica starts elsewhere).
+    auto replica = [&](std::uint64_t j, std::size_t R) { return static_cast<std::size_t>((rot + j) % R); };
     if (!flat) {
       std::optional<std::int64_t> local;
       if (local_pos && std::binary_search(holders.begin(), holders.end(), *local_pos)) local = local_pos;
       const auto R = static_cast<std::int64_t>(holders.size());
-      if (local || R == 1 || need_elems * element_bytes(sts.dtype) < opt_.split_bytes) {
-        const std::int64_t h = local ? *local : holders[static_cast<std::size_t>(((rot % R) + R) % R)];
+      if (local || R == 1 || needed.elements() * ebytes < opt_.split_bytes) {
+        const std::int64_t h = local ? *local : holders[replica(0, holders.size())];
         emit(c, h, sp, need);
         return;
       }
-      // Cut the needed window into one slab per replica along the outermost
-      // dim long enough, so each replica sends an even share.
+      // Cut the needed window into one slab per replica with equal needed
+      // counts (not equal windows: a strided need has gaps), so each replica
+      // sends an even share. The dim: the outermost whose needed count R
+      // divides, else the outermost with at least 8 per replica (slabs
+      // within 1/8 of each other), else the one with the most.
       int cut = -1;
       for (int d = 0; d < n && cut < 0; ++d)
-        if (need[2 * static_cast<std::size_t>(d) + 1] - need[2 * static_cast<std::size_t>(d)] >= R) cut = d;
+        if (needed.total(d) >= R && needed.total(d) % R == 0) cut = d;
+      for (int d = 0; d < n && cut < 0; ++d)
+        if (needed.total(d) >= 8 * R) cut = d;
+      for (int d = 0; d < n && cut < 0; ++d)
+        if (needed.total(d) >= R) cut = d;
+      for (int d = cut + 1; cut >= 0 && needed.total(cut) < 8 * R && d < n; ++d)
+        if (needed.total(d) > needed.total(cut)) cut = d;
       if (cut < 0) {
-        emit(c, holders[static_cast<std::size_t>(((rot % R) + R) % R)], sp, need);
+        emit(c, holders[replica(0, holders.size())], sp, need);
         return;
       }
       const auto uc = static_cast<std::size_t>(cut);
-      const std::int64_t lo = need[2 * uc], len = need[2 * uc + 1] - lo;
+      const std::int64_t T = needed.total(cut);
+      auto count = [&](std::int64_t x) { return needed.below(cut, x); };
+      std::int64_t lo = need[2 * uc];
       for (std::int64_t i = 0; i < R; ++i) {
+        const std::int64_t hi = i + 1 == R ? need[2 * uc + 1]
+                                           : NeededBox::first_reaching(lo, need[2 * uc + 1], (i + 1) * T / R, count);
         Window w = need;
-        w[2 * uc] = lo + i * len / R;
-        w[2 * uc + 1] = lo + (i + 1) * len / R;
-        emit(c, holders[static_cast<std::size_t>((i + rot % R + R) % R)], sp, w);
+        w[2 * uc] = lo;
+        w[2 * uc + 1] = hi;
+        emit(c, holders[replica(static_cast<std::uint64_t>(i), holders.size())], sp, w);
+        lo = hi;
       }
       return;
     }
     // Flat sources: each holder has an interval of the part's row-major local
     // array. Cut [0, size) at every interval end; give each segment to one
-    // holder covering it (the destination itself when it can).
+    // holder covering it (the destination itself when it can), and a large
+    // segment with R holders to all of them in R pieces of equal needed size.
     std::vector<std::pair<std::int64_t, std::int64_t>> cover;  // per holder
     std::vector<std::int64_t> cuts;
     for (auto h : holders) {
-      const TensorStorage hs = src_storage(h, c.st);
+      const TensorStorage& hs = src_storage(h, c.st);
       cover.emplace_back(hs.lin_lo, hs.lin_hi);
       if (hs.lin_lo < hs.lin_hi) {
         cuts.push_back(hs.lin_lo);
@@ -289,8 +398,6 @@ class Planner {
     }
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-    std::vector<std::int64_t> ext(static_cast<std::size_t>(n));
-    for (int d = 0; d < n; ++d) ext[static_cast<std::size_t>(d)] = sp[static_cast<std::size_t>(d)].local_extent;
     std::int64_t run_holder = -1, run_lo = 0, run_hi = 0;
     auto flush = [&]() {
       if (run_holder < 0) return;
@@ -308,6 +415,18 @@ class Planner {
         if (ok) emit(c, run_holder, sp, w);
       }
     };
+    auto take = [&](std::int64_t holder, std::int64_t a, std::int64_t b) {
+      if (a >= b) return;
+      if (holder == run_holder && a == run_hi) {
+        run_hi = b;
+        return;
+      }
+      flush();
+      run_holder = holder;
+      run_lo = a;
+      run_hi = b;
+    };
+    auto linear_count = [&](std::int64_t x) { return needed.linear_below(x); };
     for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
       const std::int64_t a = cuts[i], b = cuts[i + 1];
       std::vector<std::int64_t> covering;
@@ -318,18 +437,22 @@ class Planner {
           if (local_pos && holders[h] == *local_pos) chosen = holders[h];
         }
       if (covering.empty()) continue;
-      if (chosen < 0) {
-        const auto R = static_cast<std::int64_t>(covering.size());
-        chosen = covering[static_cast<std::size_t>((((rot + static_cast<std::int64_t>(i)) % R) + R) % R)];
-      }
-      if (chosen == run_holder && a == run_hi) {
-        run_hi = b;
+      const auto R = static_cast<std::int64_t>(covering.size());
+      const std::int64_t c0 = linear_count(a), cnt = linear_count(b) - c0;
+      if (cnt == 0) {  // nothing needed here: let a run pass through
+        if (run_holder >= 0 && a == run_hi) run_hi = b;
         continue;
       }
-      flush();
-      run_holder = chosen;
-      run_lo = a;
-      run_hi = b;
+      if (chosen >= 0 || R == 1 || cnt < R || cnt * ebytes < opt_.split_bytes) {
+        take(chosen >= 0 ? chosen : covering[replica(i, covering.size())], a, b);
+        continue;
+      }
+      std::int64_t lo = a;
+      for (std::int64_t j = 0; j < R; ++j) {
+        const std::int64_t hi = j + 1 == R ? b : NeededBox::first_reaching(lo, b, c0 + (j + 1) * cnt / R, linear_count);
+        take(covering[replica(i + static_cast<std::uint64_t>(j), covering.size())], lo, hi);
+        lo = hi;
+      }
     }
     flush();
   }
@@ -341,9 +464,10 @@ class Planner {
     if (c.keep_src >= 0 && srank != c.keep_src) return;
     const auto& sts = src_.tensors[static_cast<std::size_t>(c.st)];
     const int n = sts.rank();
-    const TensorStorage hs = src_storage(h, c.st);
+    const TensorStorage& hs = src_storage(h, c.st);
     const HeldBox& D = *c.D;
-    std::vector<std::vector<RunGroup>> groups(static_cast<std::size_t>(n));
+    auto& groups = emit_groups_;
+    if (groups.size() < static_cast<std::size_t>(n)) groups.resize(static_cast<std::size_t>(n));
     for (const auto& S : hs.boxes) {
       bool empty = false;
       for (int d = 0; d < n && !empty; ++d) {
@@ -354,16 +478,17 @@ class Planner {
         empty = groups[ud].empty();
       }
       if (empty) continue;
-      Copy base;
-      base.src_rank = srank;
-      base.dst_rank = c.drank;
-      base.src_buffer = src_.buffer_of(c.st);
-      base.dst_buffer = dst_.buffer_of(c.dt);
-      base.tensor = c.dt;
-      base.element_bytes = static_cast<std::int32_t>(element_bytes(sts.dtype));
-      std::vector<std::size_t> idx(static_cast<std::size_t>(n), 0);
+      const std::int32_t src_buffer = src_.buffer_of(c.st), dst_buffer = dst_.buffer_of(c.dt);
+      const auto ebytes = static_cast<std::int32_t>(element_bytes(sts.dtype));
+      std::array<std::size_t, kMaxTensorRank> idx{};
+      Copy cp;  // built here (hot in cache), then copied out once
       while (true) {
-        Copy cp = base;
+        cp.src_rank = srank;
+        cp.dst_rank = c.drank;
+        cp.src_buffer = src_buffer;
+        cp.dst_buffer = dst_buffer;
+        cp.tensor = c.dt;
+        cp.element_bytes = ebytes;
         cp.src_offset = S.base;
         cp.dst_offset = D.base;
         int r = 0;
@@ -384,7 +509,7 @@ class Planner {
           ++r;
         }
         cp.rank = r;
-        collapse(cp);
+        collapse(cp);  // also zeroes the dims past the new rank
         c.out->push_back(cp);
         int d = n - 1;
         for (; d >= 0; --d) {
@@ -397,12 +522,32 @@ class Planner {
     }
   }
 
-  void finish(std::vector<Copy>& copies) {
-    std::sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) {
-      return std::tie(a.dst_rank, a.dst_buffer, a.src_rank, a.src_buffer, a.tensor, a.dst_offset) <
-             std::tie(b.dst_rank, b.dst_buffer, b.src_rank, b.src_buffer, b.tensor, b.dst_offset);
+  /// Sorts `copies` by (destination rank, destination buffer, source rank,
+  /// source buffer, tensor, destination offset), coalesces them (see
+  /// coalesce()) and appends the result to `out`. Sorts small keys, not the
+  /// large Copy structs.
+  void finish(std::vector<Copy>& copies, std::vector<Copy>& out) {
+    using Key = FinishKey;
+    keys_.clear();
+    keys_.reserve(copies.size());
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      const Copy& c = copies[i];
+      keys_.push_back(Key{c.dst_rank, c.src_rank, c.dst_offset, c.dst_buffer, c.src_buffer, c.tensor,
+                          static_cast<std::uint32_t>(i)});
+    }
+    std::sort(keys_.begin(), keys_.end(), [](const Key& a, const Key& b) {
+      return std::tie(a.dst_rank, a.dst_buffer, a.src_rank, a.src_buffer, a.tensor, a.dst_offset, a.idx) <
+             std::tie(b.dst_rank, b.dst_buffer, b.src_rank, b.src_buffer, b.tensor, b.dst_offset, b.idx);
     });
-    if (opt_.coalesce) coalesce(copies);
+    const std::size_t start = out.size();
+    for (const Key& k : keys_) {
+      // emit() made every copy collapsed already (what coalesce() would do first).
+      out.push_back(copies[k.idx]);
+      if (!opt_.coalesce) continue;
+      while (out.size() - start >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
+             detail::merge_into(out[out.size() - 2], out.back()))
+        out.pop_back();
+    }
   }
 
   const Layout& src_;
@@ -410,6 +555,17 @@ class Planner {
   PlanOptions opt_;
   std::vector<int> src_of_dst_;
   std::map<std::pair<std::int64_t, int>, FlatRange> src_flat_, dst_flat_;
+  std::unordered_map<std::uint64_t, ConcatRange> src_concat_, dst_concat_;
+  std::deque<TensorStorage> src_store_;        // stable references
+  std::vector<std::int32_t> src_store_index_;  // (position, tensor) -> src_store_ index, -1 = not yet
+  std::unordered_map<std::uint64_t, std::vector<std::int64_t>> holders_;
+  std::vector<std::vector<RunGroup>> emit_groups_;
+  struct FinishKey {
+    std::int64_t dst_rank, src_rank, dst_offset;
+    std::int32_t dst_buffer, src_buffer, tensor;
+    std::uint32_t idx;
+  };
+  std::vector<FinishKey> keys_;
 };
 
 /// Plans the refit from `src` to `dst` (both validated).

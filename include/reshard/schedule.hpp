@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace reshard {
@@ -58,26 +59,21 @@ struct Schedule {
   void compute_stats(std::int64_t rank_count) {
     stats.bytes = stats.local_bytes = 0;
     stats.copies = static_cast<std::int64_t>(copies.size());
-    std::vector<std::pair<std::int64_t, std::int64_t>> sends, recvs;
+    // Per-rank sums in hash maps: a schedule has millions of copies but few ranks.
+    std::unordered_map<std::int64_t, std::int64_t> sends, recvs;
     for (const auto& c : copies) {
+      const std::int64_t n = c.bytes();
       if (c.is_local()) {
-        stats.local_bytes += c.bytes();
+        stats.local_bytes += n;
         continue;
       }
-      stats.bytes += c.bytes();
-      sends.emplace_back(c.src_rank, c.bytes());
-      recvs.emplace_back(c.dst_rank, c.bytes());
+      stats.bytes += n;
+      sends[c.src_rank] += n;
+      recvs[c.dst_rank] += n;
     }
-    auto max_of = [](std::vector<std::pair<std::int64_t, std::int64_t>>& v) {
-      std::sort(v.begin(), v.end());
+    auto max_of = [](const std::unordered_map<std::int64_t, std::int64_t>& v) {
       std::int64_t best = 0;
-      for (std::size_t i = 0; i < v.size();) {
-        std::int64_t s = 0;
-        std::size_t j = i;
-        for (; j < v.size() && v[j].first == v[i].first; ++j) s += v[j].second;
-        best = std::max(best, s);
-        i = j;
-      }
+      for (const auto& [rank, sum] : v) best = std::max(best, sum);
       return best;
     };
     stats.max_send_bytes = max_of(sends);
@@ -136,70 +132,83 @@ inline bool same_shape(const Copy& a, const Copy& b, int from) {
   }
   return true;
 }
-/// b continues a along a's outermost dim on both sides.
-inline bool extends(const Copy& a, const Copy& b) {
-  if (!same_shape(a, b, 1) || a.src_stride[0] != b.src_stride[0] || a.dst_stride[0] != b.dst_stride[0])
-    return false;
+/// Dims [af, a.rank) of a equal dims [bf, b.rank) of b.
+inline bool same_dims(const Copy& a, int af, const Copy& b, int bf) {
+  if (a.rank - af != b.rank - bf) return false;
+  for (int d = 0; d < a.rank - af; ++d) {
+    const auto ua = static_cast<std::size_t>(af + d), ub = static_cast<std::size_t>(bf + d);
+    if (a.extent[ua] != b.extent[ub] || a.src_stride[ua] != b.src_stride[ub] || a.dst_stride[ua] != b.dst_stride[ub])
+      return false;
+  }
+  return true;
+}
+/// b starts where a's outermost dim would take its next step, on both sides.
+inline bool next_step(const Copy& a, const Copy& b) {
   return b.src_offset == a.src_offset + a.extent[0] * a.src_stride[0] &&
          b.dst_offset == a.dst_offset + a.extent[0] * a.dst_stride[0];
 }
+/// b continues a along a's outermost dim on both sides (b's own outermost
+/// dim may be a unit one, whose strides mean nothing).
+inline bool extends(const Copy& a, const Copy& b) {
+  if (!same_shape(a, b, 1)) return false;
+  if (b.extent[0] != 1 && (a.src_stride[0] != b.src_stride[0] || a.dst_stride[0] != b.dst_stride[0])) return false;
+  return next_step(a, b);
+}
+/// b is one more slice of a's outermost dim: b's box is a's inner box.
+inline bool adds_slice(const Copy& a, const Copy& b) {
+  return a.rank == b.rank + 1 && same_dims(a, 1, b, 0) && next_step(a, b);
+}
 }  // namespace detail
 
-/// Merges copies of one route that continue each other (adjacent boxes) and
-/// equal boxes at a constant distance (a new outer dim). Input order is kept
-/// per route; copies must be grouped by route and sorted by destination offset.
+namespace detail {
+/// Merges b into a when their union is one box: b continues a along its
+/// outermost dim, is one more slice of that dim, or is an equal box at some
+/// distance (which becomes a new outer dim).
+inline bool merge_into(Copy& a, const Copy& b) {
+  if (extends(a, b)) {
+    a.extent[0] += b.extent[0];
+  } else if (a.rank == 1 && a.extent[0] == 1 && b.rank == 1 && b.src_offset == a.src_offset + b.src_stride[0] &&
+             b.dst_offset == a.dst_offset + b.dst_stride[0]) {
+    // a single element that b's run continues backwards (a's strides mean nothing)
+    a.extent[0] = b.extent[0] + 1;
+    a.src_stride[0] = b.src_stride[0];
+    a.dst_stride[0] = b.dst_stride[0];
+  } else if (adds_slice(a, b)) {
+    a.extent[0] += 1;
+  } else {
+    const std::int64_t ds = b.src_offset - a.src_offset, dd = b.dst_offset - a.dst_offset;
+    if (!same_shape(a, b, 0) || a.rank >= kMaxBoxRank || ds == 0 || dd == 0) return false;
+    for (int d = a.rank; d > 0; --d) {
+      const auto ud = static_cast<std::size_t>(d);
+      a.extent[ud] = a.extent[ud - 1];
+      a.src_stride[ud] = a.src_stride[ud - 1];
+      a.dst_stride[ud] = a.dst_stride[ud - 1];
+    }
+    a.extent[0] = 2;
+    a.src_stride[0] = ds;
+    a.dst_stride[0] = dd;
+    ++a.rank;
+  }
+  collapse(a);
+  return true;
+}
+}  // namespace detail
+
+/// Merges copies of one route into as few boxes as a greedy sweep finds
+/// (see detail::merge_into); a merged box is tried again against the one
+/// before it, so runs that grow into equal boxes stack up. Copies must be
+/// grouped by route and sorted by destination offset; order is kept.
 inline void coalesce(std::vector<Copy>& copies) {
   std::vector<Copy> out;
   out.reserve(copies.size());
   for (auto& c : copies) {
     collapse(c);
-    if (!out.empty() && detail::same_route(out.back(), c)) {
-      Copy& a = out.back();
-      if (detail::extends(a, c)) {
-        a.extent[0] += c.extent[0];
-        collapse(a);
-        continue;
-      }
-    }
     out.push_back(c);
+    while (out.size() >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
+           detail::merge_into(out[out.size() - 2], out.back()))
+      out.pop_back();
   }
-  // Second pass: equal boxes at a constant distance become one box with a new outer dim.
-  std::vector<Copy> res;
-  res.reserve(out.size());
-  for (std::size_t i = 0; i < out.size();) {
-    std::size_t j = i + 1;
-    if (j < out.size() && detail::same_route(out[i], out[j]) && detail::same_shape(out[i], out[j], 0) &&
-        out[i].rank < kMaxBoxRank) {
-      const std::int64_t ds = out[j].src_offset - out[i].src_offset;
-      const std::int64_t dd = out[j].dst_offset - out[i].dst_offset;
-      while (j + 1 < out.size() && detail::same_route(out[i], out[j + 1]) &&
-             detail::same_shape(out[i], out[j + 1], 0) &&
-             out[j + 1].src_offset - out[j].src_offset == ds &&
-             out[j + 1].dst_offset - out[j].dst_offset == dd)
-        ++j;
-      if (ds != 0 && dd != 0) {
-        Copy m = out[i];
-        for (int d = m.rank; d > 0; --d) {
-          const auto ud = static_cast<std::size_t>(d);
-          m.extent[ud] = m.extent[ud - 1];
-          m.src_stride[ud] = m.src_stride[ud - 1];
-          m.dst_stride[ud] = m.dst_stride[ud - 1];
-        }
-        m.extent[0] = static_cast<std::int64_t>(j - i + 1);
-        m.src_stride[0] = ds;
-        m.dst_stride[0] = dd;
-        ++m.rank;
-        collapse(m);
-        res.push_back(m);
-        i = j + 1;
-        continue;
-      }
-      j = i + 1;
-    }
-    res.push_back(out[i]);
-    i = i + 1;
-  }
-  copies.swap(res);
+  copies.swap(out);
 }
 
 }  // namespace reshard

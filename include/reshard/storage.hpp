@@ -43,6 +43,28 @@ struct FlatRange {
   bool any = false;
 };
 
+/// A concat buffer on one rank: each part's offset along the concat dim (-1 =
+/// not held) and the buffer's extent along it. Computing it once per (rank,
+/// buffer) keeps tensor_storage linear in the number of parts.
+struct ConcatRange {
+  std::vector<std::int64_t> offset;
+  std::int64_t total = 0;
+};
+
+inline ConcatRange concat_range(const Layout& L, std::int64_t pos, const BufferSpec& bs) {
+  ConcatRange c;
+  c.offset.reserve(bs.part_ids.size());
+  for (int t : bs.part_ids) {
+    if (!L.holds(pos, t)) {
+      c.offset.push_back(-1);
+      continue;
+    }
+    c.offset.push_back(c.total);
+    c.total += L.dim_part(pos, t, bs.dim).local_extent;
+  }
+  return c;
+}
+
 inline std::int64_t product(const std::vector<std::int64_t>& e) {
   std::int64_t n = 1;
   for (auto x : e) n *= x;
@@ -58,7 +80,9 @@ inline FlatRange flat_range(const Layout& L, std::int64_t pos, const BufferSpec&
     }
     f.any = true;
     f.offset.push_back(f.length);
-    f.length += product(L.local_extents(pos, t));
+    std::int64_t size = 1;
+    for (int d = 0; d < L.tensors[static_cast<std::size_t>(t)].rank(); ++d) size *= L.dim_part(pos, t, d).local_extent;
+    f.length += size;
   }
   if (!f.any) return f;
   const DimCut cut = resolve_dim(bs.flat, f.length, ErrorContext{L.origin, "", bs.name});
@@ -111,9 +135,10 @@ inline void linear_to_boxes(const std::vector<std::int64_t>& e, std::int64_t a, 
   }
 }
 
-/// What position `pos` holds of tensor t under layout L, and where.
+/// What position `pos` holds of tensor t under layout L, and where. `flat`
+/// and `concat`, when given, are the precomputed ranges of t's buffer on pos.
 inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
-                                    const FlatRange* flat = nullptr) {
+                                    const FlatRange* flat = nullptr, const ConcatRange* concat = nullptr) {
   TensorStorage s;
   const auto& ts = L.tensors[static_cast<std::size_t>(t)];
   s.buffer = L.buffer_of(t);
@@ -138,18 +163,13 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
     return s;
   }
   const auto& bs = L.buffers[static_cast<std::size_t>(ts.buffer)];
-  std::size_t slot = 0;
-  while (bs.part_ids[slot] != t) ++slot;
+  const auto slot = static_cast<std::size_t>(L.slot_in_buffer(t));
   if (bs.kind == BufferKind::concat) {
     const auto cd = static_cast<std::size_t>(bs.dim);
     const std::int64_t G = bs.interleave;
-    std::int64_t total = 0, prefix = 0;
-    for (std::size_t q = 0; q < bs.part_ids.size(); ++q) {
-      if (!L.holds(pos, bs.part_ids[q])) continue;
-      const std::int64_t e = L.local_extents(pos, bs.part_ids[q])[cd];
-      if (q < slot) prefix += e;
-      total += e;
-    }
+    const ConcatRange cr = concat ? ConcatRange{} : concat_range(L, pos, bs);
+    const ConcatRange& c = concat ? *concat : cr;
+    const std::int64_t total = c.total, prefix = c.offset[slot];
     // Buffer extents equal the local array's except along cd (total).
     std::vector<std::int64_t> bstride(static_cast<std::size_t>(n), 1);
     for (int d = n - 2; d >= 0; --d) {
