@@ -1,0 +1,293 @@
+// reshard-plan: plans the refit between two layouts (CONTRACT.md §3).
+//   reshard-plan --src SRC.json --dst DST.json [--json | --stats] [--rank R]
+//   reshard-plan --model CONFIG.json --train SPEC --infer SPEC [--colocate]
+//                [--emit-layouts DIR] [--json | --stats] [--rank R]
+//                [--nic-gbps G] [--picture FILE.svg] [--group-experts]
+// Exit status: 0 done, 1 invalid input (one line on stderr naming the file,
+// tensor and field; nothing on stdout), 2 usage error.
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <new>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "reshard/json_io.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/presets/presets.hpp"
+#include "reshard/storage.hpp"
+
+namespace {
+
+using namespace reshard;
+
+/// "1.50 MiB (1572864 B)" for people.
+std::string human_bytes(double b) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  double v = b;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  if (u == 0) return fmt::format("{:.0f} B", b);
+  return fmt::format("{:.2f} {} ({:.0f} B)", v, units[u], b);
+}
+
+std::string human_seconds(double s) {
+  if (s < 1e-3) return fmt::format("{:.1f} us", s * 1e6);
+  if (s < 1) return fmt::format("{:.2f} ms", s * 1e3);
+  return fmt::format("{:.2f} s", s);
+}
+
+/// "0-7" for a contiguous mesh, else the list (shortened when long).
+std::string rank_set(const Mesh& m) {
+  if (m.ranks.empty()) {
+    if (m.size() == 1) return fmt::format("{}", m.first_rank);
+    return fmt::format("{}-{}", m.first_rank, m.first_rank + m.size() - 1);
+  }
+  if (m.ranks.size() <= 16) return fmt::format("[{}]", fmt::join(m.ranks, ", "));
+  return fmt::format("[{}, ... {} more]", fmt::join(m.ranks.begin(), m.ranks.begin() + 8, ", "), m.ranks.size() - 8);
+}
+
+std::string mesh_shape(const Mesh& m) {
+  std::vector<std::string> parts;
+  for (const auto& a : m.axes) parts.push_back(fmt::format("{}={}", a.name, a.size));
+  return fmt::format("{}", fmt::join(parts, " x "));
+}
+
+/// One side of the plan as people read it: ranks, tensors, bytes held.
+std::string describe_side(const char* role, const Layout& L) {
+  double logical = 0, held = 0, max_held = 0;
+  std::int64_t max_rank = L.mesh.global_rank(0);
+  for (const auto& t : L.tensors) logical += static_cast<double>(t.elements()) * static_cast<double>(element_bytes(t.dtype));
+  const auto& bufs = L.local_buffers();
+  for (std::int64_t p = 0; p < L.mesh.size(); ++p) {
+    double on_rank = 0;
+    for (std::size_t b = 0; b < bufs.size(); ++b)
+      on_rank += static_cast<double>(buffer_elements(L, p, static_cast<int>(b))) *
+                 static_cast<double>(element_bytes(bufs[b].dtype));
+    held += on_rank;
+    if (on_rank > max_held) {
+      max_held = on_rank;
+      max_rank = L.mesh.global_rank(p);
+    }
+  }
+  std::string s = fmt::format("{} {}\n", role, L.origin);
+  s += fmt::format("  mesh         {} ({} ranks: {})\n", mesh_shape(L.mesh), L.mesh.size(), rank_set(L.mesh));
+  s += fmt::format("  tensors      {} ({} of tensor data)\n", L.tensors.size(), human_bytes(logical));
+  s += fmt::format("  buffers      {} names; {} held over all ranks (replicas and padding included)\n", bufs.size(),
+                   human_bytes(held));
+  s += fmt::format("  most held    {} on rank {}\n", human_bytes(max_held), max_rank);
+  return s;
+}
+
+/// The plan as people read it: bytes, copies, per-rank maxima and their ranks.
+std::string describe_plan(const Schedule& s, std::int64_t only_rank, const Layout& src, const Layout& dst) {
+  std::map<std::int64_t, double> sent, received;
+  for (const auto& c : s.copies) {
+    if (c.is_local()) continue;
+    sent[c.src_rank] += static_cast<double>(c.bytes());
+    received[c.dst_rank] += static_cast<double>(c.bytes());
+  }
+  auto top = [](const std::map<std::int64_t, double>& m) {
+    std::pair<std::int64_t, double> best{-1, 0};
+    for (const auto& [r, b] : m)
+      if (b > best.second) best = {r, b};
+    return best.first < 0 ? std::string("0 B") : fmt::format("{} by rank {}", human_bytes(best.second), best.first);
+  };
+  std::string out = "plan\n";
+  if (only_rank >= 0) {
+    const bool in_src = src.mesh.position_of(only_rank).has_value();
+    const bool in_dst = dst.mesh.position_of(only_rank).has_value();
+    out += fmt::format("  only rank    {} ({})\n", only_rank,
+                       in_src && in_dst ? "on both sides"
+                       : in_src         ? "source side"
+                       : in_dst         ? "destination side"
+                                        : "in neither layout: it sends and receives nothing");
+  }
+  out += fmt::format("  copies       {}\n", s.copies.size());
+  out += fmt::format("  network      {}\n", human_bytes(static_cast<double>(s.stats.bytes)));
+  out += fmt::format("  local        {}\n", human_bytes(static_cast<double>(s.stats.local_bytes)));
+  std::map<std::pair<std::int64_t, std::int64_t>, int> pairs;
+  for (const auto& c : s.copies)
+    if (!c.is_local()) pairs[{c.src_rank, c.dst_rank}] = 1;
+  auto mean = [](const std::map<std::int64_t, double>& m) {
+    double t = 0;
+    for (const auto& kv : m) t += kv.second;
+    return m.empty() ? 0.0 : t / static_cast<double>(m.size());
+  };
+  out += fmt::format("  messages     {} peer pairs (one message each per wave)\n", pairs.size());
+  out += fmt::format("  max send     {}\n", top(sent));
+  out += fmt::format("  mean send    {} over {} sending ranks\n", human_bytes(mean(sent)), sent.size());
+  out += fmt::format("  max receive  {}\n", top(received));
+  out += fmt::format("  mean receive {} over {} receiving ranks\n", human_bytes(mean(received)), received.size());
+  out += fmt::format("  ranks        {} distinct over both sides\n", s.stats.ranks);
+  out += fmt::format("  planned in   {}\n", human_seconds(s.stats.plan_seconds));
+  return out;
+}
+
+/// The slowest rank's bytes over a per-GPU NIC of `gbps` gigabits per second:
+/// the time a refit would take if every rank sent and received at line rate.
+std::string describe_nic(const Schedule& s, double gbps) {
+  const double worst = static_cast<double>(std::max(s.stats.max_send_bytes, s.stats.max_recv_bytes));
+  return fmt::format("  at {} Gb/s  {} (slowest rank's {} / NIC bandwidth)\n", gbps,
+                     human_seconds(worst / (gbps * 1e9 / 8)), human_bytes(worst));
+}
+
+/// The source x destination traffic matrix as an SVG heat map.
+void write_picture(const std::string& path, const Schedule& s, const Layout& src, const Layout& dst) {
+  const auto sr = src.mesh.global_ranks(), dr = dst.mesh.global_ranks();
+  std::map<std::int64_t, std::size_t> si, di;
+  for (std::size_t i = 0; i < sr.size(); ++i) si[sr[i]] = i;
+  for (std::size_t i = 0; i < dr.size(); ++i) di[dr[i]] = i;
+  std::vector<double> m(sr.size() * dr.size(), 0);
+  double top = 0;
+  for (const auto& c : s.copies) {
+    double& v = m[si.at(c.src_rank) * dr.size() + di.at(c.dst_rank)];
+    v += static_cast<double>(c.bytes());
+    top = std::max(top, v);
+  }
+  const double cell = std::max(2.0, std::min(24.0, 768.0 / static_cast<double>(std::max(sr.size(), dr.size()))));
+  const double left = 90, head = 60;
+  const double W = left + cell * static_cast<double>(dr.size()) + 20, H = head + cell * static_cast<double>(sr.size()) + 40;
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\" "
+      "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{}\" y=\"20\">bytes from source rank (rows, {} ranks) to destination rank (columns, {} ranks); "
+      "darkest = {}</text>\n<text x=\"{}\" y=\"40\">local copies on the same rank are included</text>\n",
+      W, H, left, sr.size(), dr.size(), human_bytes(top), left);
+  for (std::size_t i = 0; i < sr.size(); ++i)
+    for (std::size_t j = 0; j < dr.size(); ++j) {
+      const double v = m[i * dr.size() + j];
+      if (v <= 0) continue;
+      const int shade = static_cast<int>(230 - 200 * (top > 0 ? v / top : 0));
+      svg += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"rgb({},{},255)\"/>\n",
+                         left + cell * static_cast<double>(j), head + cell * static_cast<double>(i), cell, cell, shade, shade);
+    }
+  svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" stroke=\"black\"/>\n", left,
+                     head, cell * static_cast<double>(dr.size()), cell * static_cast<double>(sr.size()));
+  svg += fmt::format("<text x=\"5\" y=\"{}\">src {}</text>\n<text x=\"5\" y=\"{:.0f}\">src {}</text>\n", head + 10, sr.front(),
+                     head + cell * static_cast<double>(sr.size()), sr.back());
+  svg += fmt::format("<text x=\"{}\" y=\"{:.0f}\">dst {} ... dst {}</text>\n</svg>\n", left,
+                     head + cell * static_cast<double>(sr.size()) + 20, dr.front(), dr.back());
+  std::ofstream f(path);
+  f << svg;
+  if (!f) fail("reshard-plan: cannot write the picture to '{}'", path);
+}
+
+/// Error messages go out as exactly one line.
+void report(const std::string& msg) {
+  std::string line = msg;
+  for (auto& ch : line)
+    if (ch == '\n' || ch == '\r') ch = ' ';
+  std::fprintf(stderr, "%s\n", line.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Plans a refit between two parallel layouts (see CONTRACT.md): which rank sends which strided "
+               "piece to which rank.",
+               "reshard-plan"};
+  std::string src_path, dst_path, model_path, train_spec, infer_spec, emit_dir, picture;
+  bool as_json = false, as_stats = false, colocate = false, group_experts = false;
+  double nic_gbps = 400;
+  std::int64_t rank = -1;
+  auto* src_opt = app.add_option("--src", src_path, "source layout file (JSON, e.g. the training job)");
+  auto* dst_opt = app.add_option("--dst", dst_path, "destination layout file (JSON, e.g. the inference job)");
+  auto* model_opt = app.add_option("--model", model_path, "HuggingFace config.json: build both layouts from it");
+  auto* train_opt = app.add_option("--train", train_spec, "training parallelism (Megatron-Core), e.g. tp=2,pp=4,dp=2,ep=8");
+  auto* infer_opt = app.add_option("--infer", infer_spec, "inference parallelism (vLLM), e.g. tp=8,dp=2");
+  auto* coloc_opt = app.add_flag("--colocate", colocate, "inference ranks are the training ranks (start at rank 0)");
+  auto* emit_opt = app.add_option("--emit-layouts", emit_dir, "write DIR/src.json and DIR/dst.json");
+  auto* group_opt = app.add_flag("--group-experts", group_experts,
+                                 "stack each MoE layer's experts into 3-D tensors named 'experts.{0..E-1}' "
+                                 "(faster to plan; names are not the checkpoint's)");
+  app.add_option("--nic-gbps", nic_gbps, "per-GPU network bandwidth for the refit time estimate (Gb/s)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--picture", picture, "write the source x destination traffic matrix as an SVG image");
+  src_opt->needs(dst_opt);
+  dst_opt->needs(src_opt);
+  model_opt->needs(train_opt)->needs(infer_opt);
+  for (auto* o : {src_opt, dst_opt}) o->excludes(model_opt)->excludes(train_opt)->excludes(infer_opt);
+  for (auto* o : {train_opt, infer_opt, coloc_opt, emit_opt, group_opt}) o->needs(model_opt);
+  auto* json_flag = app.add_flag("--json", as_json, "print the schedule as JSON (reshard.schedule/1)");
+  auto* stats_flag = app.add_flag("--stats", as_stats, "print only the schedule's stats object, extended");
+  json_flag->excludes(stats_flag);
+  app.add_option("--rank", rank, "plan only what this global rank sends and receives")
+      ->check(CLI::NonNegativeNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    report(fmt::format("reshard-plan: {} (run with --help for usage)", e.what()));
+    return 2;
+  }
+  if (src_path.empty() && model_path.empty()) {
+    report("reshard-plan: give --src and --dst, or --model with --train and --infer (run with --help for usage)");
+    return 2;
+  }
+
+  try {
+    // Plan fully, and render fully, before anything reaches stdout.
+    Layout src, dst;
+    if (!model_path.empty()) {
+      presets::PresetOptions popt;
+      popt.colocate = colocate;
+      popt.group_experts = group_experts;
+      auto m = presets::model_layouts(model_path, train_spec, infer_spec, popt);
+      src = std::move(m.train);
+      dst = std::move(m.infer);
+      src.origin = "train " + train_spec;
+      dst.origin = "infer " + infer_spec;
+      if (!emit_dir.empty()) {
+        std::filesystem::create_directories(emit_dir);
+        for (auto [L, name] : {std::pair{&src, "src.json"}, std::pair{&dst, "dst.json"}}) {
+          const auto path = (std::filesystem::path(emit_dir) / name).string();
+          std::ofstream f(path);
+          f << layout_to_json(*L).dump(1) << "\n";
+          if (!f) fail("reshard-plan: cannot write '{}'", path);
+        }
+      }
+    } else {
+      src = read_layout_file(src_path);
+      dst = read_layout_file(dst_path);
+    }
+    PlanOptions opt;
+    opt.only_rank = rank;
+    const Schedule s = plan(src, dst, opt);
+    if (!picture.empty()) write_picture(picture, s, src, dst);
+    if (as_json) {
+      write_schedule_json(std::cout, s);
+    } else if (as_stats) {
+      const std::string text = stats_json(s.stats, true).dump() + "\n";
+      std::cout << text;
+    } else {
+      const std::string text = describe_side("source     ", src) + describe_side("destination", dst) +
+                               describe_plan(s, rank, src, dst) + describe_nic(s, nic_gbps);
+      std::cout << text;
+    }
+    std::cout.flush();
+    if (!std::cout) {
+      report("reshard-plan: cannot write to standard output");
+      return 1;
+    }
+    return 0;
+  } catch (const std::bad_alloc&) {
+    report("reshard-plan: out of memory (std::bad_alloc) while reading or planning the layouts");
+  } catch (const Error& e) {
+    report(e.what());
+  } catch (const std::exception& e) {
+    report(fmt::format("reshard-plan: internal error: {}", e.what()));
+  }
+  return 1;
+}
