@@ -1,0 +1,13 @@
+// expect: LayoutOf::add takes a Tensor<Spec, ...>
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+using M = MeshOf<Axis<"tp", 2>>;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+void f(LayoutOf<M>& L) { L.add(Tensor<Replicated>("w", {8}, DType::f32)); }
+#else
+void f(LayoutOf<M>& L) { L.add(42); }
+#endif

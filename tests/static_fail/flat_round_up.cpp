@@ -1,0 +1,13 @@
+// expect: a flat buffer's length differs between ranks: pad it with Padded<P>, not RoundUp<M> or RoundUpPerPart<M>
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+using M = MeshOf<Axis<"dp", 2>, Axis<"tp", 2>>;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+void f(LayoutOf<M>& L) { auto a = L.add(Tensor<ColumnParallel<"tp">>("a", {8, 8}, DType::f32)); L.flat<Dim<Shard<"dp">, Padded<40>>>("bucket", a); }
+#else
+void f(LayoutOf<M>& L) { auto a = L.add(Tensor<ColumnParallel<"tp">>("a", {8, 8}, DType::f32)); L.flat<Dim<Shard<"dp">, RoundUp<64>>>("bucket", a); }
+#endif

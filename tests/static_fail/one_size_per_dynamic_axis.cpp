@@ -1,0 +1,12 @@
+// expect: give the mesh one runtime size per dynamic axis, in mesh order
+// context: int dynamic_axes = 2; int sizes_given = 1
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+MeshOf<Axis<"dp">, Axis<"tp">> mesh(4, 2);
+#else
+MeshOf<Axis<"dp">, Axis<"tp">> mesh(4);
+#endif

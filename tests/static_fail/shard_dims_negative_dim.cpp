@@ -1,0 +1,12 @@
+// expect: a dim index is >= 0
+// context: int dim = -1
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+Tensor<ShardOn<0, Shard<"tp">>> t{"w", {8, 8}, DType::f32};
+#else
+Tensor<ShardOn<-1, Shard<"tp">>> t{"w", {8, 8}, DType::f32};
+#endif

@@ -1,0 +1,12 @@
+// expect: ShardSpec<...> takes one dim spec per tensor dim: Replicate, Shard<axes...> or Dim<...>
+// context: int dim = 1
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+Tensor<ShardSpec<Shard<"tp">, Replicate>> t{"w", {8, 8}, DType::f32};
+#else
+Tensor<ShardSpec<Shard<"tp">, Replicated>> t{"w", {8, 8}, DType::f32};
+#endif

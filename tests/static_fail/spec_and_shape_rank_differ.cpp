@@ -1,0 +1,12 @@
+// expect: the shard spec and the shape have different numbers of dims
+// context: int spec_dims = 2; int shape_dims = 3
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+Tensor<ShardSpec<Shard<"tp">, Replicate>, Shape<4, 4>> t{"w", {}, DType::f32};
+#else
+Tensor<ShardSpec<Shard<"tp">, Replicate>, Shape<4, 4, 4>> t{"w", {}, DType::f32};
+#endif

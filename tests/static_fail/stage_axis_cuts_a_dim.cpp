@@ -1,0 +1,12 @@
+// expect: a tensor's stage axis may not also cut one of its dims
+// context: axis = reshard::st::axis_name{"pp"}
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+auto t = Tensor<ColumnParallel<"tp">>("w", {8, 8}, DType::f32).stage<"pp">(0);
+#else
+auto t = Tensor<ColumnParallel<"pp">>("w", {8, 8}, DType::f32).stage<"pp">(0);
+#endif

@@ -1,0 +1,12 @@
+// expect: a static extent is >= 1, or reshard::st::dynamic
+// context: int dim = 1; long int extent = 0
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+Tensor<Replicated, Shape<8, dynamic>> t{"w", {4}, DType::f32};
+#else
+Tensor<Replicated, Shape<8, 0>> t{"w", {}, DType::f32};
+#endif

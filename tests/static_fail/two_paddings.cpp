@@ -1,0 +1,11 @@
+// expect: a dim takes at most one padding
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+Tensor<ShardOn<0, Dim<Shard<"tp">, Padded<16>>>> t{"w", {8, 8}, DType::f32};
+#else
+Tensor<ShardOn<0, Dim<Shard<"tp">, Padded<16>, RoundUp<64>>>> t{"w", {8, 8}, DType::f32};
+#endif

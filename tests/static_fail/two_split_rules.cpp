@@ -1,0 +1,11 @@
+// expect: a dim takes one split rule: Even, Chunk, Balanced, Sizes<...> or Cyclic<B>
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+Tensor<ShardOn<0, Dim<Shard<"tp">, Chunk>>> t{"w", {8, 8}, DType::f32};
+#else
+Tensor<ShardOn<0, Dim<Shard<"tp">, Chunk, Balanced>>> t{"w", {8, 8}, DType::f32};
+#endif

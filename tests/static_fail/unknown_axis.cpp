@@ -1,0 +1,14 @@
+// expect: the shard spec names an axis that is not in the mesh
+// context: axis = reshard::st::axis_name{"xp"}
+#include "reshard/static_layout.hpp"
+
+using namespace reshard::st;
+using reshard::DType;
+
+using M = MeshOf<Axis<"dp">, Axis<"tp", 4>>;
+
+#ifdef RESHARD_STATIC_FAIL_CONTROL
+void f(LayoutOf<M>& L) { L.add(Tensor<ColumnParallel<"tp">>("w", {8, 8}, DType::f32)); }
+#else
+void f(LayoutOf<M>& L) { L.add(Tensor<ColumnParallel<"xp">>("w", {8, 8}, DType::f32)); }
+#endif
