@@ -1,0 +1,477 @@
+#pragma once
+// The in-process transport: every rank of both sides is a thread of one
+// process, each over its own memory. A LocalTransport is one rank's endpoint
+// and models reshard::Transport exactly as a networked backend does: the
+// executor registers memory, posts sends and receives of byte ranges, and
+// waits. The "network" is the LocalWorld: it matches a send with the receive
+// of the same (sender, receiver, tag), in posting order, and then copies the
+// bytes from the sender's registered range into the receiver's (one memcpy,
+// like an RDMA write into a posted buffer). Nothing else crosses ranks.
+//
+// Copies are cut into tasks (task_bytes) that any thread blocked in a wait
+// executes, at most copy_threads at once (default: the hardware threads), so
+// many rank threads on few cores share the copying instead of spinning; idle
+// threads sleep on a condition variable until their deadline.
+//
+//   LocalWorld world(ranks);
+//   world.run([&](LocalTransport& t) { /* one thread per rank */ });
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "../error.hpp"
+#include "../transport.hpp"
+
+namespace reshard {
+
+struct LocalWorldOptions {
+  /// Threads copying at once; 0 = std::thread::hardware_concurrency().
+  int copy_threads = 0;
+  /// Largest piece of one message copied as one task.
+  std::size_t task_bytes = 2u << 20;
+};
+
+/// Bytes and messages the world moved for one rank.
+struct LocalTrafficStats {
+  std::int64_t bytes_sent = 0, bytes_received = 0, messages_sent = 0, messages_received = 0;
+};
+
+class LocalTransport;
+
+class LocalWorld {
+ public:
+  explicit LocalWorld(std::vector<std::int64_t> ranks, LocalWorldOptions opt = {}) : ranks_(std::move(ranks)), opt_(opt) {
+    if (ranks_.empty()) fail("LocalWorld: needs at least one rank");
+    std::vector<std::int64_t> sorted = ranks_;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      fail("LocalWorld: a rank appears twice in the rank list");
+    for (std::size_t i = 0; i < ranks_.size(); ++i) index_.emplace(ranks_[i], i);
+    if (opt_.copy_threads <= 0) opt_.copy_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (opt_.task_bytes == 0) opt_.task_bytes = 2u << 20;
+    endpoints_.resize(ranks_.size());
+    gather_slots_.resize(ranks_.size());
+  }
+  LocalWorld(const LocalWorld&) = delete;
+  LocalWorld& operator=(const LocalWorld&) = delete;
+
+  const std::vector<std::int64_t>& ranks() const { return ranks_; }
+  std::size_t size() const { return ranks_.size(); }
+  inline LocalTransport endpoint(std::int64_t rank);
+
+  /// Runs fn(LocalTransport&) on one thread per rank and joins them. When a
+  /// rank throws, the world is aborted (so the others fail instead of waiting
+  /// for it) and the first failure is rethrown.
+  template <class F>
+  void run(F&& fn);
+
+  /// Traffic the world moved for a rank since the start (or since reset_stats).
+  LocalTrafficStats stats(std::int64_t rank) const {
+    std::lock_guard lk(m_);
+    return endpoints_[slot(rank)].traffic;
+  }
+  LocalTrafficStats total_stats() const {
+    std::lock_guard lk(m_);
+    LocalTrafficStats t;
+    for (const auto& e : endpoints_) {
+      t.bytes_sent += e.traffic.bytes_sent;
+      t.bytes_received += e.traffic.bytes_received;
+      t.messages_sent += e.traffic.messages_sent;
+      t.messages_received += e.traffic.messages_received;
+    }
+    return t;
+  }
+  void reset_stats() {
+    std::lock_guard lk(m_);
+    for (auto& e : endpoints_) e.traffic = {};
+  }
+  bool aborted() const {
+    std::lock_guard lk(m_);
+    return aborted_;
+  }
+
+ private:
+  friend class LocalTransport;
+
+  struct Region {
+    std::byte* ptr = nullptr;
+    std::size_t bytes = 0;
+    bool live = false;
+  };
+  /// One post(): its ops and which of them are done.
+  struct Group {
+    std::int64_t rank = -1;
+    std::vector<TransferOp> ops;
+    std::vector<char> done;
+    std::size_t left = 0;
+    std::string error;
+  };
+  struct Pending {
+    std::shared_ptr<Group> group;
+    std::size_t op = 0;
+    std::byte* ptr = nullptr;
+  };
+  struct Transfer {
+    Pending send, recv;
+    std::size_t bytes = 0;
+    std::size_t tasks_left = 0;  // guarded by m_
+  };
+  struct Task {
+    std::shared_ptr<Transfer> transfer;
+    std::size_t offset = 0, bytes = 0;
+  };
+  struct Endpoint {
+    std::vector<Region> regions;
+    LocalTrafficStats traffic;
+  };
+  using Key = std::tuple<std::int64_t, std::int64_t, std::uint64_t>;  // sender, receiver, tag
+
+  std::size_t slot(std::int64_t rank) const {
+    auto it = index_.find(rank);
+    if (it == index_.end()) fail("local transport: rank {} is not in this world", rank);
+    return it->second;
+  }
+
+  RegionHandle register_memory(std::size_t me, void* p, std::size_t bytes) {
+    std::lock_guard lk(m_);
+    auto& regs = endpoints_[me].regions;
+    regs.push_back(Region{static_cast<std::byte*>(p), bytes, true});
+    return RegionHandle{static_cast<std::uint32_t>(regs.size() - 1)};
+  }
+  void deregister_memory(std::size_t me, RegionHandle h) {
+    std::lock_guard lk(m_);
+    auto& regs = endpoints_[me].regions;
+    if (h.id < regs.size()) regs[h.id].live = false;
+  }
+
+  std::string describe(const TransferOp& op, std::int64_t me) const {
+    return op.kind == OpKind::send ? fmt::format("send of {} bytes from rank {} to rank {} (tag {:#x})", op.bytes, me, op.peer, op.tag)
+                                   : fmt::format("receive of {} bytes from rank {} at rank {} (tag {:#x})", op.bytes, op.peer, me, op.tag);
+  }
+
+  std::shared_ptr<Group> post(std::size_t me, std::span<const TransferOp> ops) {
+    auto g = std::make_shared<Group>();
+    g->rank = ranks_[me];
+    g->ops.assign(ops.begin(), ops.end());
+    g->done.assign(ops.size(), 0);
+    g->left = ops.size();
+    std::unique_lock lk(m_);
+    if (aborted_) throw TransportError(abort_reason_);
+    // Check every op before matching any, so a bad group posts nothing.
+    std::vector<std::byte*> ptrs(ops.size());
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const auto& op = ops[i];
+      if (!index_.count(op.peer))
+        throw TransportError(fmt::format("local transport: rank {} posts a {} with peer {}, which is not in this world",
+                                         g->rank, op.kind == OpKind::send ? "send" : "receive", op.peer));
+      const auto& regs = endpoints_[me].regions;
+      if (op.region.id >= regs.size() || !regs[op.region.id].live)
+        throw TransportError(fmt::format("local transport: rank {}: {} uses region {} which is not registered",
+                                         g->rank, describe(op, g->rank), op.region.id));
+      const Region& r = regs[op.region.id];
+      if (op.offset > r.bytes || op.bytes > r.bytes - op.offset)
+        throw TransportError(fmt::format("local transport: rank {}: {} covers bytes [{}, {}) of a region of {} bytes",
+                                         g->rank, describe(op, g->rank), op.offset, op.offset + op.bytes, r.bytes));
+      ptrs[i] = r.ptr + op.offset;
+    }
+    bool new_tasks = false;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const auto& op = ops[i];
+      Pending mine{g, i, ptrs[i]};
+      const bool send = op.kind == OpKind::send;
+      const Key key = send ? Key{g->rank, op.peer, op.tag} : Key{op.peer, g->rank, op.tag};
+      auto& other = send ? recvs_ : sends_;
+      auto it = other.find(key);
+      if (it == other.end() || it->second.empty()) {
+        (send ? sends_ : recvs_)[key].push_back(std::move(mine));
+        continue;
+      }
+      Pending theirs = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) other.erase(it);
+      auto t = std::make_shared<Transfer>();
+      t->send = send ? std::move(mine) : std::move(theirs);
+      t->recv = send ? std::move(theirs) : std::move(mine);
+      const auto& sop = t->send.group->ops[t->send.op];
+      const auto& rop = t->recv.group->ops[t->recv.op];
+      if (sop.bytes != rop.bytes) {
+        const auto msg = fmt::format("local transport: size mismatch: rank {} sends {} bytes to rank {} with tag {:#x}, "
+                                     "but rank {} posted a receive of {} bytes",
+                                     t->send.group->rank, sop.bytes, sop.peer, sop.tag, sop.peer, rop.bytes);
+        t->send.group->error = msg;
+        t->recv.group->error = msg;
+        complete(t->send);
+        complete(t->recv);
+        continue;
+      }
+      t->bytes = sop.bytes;
+      if (t->bytes == 0) {
+        finish_transfer(*t);
+        continue;
+      }
+      t->tasks_left = (t->bytes + opt_.task_bytes - 1) / opt_.task_bytes;
+      for (std::size_t off = 0; off < t->bytes; off += opt_.task_bytes)
+        tasks_.push_back(Task{t, off, std::min(opt_.task_bytes, t->bytes - off)});
+      new_tasks = true;
+    }
+    lk.unlock();
+    if (new_tasks) cv_.notify_all();
+    return g;
+  }
+
+  // --- completion (m_ held) ---
+  void complete(Pending& p) {
+    auto& g = *p.group;
+    if (!g.done[p.op]) {
+      g.done[p.op] = 1;
+      --g.left;
+    }
+  }
+  void finish_transfer(Transfer& t) {
+    auto& s = endpoints_[slot(t.send.group->rank)].traffic;
+    auto& r = endpoints_[slot(t.recv.group->rank)].traffic;
+    s.bytes_sent += static_cast<std::int64_t>(t.bytes);
+    s.messages_sent += 1;
+    r.bytes_received += static_cast<std::int64_t>(t.bytes);
+    r.messages_received += 1;
+    complete(t.send);
+    complete(t.recv);
+  }
+
+  /// Blocks until done() holds, executing copy tasks while waiting. Throws on
+  /// abort or at the deadline (what() names what is pending).
+  template <class Done, class Pend>
+  void wait_until(std::size_t me, Done&& done, Pend&& pending, Deadline deadline) {
+    std::unique_lock lk(m_);
+    while (true) {
+      if (done()) return;
+      if (aborted_) throw TransportError(abort_reason_);
+      if (!tasks_.empty() && active_copiers_ < opt_.copy_threads) {
+        Task task = std::move(tasks_.front());
+        tasks_.pop_front();
+        ++active_copiers_;
+        lk.unlock();
+        std::memcpy(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
+        lk.lock();
+        --active_copiers_;
+        if (--task.transfer->tasks_left == 0) finish_transfer(*task.transfer);
+        lk.unlock();
+        cv_.notify_all();
+        lk.lock();
+        continue;
+      }
+      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !done() && !aborted_) {
+        throw TransportError(fmt::format("local transport: rank {} timed out waiting for {}", ranks_[me], pending()));
+      }
+    }
+  }
+
+  std::string pending_ops(const std::vector<Group*>& groups) const {
+    std::string s;
+    int shown = 0, total = 0;
+    for (const Group* g : groups)
+      for (std::size_t i = 0; i < g->ops.size(); ++i)
+        if (!g->done[i]) {
+          ++total;
+          if (shown < 4) {
+            s += (shown ? "; " : "") + describe(g->ops[i], g->rank);
+            ++shown;
+          }
+        }
+    if (total > shown) s += fmt::format("; and {} more", total - shown);
+    return s.empty() ? "nothing" : s;
+  }
+
+  void abort(std::string_view why) noexcept {
+    try {
+      {
+        std::lock_guard lk(m_);
+        if (!aborted_) {
+          aborted_ = true;
+          abort_reason_ = fmt::format("local transport: aborted: {}", why);
+        }
+      }
+      cv_.notify_all();
+    } catch (...) {
+      // Formatting failed (out of memory): still wake everyone.
+      aborted_ = true;
+      cv_.notify_all();
+    }
+  }
+
+  std::vector<std::vector<std::byte>> all_gather(std::size_t me, std::span<const std::byte> blob, Deadline deadline) {
+    std::unique_lock lk(m_);
+    if (aborted_) throw TransportError(abort_reason_);
+    const std::uint64_t gen = gather_gen_;
+    gather_slots_[me].assign(blob.begin(), blob.end());
+    if (++gather_arrived_ == ranks_.size()) {
+      gather_result_ = gather_slots_;
+      gather_arrived_ = 0;
+      ++gather_gen_;
+      lk.unlock();
+      cv_.notify_all();
+      lk.lock();
+      return gather_result_;
+    }
+    while (gather_gen_ == gen) {
+      if (aborted_) throw TransportError(abort_reason_);
+      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && gather_gen_ == gen)
+        throw TransportError(fmt::format("local transport: rank {} timed out in the bootstrap all_gather ({} of {} ranks arrived)",
+                                         ranks_[me], gather_arrived_, ranks_.size()));
+    }
+    return gather_result_;
+  }
+
+  std::vector<std::int64_t> ranks_;
+  std::map<std::int64_t, std::size_t> index_;
+  LocalWorldOptions opt_;
+
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<Endpoint> endpoints_;
+  std::map<Key, std::deque<Pending>> sends_, recvs_;
+  std::deque<Task> tasks_;
+  int active_copiers_ = 0;
+  bool aborted_ = false;
+  std::string abort_reason_;
+  std::vector<std::vector<std::byte>> gather_slots_, gather_result_;
+  std::size_t gather_arrived_ = 0;
+  std::uint64_t gather_gen_ = 0;
+};
+
+/// One rank's endpoint of a LocalWorld (a cheap handle; the world outlives it).
+class LocalTransport {
+ public:
+  using request = std::shared_ptr<LocalWorld::Group>;
+
+  LocalTransport(LocalWorld& w, std::int64_t rank) : w_(&w), me_(w.slot(rank)) {}
+
+  std::int64_t rank() const { return w_->ranks_[me_]; }
+  std::span<const std::int64_t> world_ranks() const { return w_->ranks_; }
+  std::string_view name() const { return "local"; }
+  LocalWorld& world() const { return *w_; }
+
+  RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind) {
+    if (kind != MemoryKind::host) fail("local transport: only host memory can be registered (rank {})", rank());
+    if (!p && bytes) fail("local transport: rank {} registers a null pointer for {} bytes", rank(), bytes);
+    return w_->register_memory(me_, p, bytes);
+  }
+  void deregister_memory(RegionHandle h) { w_->deregister_memory(me_, h); }
+
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
+    return w_->all_gather(me_, blob, deadline);
+  }
+  /// Two-sided matching needs no setup; checks the ops reference live regions.
+  void prepare(std::span<const TransferOp> ops, Deadline) {
+    std::lock_guard lk(w_->m_);
+    const auto& regs = w_->endpoints_[me_].regions;
+    for (const auto& op : ops)
+      if (op.region.id >= regs.size() || !regs[op.region.id].live)
+        throw TransportError(fmt::format("local transport: rank {}: {} uses region {} which is not registered", rank(),
+                                         w_->describe(op, rank()), op.region.id));
+  }
+
+  request post(std::span<const TransferOp> ops) { return w_->post(me_, ops); }
+
+  bool test(request& r) {
+    std::lock_guard lk(w_->m_);
+    check(r);
+    if (r->left == 0 && !r->error.empty()) throw TransportError(r->error);
+    return r->left == 0;
+  }
+  void wait(request& r, Deadline deadline) {
+    check(r);
+    LocalWorld::Group* g = r.get();
+    w_->wait_until(
+        me_, [&] { return g->left == 0; }, [&] { return w_->pending_ops({g}); }, deadline);
+    if (!g->error.empty()) throw TransportError(g->error);
+  }
+  std::size_t wait_any(std::span<request* const> rs, Deadline deadline) {
+    if (rs.empty()) fail("local transport: wait_any on no requests (rank {})", rank());
+    for (auto* r : rs) check(*r);
+    std::size_t found = rs.size();
+    w_->wait_until(
+        me_,
+        [&] {
+          for (std::size_t i = 0; i < rs.size(); ++i)
+            if ((*rs[i])->left == 0) {
+              found = i;
+              return true;
+            }
+          return false;
+        },
+        [&] {
+          std::vector<LocalWorld::Group*> gs;
+          for (auto* r : rs) gs.push_back(r->get());
+          return w_->pending_ops(gs);
+        },
+        deadline);
+    if (!(*rs[found])->error.empty()) throw TransportError((*rs[found])->error);
+    return found;
+  }
+  void abort(std::string_view why) noexcept { w_->abort(why); }
+
+ private:
+  void check(const request& r) const {
+    if (!r) fail("local transport: wait on an empty request (rank {})", rank());
+    if (r->rank != rank()) fail("local transport: rank {} waits on a request of rank {}", rank(), r->rank);
+  }
+  LocalWorld* w_;
+  std::size_t me_;
+};
+
+inline LocalTransport LocalWorld::endpoint(std::int64_t rank) { return LocalTransport(*this, rank); }
+
+template <class F>
+void LocalWorld::run(F&& fn) {
+  if (aborted()) throw Error(fmt::format("LocalWorld::run: the world was aborted earlier ({}); make a new one", abort_reason_));
+  std::vector<std::exception_ptr> errors(ranks_.size());
+  std::mutex first_m;
+  std::ptrdiff_t first = -1;
+  std::vector<std::thread> threads;
+  threads.reserve(ranks_.size());
+  for (std::size_t i = 0; i < ranks_.size(); ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        LocalTransport t(*this, ranks_[i]);
+        fn(t);
+      } catch (const std::exception& e) {
+        errors[i] = std::current_exception();
+        bool root = false;
+        {
+          std::lock_guard lk(first_m);
+          // An abort-induced failure is a consequence, not the cause.
+          if (first < 0 && !aborted()) {
+            first = static_cast<std::ptrdiff_t>(i);
+            root = true;
+          }
+        }
+        if (root) abort(fmt::format("rank {} failed: {}", ranks_[i], e.what()));
+      } catch (...) {
+        errors[i] = std::current_exception();
+        abort(fmt::format("rank {} failed", ranks_[i]));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first >= 0) std::rethrow_exception(errors[static_cast<std::size_t>(first)]);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+static_assert(check_transport<LocalTransport>());
+
+}  // namespace reshard

@@ -1,0 +1,1157 @@
+#pragma once
+// The executor: compiles a Schedule into one rank's program once, then
+// replays it on every refit over any reshard::Transport.
+//
+// Compile (collective over the transport's world):
+//  * The rank's copies are grouped per peer pair (src rank, dst rank) in one
+//    canonical order that both sides compute alike, so every message has the
+//    same tag and size on both ends without negotiating.
+//  * A copy that is one contiguous run on both sides and at least
+//    zero_copy_min bytes is its own message, sent straight from the source
+//    buffer into the destination buffer (zero-copy). A run contiguous on one
+//    side only is read or written in place on that side and staged on the
+//    other. Everything else is packed by the copy kernels, many tensors'
+//    pieces bucketed into one message per peer pair and wave.
+//  * Staging (packed sends and staged receives) is kept under the rank's
+//    staging_budget: the budget is shared among the rank's peer pairs in
+//    proportion to their staged bytes (both ends agree on each pair's share
+//    through the bootstrap), a pair's stream is cut into waves of at most its
+//    share, and a message larger than the share is split across waves.
+//    With pipeline = 2, wave w+1 is packed and posted while wave w moves and
+//    is unpacked, each in its own half of the budget.
+//  * Copies within the rank (src rank == dst rank) run directly with the copy
+//    kernels while the first wave is on the wire.
+//  * Buffers may be strided views (a weight inside a larger allocation): the
+//    rank translates its side of every copy into the view's strides, splitting
+//    boxes only where the view breaks their regularity.
+//
+// Replay: post receives, post zero-copy sends, pack and post the rest, copy
+// locally, unpack each peer's receives as they complete, wait for the sends.
+// Any failure aborts the transport (peers fail too) and is rethrown; a failed
+// run never reports success, and the executor refuses further runs.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <tuple>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "copy_kernels.hpp"
+#include "error.hpp"
+#include "layout.hpp"
+#include "schedule.hpp"
+#include "transport.hpp"
+
+namespace reshard {
+
+struct ExecutorOptions {
+  /// Staging memory one rank may hold at once (packed sends + staged receives), bytes.
+  std::int64_t staging_budget = std::int64_t{256} << 20;
+  /// Contiguous pieces at least this big go without packing.
+  std::int64_t zero_copy_min = std::int64_t{64} << 10;
+  /// Waves in flight: 1 (no overlap across waves) or 2 (pack/unpack one wave while the other moves).
+  int pipeline = 2;
+  /// A refit (and each collective step of setup) fails after this long.
+  std::chrono::milliseconds timeout{300'000};
+  /// Executors that share a transport and may overlap in time need distinct channels.
+  std::uint16_t channel = 0;
+};
+
+/// A local buffer bound to memory, as the executor sees it: `shape` is the
+/// dense row-major shape the layout gives it (the schedule's offsets are in
+/// that shape); `strides`, when not empty, say where each element really is
+/// (an mdspan layout_stride view), in elements from `data`.
+struct BoundBuffer {
+  std::string name;
+  std::byte* data = nullptr;
+  std::int64_t element_bytes = 0;
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  MemoryKind memory = MemoryKind::host;
+
+  std::int64_t elements() const {
+    std::int64_t n = 1;
+    for (auto e : shape) n *= e;
+    return shape.empty() ? 0 : n;
+  }
+  /// Elements from `data` to one past the last element the view reaches.
+  std::int64_t span_elements() const {
+    if (strides.empty()) return elements();
+    if (elements() == 0) return 0;
+    std::int64_t s = 1;
+    for (std::size_t d = 0; d < shape.size(); ++d) s += (shape[d] - 1) * strides[d];
+    return s;
+  }
+  bool dense() const {
+    if (strides.empty()) return true;
+    std::int64_t s = 1;
+    for (std::size_t d = shape.size(); d-- > 0;) {
+      if (shape[d] > 1 && strides[d] != s) return false;
+      s *= shape[d];
+    }
+    return true;
+  }
+};
+
+/// What one replay did on this rank.
+struct ExecutorStats {
+  std::int64_t bytes_sent = 0, bytes_received = 0;  ///< over the transport
+  std::int64_t local_bytes = 0;                     ///< copied within the rank
+  std::int64_t messages_sent = 0, messages_received = 0;
+  std::int64_t zero_copy_bytes = 0;   ///< sent and received without staging on either side
+  std::int64_t packed_bytes = 0, unpacked_bytes = 0;
+  int waves = 0;
+  std::int64_t staging_bytes = 0;       ///< staging memory allocated
+  std::int64_t peak_staging_bytes = 0;  ///< most staging in use at once (waves in flight), measured
+  double seconds = 0;
+};
+
+namespace exec_detail {
+
+constexpr std::int64_t kInf = INT64_MAX;
+
+/// Dense row-major shape of a buffer and where its view puts each element.
+struct ViewMap {
+  int rank = 0;
+  bool identity = true;
+  std::array<std::int64_t, kMaxTensorRank> dims{}, dense{}, view{};
+
+  static ViewMap of(const BoundBuffer& b) {
+    ViewMap m;
+    m.rank = static_cast<int>(b.shape.size());
+    m.identity = b.dense();
+    std::int64_t s = 1;
+    for (int j = m.rank - 1; j >= 0; --j) {
+      const auto u = static_cast<std::size_t>(j);
+      m.dims[u] = b.shape[u];
+      m.dense[u] = s;
+      m.view[u] = b.strides.empty() ? s : b.strides[u];
+      s *= b.shape[u];
+    }
+    return m;
+  }
+  void digits(std::int64_t o, std::int64_t* out) const {
+    for (int j = 0; j < rank; ++j) {
+      const auto u = static_cast<std::size_t>(j);
+      out[j] = j == 0 ? o / dense[u] : (o / dense[u]) % dims[u];
+    }
+  }
+  void stride_digits(std::int64_t s, std::int64_t* out) const {
+    for (int j = 0; j < rank; ++j) {
+      const auto u = static_cast<std::size_t>(j);
+      out[j] = s / dense[u];
+      s %= dense[u];
+    }
+  }
+  std::int64_t map(const std::int64_t* dig) const {
+    std::int64_t v = 0;
+    for (int j = 0; j < rank; ++j) v += dig[j] * view[static_cast<std::size_t>(j)];
+    return v;
+  }
+  /// Is the box (dense offset o, strides st) free of carries, so that it maps
+  /// to one strided box of the view? Gives the view offset and strides.
+  bool affine(std::int64_t o, int r, const std::int64_t* ext, const std::int64_t* st, std::int64_t& vo,
+              std::int64_t* vst) const {
+    if (identity) {
+      vo = o;
+      for (int k = 0; k < r; ++k) vst[k] = st[k];
+      return true;
+    }
+    std::array<std::int64_t, kMaxTensorRank> dig{}, acc{}, sd{};
+    digits(o, dig.data());
+    acc = dig;
+    for (int k = 0; k < r; ++k) {
+      stride_digits(st[k], sd.data());
+      vst[k] = map(sd.data());
+      for (int j = 0; j < rank; ++j) acc[static_cast<std::size_t>(j)] += (ext[k] - 1) * sd[static_cast<std::size_t>(j)];
+    }
+    for (int j = 0; j < rank; ++j)
+      if (acc[static_cast<std::size_t>(j)] >= dims[static_cast<std::size_t>(j)]) return false;
+    vo = map(dig.data());
+    return true;
+  }
+  /// Steps of stride s from dense offset x that stay carry-free (>= 1).
+  std::int64_t steps(std::int64_t x, std::int64_t s) const {
+    if (identity) return kInf;
+    std::array<std::int64_t, kMaxTensorRank> dig{}, sd{};
+    digits(x, dig.data());
+    stride_digits(s, sd.data());
+    std::int64_t m = kInf;
+    for (int j = 0; j < rank; ++j) {
+      const auto u = static_cast<std::size_t>(j);
+      if (sd[u] > 0) m = std::min(m, (dims[u] - 1 - dig[u]) / sd[u] + 1);
+    }
+    return std::max<std::int64_t>(m, 1);
+  }
+};
+
+/// A box on one or two sides, in dense buffer coordinates.
+struct MultiBox {
+  int rank = 0, sides = 1;
+  std::array<std::int64_t, kMaxBoxRank> extent{};
+  std::array<std::int64_t, 2> offset{};
+  std::array<std::array<std::int64_t, kMaxBoxRank>, 2> stride{};
+};
+
+/// A part of a copy in view coordinates: elements [first, first + count) of
+/// the copy's row-major order.
+struct Part {
+  std::int64_t first = 0, count = 0;
+  int rank = 0;
+  bool stacked = false;  ///< dim 0 was added by stacking equal parts
+  std::array<std::int64_t, kMaxBoxRank> extent{};
+  std::array<std::int64_t, 2> offset{};
+  std::array<std::array<std::int64_t, kMaxBoxRank>, 2> stride{};
+};
+
+inline bool same_shape(const Part& a, int afrom, const Part& b, int sides) {
+  if (a.rank - afrom != b.rank) return false;
+  for (int k = 0; k < b.rank; ++k) {
+    const auto ua = static_cast<std::size_t>(k + afrom), ub = static_cast<std::size_t>(k);
+    if (a.extent[ua] != b.extent[ub]) return false;
+    for (int s = 0; s < sides; ++s)
+      if (a.stride[static_cast<std::size_t>(s)][ua] != b.stride[static_cast<std::size_t>(s)][ub]) return false;
+  }
+  return true;
+}
+
+/// Appends p, merging it into the previous part when the two form one box.
+inline void emit_part(std::vector<Part>& out, const Part& p, int sides) {
+  if (!out.empty()) {
+    Part& L = out.back();
+    if (L.first + L.count == p.first) {
+      auto continues = [&](const Part& a) {
+        for (int s = 0; s < sides; ++s) {
+          const auto us = static_cast<std::size_t>(s);
+          if (p.offset[us] != a.offset[us] + a.extent[0] * a.stride[us][0]) return false;
+        }
+        return true;
+      };
+      if (!L.stacked && L.rank == 1 && p.rank == 1 && same_shape(L, 0, p, sides) == (L.extent[0] == p.extent[0])) {
+        bool ok = true;
+        for (int s = 0; s < sides; ++s)
+          ok &= L.stride[static_cast<std::size_t>(s)][0] == p.stride[static_cast<std::size_t>(s)][0];
+        if (ok && continues(L)) {
+          L.extent[0] += p.extent[0];
+          L.count += p.count;
+          return;
+        }
+      }
+      if (L.stacked && same_shape(L, 1, p, sides) && continues(L)) {
+        L.extent[0] += 1;
+        L.count += p.count;
+        return;
+      }
+      if (!L.stacked && L.rank < kMaxBoxRank && same_shape(L, 0, p, sides)) {
+        Part m = L;
+        for (int k = m.rank; k > 0; --k) {
+          const auto u = static_cast<std::size_t>(k);
+          m.extent[u] = m.extent[u - 1];
+          for (int s = 0; s < sides; ++s) m.stride[static_cast<std::size_t>(s)][u] = m.stride[static_cast<std::size_t>(s)][u - 1];
+        }
+        m.extent[0] = 2;
+        for (int s = 0; s < sides; ++s) {
+          const auto us = static_cast<std::size_t>(s);
+          m.stride[us][0] = p.offset[us] - L.offset[us];
+        }
+        ++m.rank;
+        m.stacked = true;
+        m.count = L.count + p.count;
+        L = m;
+        return;
+      }
+    }
+  }
+  out.push_back(p);
+}
+
+inline bool to_part(const MultiBox& b, const ViewMap* const* maps, std::int64_t first, Part& p) {
+  p = Part{};
+  p.first = first;
+  p.rank = b.rank;
+  p.count = 1;
+  for (int k = 0; k < b.rank; ++k) {
+    p.extent[static_cast<std::size_t>(k)] = b.extent[static_cast<std::size_t>(k)];
+    p.count *= b.extent[static_cast<std::size_t>(k)];
+  }
+  for (int s = 0; s < b.sides; ++s) {
+    const auto us = static_cast<std::size_t>(s);
+    if (!maps[s]->affine(b.offset[us], b.rank, b.extent.data(), b.stride[us].data(), p.offset[us], p.stride[us].data()))
+      return false;
+  }
+  return true;
+}
+
+/// Splits a box into parts that each map to one strided box on every side.
+inline void split_box(const MultiBox& b, const ViewMap* const* maps, std::int64_t first, std::vector<Part>& out) {
+  Part p;
+  if (to_part(b, maps, first, p)) {
+    emit_part(out, p, b.sides);
+    return;
+  }
+  if (b.rank == 1) {
+    const std::int64_t e = b.extent[0];
+    std::int64_t i = 0;
+    while (i < e) {
+      std::int64_t m = e - i;
+      for (int s = 0; s < b.sides; ++s) {
+        const auto us = static_cast<std::size_t>(s);
+        m = std::min(m, maps[s]->steps(b.offset[us] + i * b.stride[us][0], b.stride[us][0]));
+      }
+      MultiBox sub = b;
+      sub.extent[0] = m;
+      for (int s = 0; s < b.sides; ++s) sub.offset[static_cast<std::size_t>(s)] += i * b.stride[static_cast<std::size_t>(s)][0];
+      if (!to_part(sub, maps, first + i, p)) {  // cannot happen: carry-free by construction; go element-wise
+        sub.extent[0] = m = 1;
+        to_part(sub, maps, first + i, p);
+      }
+      emit_part(out, p, b.sides);
+      i += m;
+    }
+    return;
+  }
+  std::int64_t inner = 1;
+  for (int k = 1; k < b.rank; ++k) inner *= b.extent[static_cast<std::size_t>(k)];
+  MultiBox sub;
+  sub.rank = b.rank - 1;
+  sub.sides = b.sides;
+  for (int k = 1; k < b.rank; ++k) {
+    sub.extent[static_cast<std::size_t>(k - 1)] = b.extent[static_cast<std::size_t>(k)];
+    for (int s = 0; s < b.sides; ++s)
+      sub.stride[static_cast<std::size_t>(s)][static_cast<std::size_t>(k - 1)] = b.stride[static_cast<std::size_t>(s)][static_cast<std::size_t>(k)];
+  }
+  for (std::int64_t i = 0; i < b.extent[0]; ++i) {
+    for (int s = 0; s < b.sides; ++s) {
+      const auto us = static_cast<std::size_t>(s);
+      sub.offset[us] = b.offset[us] + i * b.stride[us][0];
+    }
+    split_box(sub, maps, first + i * inner, out);
+  }
+}
+
+/// Is one side of a box one unit-stride run (row-major dense over the extents)?
+inline bool contiguous(int rank, const std::int64_t* ext, const std::int64_t* st) {
+  std::int64_t expect = 1;
+  for (int k = rank - 1; k >= 0; --k) {
+    if (ext[k] == 1) continue;
+    if (st[k] != expect) return false;
+    expect *= ext[k];
+  }
+  return true;
+}
+
+/// Dense-coordinate bounds of one side of a copy.
+inline bool in_bounds(std::int64_t off, int rank, const std::int64_t* ext, const std::int64_t* st, std::int64_t n) {
+  std::int64_t lo = off, hi = off;
+  for (int k = 0; k < rank; ++k) {
+    if (ext[k] <= 0) return true;
+    const std::int64_t span = (ext[k] - 1) * st[k];
+    (span < 0 ? lo : hi) += span;
+  }
+  return lo >= 0 && hi < n;
+}
+
+// --- bootstrap blobs ---
+class Writer {
+ public:
+  template <class T>
+  void put(const T& v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    buf.insert(buf.end(), p, p + sizeof(T));
+  }
+  void put_string(const std::string& s) {
+    put<std::uint32_t>(static_cast<std::uint32_t>(s.size()));
+    const auto* p = reinterpret_cast<const std::byte*>(s.data());
+    buf.insert(buf.end(), p, p + s.size());
+  }
+  std::vector<std::byte> buf;
+};
+class Reader {
+ public:
+  explicit Reader(const std::vector<std::byte>& b, std::int64_t rank) : b_(b), rank_(rank) {}
+  template <class T>
+  T get() {
+    if (pos_ + sizeof(T) > b_.size()) fail("executor: truncated setup blob from rank {}", rank_);
+    T v;
+    std::memcpy(&v, b_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  std::string get_string() {
+    const auto n = get<std::uint32_t>();
+    if (pos_ + n > b_.size()) fail("executor: truncated setup blob from rank {}", rank_);
+    std::string s(reinterpret_cast<const char*>(b_.data() + pos_), n);
+    pos_ += n;
+    return s;
+  }
+
+ private:
+  const std::vector<std::byte>& b_;
+  std::size_t pos_ = 0;
+  std::int64_t rank_;
+};
+
+inline std::uint64_t mix(std::uint64_t h, std::uint64_t v) {
+  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+  h *= 0xBF58476D1CE4E5B9ull;
+  return h ^ (h >> 31);
+}
+
+inline std::uint64_t copy_digest(std::uint64_t h, const Copy& c) {
+  h = mix(h, static_cast<std::uint64_t>(c.src_buffer));
+  h = mix(h, static_cast<std::uint64_t>(c.dst_buffer));
+  h = mix(h, static_cast<std::uint64_t>(c.element_bytes));
+  h = mix(h, static_cast<std::uint64_t>(c.src_offset));
+  h = mix(h, static_cast<std::uint64_t>(c.dst_offset));
+  h = mix(h, static_cast<std::uint64_t>(c.rank));
+  for (int k = 0; k < c.rank; ++k) {
+    const auto u = static_cast<std::size_t>(k);
+    h = mix(h, static_cast<std::uint64_t>(c.extent[u]));
+    h = mix(h, static_cast<std::uint64_t>(c.src_stride[u]));
+    h = mix(h, static_cast<std::uint64_t>(c.dst_stride[u]));
+  }
+  return h;
+}
+
+constexpr std::uint32_t kBlobMagic = 0x52534831;  // "RSH1"
+
+}  // namespace exec_detail
+
+template <class T>
+class Executor {
+  static_assert(check_transport<T>(), "reshard::Executor<T>: T must model reshard::Transport (see transport.hpp)");
+
+ public:
+  using request = typename T::request;
+
+  Executor() = default;
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+  ~Executor() { release(); }
+
+  /// Compiles `schedule` (which must hold at least every copy this rank
+  /// sends or receives) into this rank's program. Collective: every rank of
+  /// the transport's world calls setup. `src` / `dst` are indexed like the
+  /// schedule's buffer ids (nullptr where this rank has no such buffer).
+  /// A non-empty `local_error` (e.g. a bad buffer found by the caller) is
+  /// shared with all ranks so that every one fails setup, none hangs.
+  void setup(const Schedule& schedule, std::vector<const BoundBuffer*> src, std::vector<const BoundBuffer*> dst,
+             T& transport, ExecutorOptions opt = {}, std::string local_error = {});
+
+  /// Runs the program once: moves every byte of the schedule. Throws (after
+  /// aborting the transport) on any failure.
+  ExecutorStats run();
+
+  bool ready() const { return ready_; }
+  /// Per replay, fixed at setup.
+  std::int64_t planned_bytes_sent() const { return plan_sent_; }
+  std::int64_t planned_bytes_received() const { return plan_recv_; }
+  std::int64_t planned_local_bytes() const { return plan_local_; }
+  int waves() const { return static_cast<int>(waves_.size()); }
+  std::int64_t staging_bytes() const { return static_cast<std::int64_t>(staging_size_); }
+  std::int64_t runs() const { return runs_; }
+  std::int64_t compiles() const { return compiles_; }
+
+ private:
+  using Part = exec_detail::Part;
+
+  /// One remote copy as this rank sees it: its side only.
+  struct SideCopy {
+    std::size_t copy = 0;        ///< index into the schedule
+    std::int32_t buffer = 0;     ///< this rank's buffer id (src or dst)
+    std::int64_t element_bytes = 0, elements = 0;
+    std::vector<Part> parts;
+    bool dense_run = false;      ///< one unit-stride run in dense coordinates
+    bool direct = false;         ///< one unit-stride run in memory
+    std::int64_t run_offset = 0;  ///< element offset of that run from the buffer's data
+  };
+  struct Segment {
+    std::uint32_t copy;  ///< index into Pair::copies
+    std::int64_t first, count;
+  };
+  struct PairMessage {
+    int wave = 0;
+    int kind = 0;  ///< 0 direct both, 1 sender direct, 2 receiver direct, 3 bucket
+    std::int64_t bytes = 0;
+    std::uint64_t tag = 0;
+    std::vector<Segment> segs;
+  };
+  struct Pair {
+    std::int64_t peer = -1;
+    bool send = true;  ///< this rank is the source
+    std::vector<SideCopy> copies;
+    std::vector<std::uint32_t> exceptions;  ///< dense runs that this rank's views break
+    std::vector<std::uint32_t> peer_exceptions;
+    std::int64_t bytes = 0, staged = 0, share = 0;
+    std::uint64_t digest = 0;
+    std::vector<PairMessage> messages;
+  };
+  /// A message as this rank executes it.
+  struct Message {
+    std::size_t pair = 0, msg = 0;
+    bool staged = false;
+    std::uint64_t staging_offset = 0;
+  };
+  struct Group {
+    std::int64_t peer = -1;
+    std::vector<TransferOp> ops;
+    std::vector<std::size_t> staged;  ///< messages to pack before / unpack after
+  };
+  struct Wave {
+    Group direct_sends;
+    std::vector<Group> sends, recvs;
+    std::int64_t staging = 0;
+  };
+  struct LocalCopy {
+    const BoundBuffer* src = nullptr;
+    const BoundBuffer* dst = nullptr;
+    std::int64_t element_bytes = 0;
+    std::vector<Part> parts;
+  };
+
+  [[noreturn]] void fail_here(const std::string& what) const { fail("rank {}: {}", me_, what); }
+  void release();
+  void build_side(const Copy& c, std::size_t index, bool src_side, SideCopy& out) const;
+  std::vector<std::pair<bool, bool>> pair_modes(const Pair& p) const;
+  void plan_pair_messages(Pair& p) const;
+  void compile_waves(bool reuse, std::int64_t slot_capacity);
+  void pack(const Message& m, std::byte* out) const;
+  void unpack(const Message& m, const std::byte* in) const;
+  void start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
+                  std::vector<std::size_t>& recv_groups);
+  void finish_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
+                   std::vector<std::size_t>& recv_groups, Deadline deadline);
+  const BoundBuffer& side_buffer(const Pair& p, const SideCopy& s) const {
+    return p.send ? *src_[static_cast<std::size_t>(s.buffer)] : *dst_[static_cast<std::size_t>(s.buffer)];
+  }
+  RegionHandle side_region(const Pair& p, const SideCopy& s) const {
+    return p.send ? src_regions_[static_cast<std::size_t>(s.buffer)] : dst_regions_[static_cast<std::size_t>(s.buffer)];
+  }
+
+  T* t_ = nullptr;
+  ExecutorOptions opt_;
+  std::int64_t me_ = -1;
+  std::vector<Copy> copies_;  ///< this rank's copies of the schedule
+  std::vector<const BoundBuffer*> src_, dst_;
+  std::vector<RegionHandle> src_regions_, dst_regions_;
+  std::vector<Pair> pairs_;
+  std::vector<LocalCopy> local_;
+  std::vector<Message> messages_;
+  std::vector<Wave> waves_;
+  std::unique_ptr<std::byte[]> staging_;
+  std::size_t staging_size_ = 0;
+  RegionHandle staging_region_;
+  std::int64_t plan_sent_ = 0, plan_recv_ = 0, plan_local_ = 0;
+  bool ready_ = false, broken_ = false;
+  std::int64_t runs_ = 0, compiles_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+
+template <class T>
+void Executor<T>::release() {
+  if (!t_) return;
+  for (auto& r : src_regions_)
+    if (r.valid()) t_->deregister_memory(r);
+  for (auto& r : dst_regions_)
+    if (r.valid()) t_->deregister_memory(r);
+  if (staging_region_.valid()) t_->deregister_memory(staging_region_);
+  src_regions_.clear();
+  dst_regions_.clear();
+  staging_region_ = {};
+  ready_ = false;
+}
+
+template <class T>
+void Executor<T>::build_side(const Copy& c, std::size_t index, bool src_side, SideCopy& out) const {
+  const BoundBuffer& b = src_side ? *src_[static_cast<std::size_t>(c.src_buffer)] : *dst_[static_cast<std::size_t>(c.dst_buffer)];
+  out.copy = index;
+  out.buffer = src_side ? c.src_buffer : c.dst_buffer;
+  out.element_bytes = c.element_bytes;
+  out.elements = c.elements();
+  const auto& st = src_side ? c.src_stride : c.dst_stride;
+  out.dense_run = exec_detail::contiguous(c.rank, c.extent.data(), st.data());
+  const exec_detail::ViewMap map = exec_detail::ViewMap::of(b);
+  exec_detail::MultiBox box;
+  box.rank = c.rank;
+  box.sides = 1;
+  box.extent = c.extent;
+  box.offset[0] = src_side ? c.src_offset : c.dst_offset;
+  box.stride[0] = st;
+  const exec_detail::ViewMap* maps[1] = {&map};
+  exec_detail::split_box(box, maps, 0, out.parts);
+  out.direct = out.dense_run && out.parts.size() == 1 &&
+               exec_detail::contiguous(out.parts[0].rank, out.parts[0].extent.data(), out.parts[0].stride[0].data());
+  out.run_offset = out.direct ? out.parts[0].offset[0] : 0;
+}
+
+template <class T>
+void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*> src, std::vector<const BoundBuffer*> dst,
+                        T& transport, ExecutorOptions opt, std::string local_error) {
+  release();
+  broken_ = false;
+  t_ = &transport;
+  opt_ = opt;
+  me_ = transport.rank();
+  src_ = std::move(src);
+  dst_ = std::move(dst);
+  pairs_.clear();
+  local_.clear();
+  messages_.clear();
+  waves_.clear();
+  copies_.clear();
+  staging_.reset();
+  staging_size_ = 0;
+  plan_sent_ = plan_recv_ = plan_local_ = 0;
+  const Deadline deadline = Clock::now() + opt_.timeout;
+  const auto world = transport.world_ranks();
+  std::map<std::int64_t, std::ptrdiff_t> world_pos;
+  for (std::size_t i = 0; i < world.size(); ++i) world_pos.emplace(world[i], static_cast<std::ptrdiff_t>(i));
+  auto world_index = [&](std::int64_t r) -> std::ptrdiff_t {
+    auto it = world_pos.find(r);
+    return it == world_pos.end() ? -1 : it->second;
+  };
+
+  // 1. Local checks and the rank's side of every copy. Errors are collected,
+  //    not thrown, until every rank has heard of them.
+  std::map<std::pair<std::int64_t, bool>, std::size_t> pair_index;
+  try {
+    if (!local_error.empty()) throw Error(local_error);
+    if (opt_.pipeline < 1 || opt_.pipeline > 2) fail_here(fmt::format("executor pipeline must be 1 or 2, not {}", opt_.pipeline));
+    if (opt_.staging_budget < 64) fail_here(fmt::format("staging budget of {} bytes is below the minimum of 64", opt_.staging_budget));
+    if (opt_.zero_copy_min < 0) fail_here("zero_copy_min is negative");
+    if (world_index(me_) < 0) fail_here("the transport's world does not list this rank");
+    if (schedule.only_rank >= 0 && schedule.only_rank != me_)
+      fail_here(fmt::format("the schedule was planned for rank {} only", schedule.only_rank));
+    for (const auto& c : schedule.copies)
+      if (c.src_rank == me_ || c.dst_rank == me_) copies_.push_back(c);
+    auto buffer_of = [&](bool src_side, const Copy& c) -> const BoundBuffer& {
+      const auto& v = src_side ? src_ : dst_;
+      const auto id = static_cast<std::size_t>(src_side ? c.src_buffer : c.dst_buffer);
+      const auto& names = src_side ? schedule.src_buffers : schedule.dst_buffers;
+      const std::string name = id < names.size() ? names[id] : fmt::format("#{}", id);
+      if (id >= v.size() || !v[id])
+        fail_here(fmt::format("the schedule {} {} buffer '{}', which is not bound on this rank", src_side ? "reads" : "writes",
+                              src_side ? "source" : "destination", name));
+      const BoundBuffer& b = *v[id];
+      if (b.element_bytes != c.element_bytes)
+        fail_here(fmt::format("{} buffer '{}' has {}-byte elements but the schedule moves {}-byte elements", src_side ? "source" : "destination",
+                              name, b.element_bytes, c.element_bytes));
+      const auto& st = src_side ? c.src_stride : c.dst_stride;
+      if (!exec_detail::in_bounds(src_side ? c.src_offset : c.dst_offset, c.rank, c.extent.data(), st.data(), b.elements()))
+        fail_here(fmt::format("a copy of tensor #{} {} outside {} buffer '{}' ({} elements)", c.tensor, src_side ? "reads" : "writes",
+                              src_side ? "source" : "destination", name, b.elements()));
+      return b;
+    };
+    std::stable_sort(copies_.begin(), copies_.end(), [](const Copy& a, const Copy& b) {
+      return std::tie(a.src_rank, a.dst_rank, a.dst_buffer, a.dst_offset, a.src_buffer, a.src_offset) <
+             std::tie(b.src_rank, b.dst_rank, b.dst_buffer, b.dst_offset, b.src_buffer, b.src_offset);
+    });
+    for (std::size_t i = 0; i < copies_.size(); ++i) {
+      const Copy& c = copies_[i];
+      if (c.rank < 1 || c.rank > kMaxBoxRank) fail_here(fmt::format("a copy has box rank {}", c.rank));
+      if (c.element_bytes < 1) fail_here("a copy has element size < 1");
+      if (c.is_local()) {
+        const BoundBuffer& sb = buffer_of(true, c);
+        const BoundBuffer& db = buffer_of(false, c);
+        LocalCopy lc{&sb, &db, c.element_bytes, {}};
+        const auto ms = exec_detail::ViewMap::of(sb), md = exec_detail::ViewMap::of(db);
+        const exec_detail::ViewMap* maps[2] = {&ms, &md};
+        exec_detail::MultiBox box;
+        box.rank = c.rank;
+        box.sides = 2;
+        box.extent = c.extent;
+        box.offset = {c.src_offset, c.dst_offset};
+        box.stride = {c.src_stride, c.dst_stride};
+        exec_detail::split_box(box, maps, 0, lc.parts);
+        plan_local_ += c.bytes();
+        local_.push_back(std::move(lc));
+        continue;
+      }
+      const bool i_send = c.src_rank == me_;
+      const std::int64_t peer = i_send ? c.dst_rank : c.src_rank;
+      if (world_index(peer) < 0)
+        fail_here(fmt::format("the schedule {} rank {}, which is not in the transport's world", i_send ? "sends to" : "receives from", peer));
+      buffer_of(i_send, c);
+      auto [it, fresh] = pair_index.emplace(std::make_pair(peer, i_send), pairs_.size());
+      if (fresh) {
+        pairs_.emplace_back();
+        pairs_.back().peer = peer;
+        pairs_.back().send = i_send;
+      }
+      Pair& p = pairs_[it->second];
+      SideCopy s;
+      build_side(c, i, i_send, s);
+      if (s.dense_run && !s.direct) p.exceptions.push_back(static_cast<std::uint32_t>(p.copies.size()));
+      p.bytes += c.bytes();
+      p.digest = exec_detail::copy_digest(p.digest, c);
+      (i_send ? plan_sent_ : plan_recv_) += c.bytes();
+      p.copies.push_back(std::move(s));
+    }
+  } catch (const std::exception& e) {
+    local_error = e.what();
+  }
+
+  // 2. First exchange: status, options, and per pair what this rank believes
+  //    the pair moves (so a schedule mismatch is an error, not a hang).
+  exec_detail::Writer w1;
+  w1.put(exec_detail::kBlobMagic);
+  w1.put<std::uint8_t>(local_error.empty() ? 1 : 0);
+  w1.put_string(local_error);
+  w1.put(opt_.zero_copy_min);
+  w1.put(opt_.channel);
+  w1.put<std::uint32_t>(static_cast<std::uint32_t>(pairs_.size()));
+  for (const auto& p : pairs_) {
+    w1.put(p.peer);
+    w1.put<std::uint8_t>(p.send ? 1 : 0);
+    w1.put<std::uint64_t>(p.copies.size());
+    w1.put(p.bytes);
+    w1.put(p.digest);
+    w1.put<std::uint32_t>(static_cast<std::uint32_t>(p.exceptions.size()));
+    for (auto e : p.exceptions) w1.put(e);
+  }
+  const auto blobs1 = transport.all_gather(w1.buf, deadline);
+  if (!local_error.empty()) throw Error(local_error);
+  // Checks against the peers' view; a failure here is shared in the second
+  // exchange so that every rank fails setup together.
+  std::string step_error;
+  std::int64_t total_staged = 0;
+  bool reuse = false;
+  std::int64_t capacity = -1;  // -1: this rank does not constrain its pairs
+  try {
+    std::set<std::pair<std::int64_t, bool>> confirmed;
+    for (std::size_t r = 0; r < blobs1.size(); ++r) {
+      exec_detail::Reader rd(blobs1[r], world[r]);
+      if (rd.get<std::uint32_t>() != exec_detail::kBlobMagic)
+        fail_here(fmt::format("rank {} sent a setup blob of another format (a different executor?)", world[r]));
+      const bool ok = rd.get<std::uint8_t>() != 0;
+      const std::string msg = rd.get_string();
+      if (!ok) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, world[r], msg));
+      const auto zcm = rd.get<std::int64_t>();
+      const auto channel = rd.get<std::uint16_t>();
+      if (zcm != opt_.zero_copy_min || channel != opt_.channel)
+        fail_here(fmt::format("rank {} uses other executor options (zero_copy_min {} vs {}, channel {} vs {})", world[r], zcm,
+                              opt_.zero_copy_min, channel, opt_.channel));
+      const auto n = rd.get<std::uint32_t>();
+      for (std::uint32_t i = 0; i < n; ++i) {
+        const auto peer = rd.get<std::int64_t>();
+        const bool sends = rd.get<std::uint8_t>() != 0;
+        const auto count = rd.get<std::uint64_t>();
+        const auto bytes = rd.get<std::int64_t>();
+        const auto digest = rd.get<std::uint64_t>();
+        std::vector<std::uint32_t> exc(rd.get<std::uint32_t>());
+        for (auto& e : exc) e = rd.get<std::uint32_t>();
+        if (peer != me_) continue;
+        auto it = pair_index.find({world[r], !sends});
+        const std::string dir = sends ? fmt::format("rank {} to rank {}", world[r], me_) : fmt::format("rank {} to rank {}", me_, world[r]);
+        if (it == pair_index.end())
+          fail_here(fmt::format("rank {} plans {} copies ({} bytes) from {}, but this rank's schedule has none: were both planned "
+                                "from the same layouts?", world[r], count, bytes, dir));
+        Pair& p = pairs_[it->second];
+        if (p.copies.size() != count || p.bytes != bytes || p.digest != digest)
+          fail_here(fmt::format("this rank and rank {} disagree about the copies from {} ({} vs {} copies, {} vs {} bytes): were "
+                                "both planned from the same layouts?", world[r], dir, p.copies.size(), count, p.bytes, bytes));
+        for (auto e : exc)
+          if (e >= p.copies.size()) fail_here(fmt::format("rank {} names copy {} of a pair of {} copies", world[r], e, p.copies.size()));
+        p.peer_exceptions = std::move(exc);
+        confirmed.insert({world[r], !sends});
+      }
+    }
+    for (const auto& p : pairs_)
+      if (!confirmed.count({p.peer, p.send}))
+        fail_here(fmt::format("this rank's schedule {} rank {} ({} bytes) but rank {} plans no such copies: were both planned from "
+                              "the same layouts?", p.send ? "sends to" : "receives from", p.peer, p.bytes, p.peer));
+
+    // 3. Modes and staged bytes; this rank's capacity per wave.
+    for (auto& p : pairs_) {
+      const auto modes = pair_modes(p);
+      p.staged = 0;
+      for (std::size_t i = 0; i < p.copies.size(); ++i)
+        if (!(modes[i].first && modes[i].second)) p.staged += copies_[p.copies[i].copy].bytes();
+      total_staged += p.staged;
+    }
+    // Within the budget, every wave gets its own staging (no reuse, no
+    // constraint); over it, each of `pipeline` slots holds one wave.
+    reuse = total_staged > opt_.staging_budget;
+    if (reuse) {
+      const std::int64_t slot = opt_.staging_budget / opt_.pipeline;
+      const auto staged_pairs =
+          static_cast<std::int64_t>(std::count_if(pairs_.begin(), pairs_.end(), [](const Pair& p) { return p.staged > 0; }));
+      // Each pair's share is rounded down to 16 bytes and then given 16 more,
+      // so reserve 16 per pair to keep the sum within the slot.
+      capacity = slot - 16 * staged_pairs;
+      if (capacity <= 0)
+        fail_here(fmt::format("a staging budget of {} bytes is too small for {} peer pairs with staged data (needs more than {} bytes)",
+                              opt_.staging_budget, staged_pairs, 16 * staged_pairs * opt_.pipeline));
+    }
+  } catch (const std::exception& e) {
+    step_error = e.what();
+  }
+  exec_detail::Writer w2;
+  w2.put<std::uint8_t>(step_error.empty() ? 1 : 0);
+  w2.put_string(step_error);
+  w2.put(total_staged);
+  w2.put(capacity);
+  const auto blobs2 = transport.all_gather(w2.buf, deadline);
+  if (!step_error.empty()) throw Error(step_error);
+  std::vector<std::pair<std::int64_t, std::int64_t>> load(world.size());
+  for (std::size_t r = 0; r < blobs2.size(); ++r) {
+    exec_detail::Reader rd(blobs2[r], world[r]);
+    const bool ok = rd.get<std::uint8_t>() != 0;
+    const std::string msg = rd.get_string();
+    if (!ok) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, world[r], msg));
+    load[r].first = rd.get<std::int64_t>();
+    load[r].second = rd.get<std::int64_t>();
+  }
+  auto limit = [&](std::int64_t rank, std::int64_t staged) -> std::int64_t {
+    const auto& [tot, cap] = load[static_cast<std::size_t>(world_index(rank))];
+    if (cap < 0 || tot <= 0) return exec_detail::kInf;
+    const long double share = static_cast<long double>(cap) * static_cast<long double>(staged) / static_cast<long double>(tot);
+    return (static_cast<std::int64_t>(share) & ~std::int64_t{15}) + 16;
+  };
+  for (auto& p : pairs_) {
+    if (p.staged == 0) continue;
+    const std::int64_t s = p.send ? me_ : p.peer, d = p.send ? p.peer : me_;
+    p.share = std::min({limit(s, p.staged), limit(d, p.staged), p.staged});
+    plan_pair_messages(p);
+  }
+  for (auto& p : pairs_)
+    if (p.staged == 0) plan_pair_messages(p);
+
+  // 4. Register memory, lay out staging per wave, build the op groups.
+  try {
+    src_regions_.assign(src_.size(), RegionHandle{});
+    dst_regions_.assign(dst_.size(), RegionHandle{});
+    for (std::size_t b = 0; b < src_.size(); ++b)
+      if (src_[b] && src_[b]->span_elements() > 0)
+        src_regions_[b] = transport.register_memory(src_[b]->data, static_cast<std::size_t>(src_[b]->span_elements() * src_[b]->element_bytes),
+                                                    src_[b]->memory);
+    for (std::size_t b = 0; b < dst_.size(); ++b)
+      if (dst_[b] && dst_[b]->span_elements() > 0)
+        dst_regions_[b] = transport.register_memory(dst_[b]->data, static_cast<std::size_t>(dst_[b]->span_elements() * dst_[b]->element_bytes),
+                                                    dst_[b]->memory);
+    compile_waves(reuse, reuse ? opt_.staging_budget / opt_.pipeline : 0);
+    std::vector<TransferOp> all;
+    for (const auto& wv : waves_) {
+      for (const auto& g : wv.recvs) all.insert(all.end(), g.ops.begin(), g.ops.end());
+      all.insert(all.end(), wv.direct_sends.ops.begin(), wv.direct_sends.ops.end());
+      for (const auto& g : wv.sends) all.insert(all.end(), g.ops.begin(), g.ops.end());
+    }
+    transport.prepare(all, deadline);
+  } catch (const std::exception& e) {
+    transport.abort(fmt::format("rank {} failed setup: {}", me_, e.what()));
+    release();
+    throw;
+  }
+  ready_ = true;
+  ++compiles_;
+}
+
+template <class T>
+std::vector<std::pair<bool, bool>> Executor<T>::pair_modes(const Pair& p) const {
+  // (sender reads in place, receiver writes in place) per copy: big enough,
+  // one run in dense coordinates, and not broken by either side's view.
+  std::vector<char> mine(p.copies.size(), 0), theirs(p.copies.size(), 0);
+  for (auto e : p.exceptions) mine[e] = 1;
+  for (auto e : p.peer_exceptions) theirs[e] = 1;
+  std::vector<std::pair<bool, bool>> out(p.copies.size());
+  for (std::size_t i = 0; i < p.copies.size(); ++i) {
+    const Copy& c = copies_[p.copies[i].copy];
+    const bool big = c.bytes() >= opt_.zero_copy_min;
+    out[i].first = big && exec_detail::contiguous(c.rank, c.extent.data(), c.src_stride.data()) && !(p.send ? mine[i] : theirs[i]);
+    out[i].second = big && exec_detail::contiguous(c.rank, c.extent.data(), c.dst_stride.data()) && !(p.send ? theirs[i] : mine[i]);
+  }
+  return out;
+}
+
+template <class T>
+void Executor<T>::plan_pair_messages(Pair& p) const {
+  // Both ends run this on the same inputs: the pair's copies in canonical
+  // order, both sides' view exceptions, zero_copy_min and the share.
+  p.messages.clear();
+  const auto modes = pair_modes(p);
+  std::vector<PairMessage> msgs;
+  std::map<int, std::size_t> bucket_of_wave;
+  int wave = 0;
+  std::int64_t fill = 0;
+  for (std::uint32_t i = 0; i < p.copies.size(); ++i) {
+    const Copy& c = copies_[p.copies[i].copy];
+    const auto [send_direct, recv_direct] = modes[i];
+    const std::int64_t n = c.elements(), E = c.element_bytes;
+    if (send_direct && recv_direct) {
+      msgs.push_back(PairMessage{0, 0, c.bytes(), 0, {Segment{i, 0, n}}});
+      continue;
+    }
+    const int kind = send_direct ? 1 : recv_direct ? 2 : 3;
+    std::int64_t pos = 0;
+    while (pos < n) {
+      const std::int64_t room = (p.share - fill) / E;
+      if (room <= 0) {
+        ++wave;
+        fill = 0;
+        if (p.share < E) fail_here(fmt::format("staging share of {} bytes for rank {} is below one element", p.share, p.peer));
+        continue;
+      }
+      const std::int64_t take = std::min(n - pos, room);
+      if (kind == 3) {
+        auto [it, fresh] = bucket_of_wave.emplace(wave, msgs.size());
+        if (fresh) msgs.push_back(PairMessage{wave, 3, 0, 0, {}});
+        msgs[it->second].segs.push_back(Segment{i, pos, take});
+        msgs[it->second].bytes += take * E;
+      } else {
+        msgs.push_back(PairMessage{wave, kind, take * E, 0, {Segment{i, pos, take}}});
+      }
+      fill += take * E;
+      pos += take;
+    }
+  }
+  // Tag order: by wave; zero-copy first, then halves in stream order, then the bucket.
+  std::stable_sort(msgs.begin(), msgs.end(), [](const PairMessage& a, const PairMessage& b) {
+    auto rank_of = [](int k) { return k == 0 ? 0 : k == 3 ? 2 : 1; };
+    return std::make_pair(a.wave, rank_of(a.kind)) < std::make_pair(b.wave, rank_of(b.kind));
+  });
+  for (std::size_t k = 0; k < msgs.size(); ++k)
+    msgs[k].tag = (static_cast<std::uint64_t>(opt_.channel) << 48) | static_cast<std::uint64_t>(k);
+  p.messages = std::move(msgs);
+}
+
+template <class T>
+void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
+  int nwaves = 0;
+  for (const auto& p : pairs_)
+    for (const auto& m : p.messages) nwaves = std::max(nwaves, m.wave + 1);
+  waves_.assign(static_cast<std::size_t>(nwaves), Wave{});
+  std::vector<std::int64_t> usage(static_cast<std::size_t>(nwaves), 0);
+  // First pass: staging offsets within each wave.
+  struct Pending {
+    std::size_t message;
+    int wave;
+    std::int64_t offset_in_wave;
+  };
+  std::vector<Pending> staged;
+  for (std::size_t pi = 0; pi < pairs_.size(); ++pi) {
+    const Pair& p = pairs_[pi];
+    for (std::size_t mi = 0; mi < p.messages.size(); ++mi) {
+      const PairMessage& pm = p.messages[mi];
+      const bool my_direct = p.send ? (pm.kind == 0 || pm.kind == 1) : (pm.kind == 0 || pm.kind == 2);
+      Message m{pi, mi, !my_direct, 0};
+      if (m.staged) {
+        staged.push_back(Pending{messages_.size(), pm.wave, usage[static_cast<std::size_t>(pm.wave)]});
+        usage[static_cast<std::size_t>(pm.wave)] += pm.bytes;
+      }
+      messages_.push_back(m);
+    }
+  }
+  // Wave bases: two reused slots (pipelined), or every wave its own range.
+  std::vector<std::int64_t> base(static_cast<std::size_t>(nwaves), 0);
+  std::int64_t total = 0;
+  if (reuse) {
+    std::array<std::int64_t, 2> slot{0, 0};
+    for (int w = 0; w < nwaves; ++w) {
+      const auto s = static_cast<std::size_t>(w % opt_.pipeline);
+      slot[s] = std::max(slot[s], usage[static_cast<std::size_t>(w)]);
+      if (usage[static_cast<std::size_t>(w)] > slot_capacity)
+        fail_here(fmt::format("internal: wave {} stages {} bytes, over its {} bytes", w, usage[static_cast<std::size_t>(w)], slot_capacity));
+    }
+    for (int w = 0; w < nwaves; ++w) base[static_cast<std::size_t>(w)] = (w % opt_.pipeline) == 0 ? 0 : slot[0];
+    total = slot[0] + (opt_.pipeline > 1 ? slot[1] : 0);
+  } else {
+    for (int w = 0; w < nwaves; ++w) {
+      base[static_cast<std::size_t>(w)] = total;
+      total += usage[static_cast<std::size_t>(w)];
+    }
+  }
+  for (const auto& s : staged) messages_[s.message].staging_offset = static_cast<std::uint64_t>(base[static_cast<std::size_t>(s.wave)] + s.offset_in_wave);
+  for (int w = 0; w < nwaves; ++w) waves_[static_cast<std::size_t>(w)].staging = usage[static_cast<std::size_t>(w)];
+  staging_size_ = static_cast<std::size_t>(total);
+  if (staging_size_ > 0) {
+    staging_ = std::make_unique<std::byte[]>(staging_size_);  // value-initialized: pages touched now, not in a refit
+    staging_region_ = t_->register_memory(staging_.get(), staging_size_, MemoryKind::host);
+  }
+  // Op groups: per wave, per peer, in tag order.
+  for (std::size_t k = 0; k < messages_.size(); ++k) {
+    const Message& m = messages_[k];
+    const Pair& p = pairs_[m.pair];
+    const PairMessage& pm = p.messages[m.msg];
+    Wave& wv = waves_[static_cast<std::size_t>(pm.wave)];
+    TransferOp op;
+    op.kind = p.send ? OpKind::send : OpKind::recv;
+    op.peer = p.peer;
+    op.tag = pm.tag;
+    op.bytes = static_cast<std::uint64_t>(pm.bytes);
+    if (m.staged) {
+      op.region = staging_region_;
+      op.offset = m.staging_offset;
+    } else {
+      const SideCopy& s = p.copies[pm.segs[0].copy];
+      op.region = side_region(p, s);
+      op.offset = static_cast<std::uint64_t>((s.run_offset + pm.segs[0].first) * s.element_bytes);
+      if (!s.direct) fail_here("internal: a direct message over a piece that is not one run in memory");
+    }
+    Group* g = nullptr;
+    if (!p.send) {
+      if (wv.recvs.empty() || wv.recvs.back().peer != p.peer) wv.recvs.push_back(Group{p.peer, {}, {}});
+      g = &wv.recvs.back();
+    } else if (pm.kind == 0) {
+      g = &wv.direct_sends;
+    } else {
+      if (wv.sends.empty() || wv.sends.back().peer != p.peer) wv.sends.push_back(Group{p.peer, {}, {}});
+      g = &wv.sends.back();
+    }
+    g->ops.push_back(op);
+    if (m.staged) g->staged.push_back(k);
+  }
+}
+
+template <class T>
+void Executor<T>::pack(const Message& m, std::byte* out) const {
+  const Pair& p = pairs_[m.pair];
+  for (const Segment& seg : p.messages[m.msg].segs) {
+    const SideCopy& s = p.copies[seg.copy];
+    std::byte* data = side_buffer(p, s).data;
+    const auto E = static_cast<std::size_t>(s.element_bytes);
+    const std::int64_t a = seg.first, b = seg.first + seg.count;
+    for (const Part& part : s.parts) {
+      const std::int64_t lo = std::max(a, part.first), hi = std::min(b, part.first + part.count);
+      if (lo >= hi) continue;
+      BoxSide box{data, part.offset[0], part.stride[0].data()};
+      pack_range(E, part.rank, part.extent.data(), box, lo - part.first, hi - lo, out + (lo - a) * s.element_bytes);
+    }
+    out += seg.count * s.element_bytes;
+  }
+}
+
+template <class T>
+void Executor<T>::unpack(const Message& m, const std::byte* in) const {
+  const Pair& p = pairs_[m.pair];
+  for (const Segment& seg : p.messages[m.msg].segs) {
+    const SideCopy& s = p.copies[seg.copy];
+    std::byte* data = side_buffer(p, s).data;
+    const auto E = static_cast<std::size_t>(s.element_bytes);
+    const std::int64_t a = seg.first, b = seg.first + seg.count;
+    for (const Part& part : s.parts) {
+      const std::int64_t lo = std::max(a, part.first), hi = std::min(b, part.first + part.count);
+      if (lo >= hi) continue;
+      BoxSide box{data, part.offset[0], part.stride[0].data()};
+      unpack_range(E, part.rank, part.extent.data(), box, lo - part.first, hi - lo, in + (lo - a) * s.element_bytes);
+    }
+    in += seg.count * s.element_bytes;
+  }
+}
+
+template <class T>
+void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
+                             std::vector<std::size_t>& recv_groups) {
+  Wave& wv = waves_[w];
+  for (std::size_t g = 0; g < wv.recvs.size(); ++g) {
+    recvs.push_back(t_->post(wv.recvs[g].ops));
+    recv_groups.push_back(g);
+  }
+  if (!wv.direct_sends.ops.empty()) {
+    sends.push_back(t_->post(wv.direct_sends.ops));
+    for (const auto& op : wv.direct_sends.ops) {
+      st.bytes_sent += static_cast<std::int64_t>(op.bytes);
+      st.zero_copy_bytes += static_cast<std::int64_t>(op.bytes);
+    }
+    st.messages_sent += static_cast<std::int64_t>(wv.direct_sends.ops.size());
+  }
+  for (const auto& g : wv.sends) {
+    for (std::size_t k : g.staged) {
+      const Message& m = messages_[k];
+      pack(m, staging_.get() + m.staging_offset);
+      st.packed_bytes += pairs_[m.pair].messages[m.msg].bytes;
+    }
+    sends.push_back(t_->post(g.ops));
+    for (const auto& op : g.ops) st.bytes_sent += static_cast<std::int64_t>(op.bytes);
+    st.messages_sent += static_cast<std::int64_t>(g.ops.size());
+  }
+}
+
+template <class T>
+void Executor<T>::finish_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
+                              std::vector<std::size_t>& recv_groups, Deadline deadline) {
+  Wave& wv = waves_[w];
+  while (!recvs.empty()) {
+    std::vector<request*> ptrs;
+    for (auto& r : recvs) ptrs.push_back(&r);
+    const std::size_t i = recvs.size() == 1 ? (t_->wait(recvs[0], deadline), 0) : t_->wait_any(ptrs, deadline);
+    const Group& g = wv.recvs[recv_groups[i]];
+    for (std::size_t k : g.staged) {
+      const Message& m = messages_[k];
+      unpack(m, staging_.get() + m.staging_offset);
+      st.unpacked_bytes += pairs_[m.pair].messages[m.msg].bytes;
+    }
+    for (const auto& op : g.ops) st.bytes_received += static_cast<std::int64_t>(op.bytes);
+    st.messages_received += static_cast<std::int64_t>(g.ops.size());
+    recvs.erase(recvs.begin() + static_cast<std::ptrdiff_t>(i));
+    recv_groups.erase(recv_groups.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  for (auto& r : sends) t_->wait(r, deadline);
+  sends.clear();
+}
+
+template <class T>
+ExecutorStats Executor<T>::run() {
+  if (!ready_) fail("executor: run() before a successful setup()");
+  if (broken_) fail("rank {}: executor: an earlier run failed; the peers' state is unknown, set up again", me_);
+  ExecutorStats st;
+  st.waves = static_cast<int>(waves_.size());
+  st.staging_bytes = static_cast<std::int64_t>(staging_size_);
+  const auto t0 = Clock::now();
+  const Deadline deadline = t0 + opt_.timeout;
+  try {
+    // Per wave in flight: its send and receive requests.
+    struct InFlight {
+      std::vector<request> sends, recvs;
+      std::vector<std::size_t> recv_groups;
+    };
+    std::array<InFlight, 2> fl;
+    std::int64_t live = 0;
+    auto start = [&](std::size_t w) {
+      live += waves_[w].staging;
+      st.peak_staging_bytes = std::max(st.peak_staging_bytes, live);
+      auto& f = fl[w % 2];
+      start_wave(w, st, f.sends, f.recvs, f.recv_groups);
+    };
+    auto local = [&] {
+      for (const LocalCopy& lc : local_) {
+        for (const Part& part : lc.parts) {
+          BoxSide s{lc.src->data, part.offset[0], part.stride[0].data()};
+          BoxSide d{lc.dst->data, part.offset[1], part.stride[1].data()};
+          copy_box(static_cast<std::size_t>(lc.element_bytes), part.rank, part.extent.data(), s, d);
+          st.local_bytes += part.count * lc.element_bytes;
+        }
+      }
+    };
+    const std::size_t W = waves_.size();
+    if (W == 0) local();
+    if (W > 0) start(0);
+    for (std::size_t w = 0; w < W; ++w) {
+      if (opt_.pipeline > 1 && w + 1 < W) start(w + 1);
+      if (w == 0) local();
+      auto& f = fl[w % 2];
+      finish_wave(w, st, f.sends, f.recvs, f.recv_groups, deadline);
+      live -= waves_[w].staging;
+      if (opt_.pipeline == 1 && w + 1 < W) start(w + 1);
+    }
+  } catch (const std::exception& e) {
+    broken_ = true;
+    t_->abort(fmt::format("rank {} refit failed: {}", me_, e.what()));
+    throw;
+  }
+  st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  ++runs_;
+  return st;
+}
+
+}  // namespace reshard

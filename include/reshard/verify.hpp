@@ -1,0 +1,197 @@
+#pragma once
+// Tagged weights for checking a refit: every element of every local buffer
+// gets a value derived from (tensor name, global index, salt), the same on
+// both sides of a refit, so a destination element is right iff it equals its
+// tag. Padding slots get a fixed byte, different on each side, so a copy that
+// reads or writes padding is caught too.
+//
+//   fill_tags(src_layout, pos, buffer, ptr, TagFill::source, salt);
+//   fill_tags(dst_layout, pos, buffer, ptr, TagFill::poison, salt);   // every slot wrong
+//   ... refit ...
+//   auto r = check_tags(dst_layout, pos, buffer, ptr, salt);          // r.wrong == 0
+//
+// Works a row at a time over the storage boxes (fast enough for GBs).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "layout.hpp"
+#include "storage.hpp"
+
+namespace reshard {
+
+inline constexpr std::byte kSourcePadding{0xA5}, kDestinationPadding{0x5A};
+
+inline std::uint64_t tensor_key(std::string_view name) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+inline std::uint64_t tag_block(std::uint64_t key, std::int64_t block, std::uint64_t salt) {
+  std::uint64_t x = key ^ (static_cast<std::uint64_t>(block) * 0x9E3779B97F4A7C15ull) ^ (salt * 0xD6E8FEB86659FD93ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return x;
+}
+/// The tag of one element: a hash per block of 256 global indices plus an
+/// odd multiple of the index within the block, so neighbours always differ
+/// and a run costs one hash per 256 elements.
+inline std::uint64_t element_tag(std::uint64_t key, std::int64_t index, std::uint64_t salt) {
+  return tag_block(key, index >> 8, salt) + static_cast<std::uint64_t>(index & 255) * 0x9E3779B97F4A7C15ull;
+}
+
+namespace detail {
+/// Calls f(i, tag) for the elements g0 .. g0+count-1, one hash per block.
+template <class F>
+inline void for_each_tag(std::uint64_t key, std::int64_t g0, std::int64_t count, std::uint64_t salt, F&& f) {
+  std::int64_t i = 0;
+  while (i < count) {
+    const std::int64_t g = g0 + i;
+    const std::uint64_t base = tag_block(key, g >> 8, salt);
+    const std::int64_t n = std::min(count - i, 256 - (g & 255));
+    std::uint64_t v = base + static_cast<std::uint64_t>(g & 255) * 0x9E3779B97F4A7C15ull;
+    for (std::int64_t k = 0; k < n; ++k, v += 0x9E3779B97F4A7C15ull) f(i + k, v);
+    i += n;
+  }
+}
+}  // namespace detail
+
+/// Visits the slots of local buffer `buf` on mesh position `pos` in runs:
+/// f(first buffer element, count, tensor id or -1 for padding, global
+/// row-major index of the first element; consecutive along the run).
+template <class F>
+void for_each_slot_run(const Layout& L, std::int64_t pos, int buf, F&& f) {
+  const auto& lb = L.local_buffers()[static_cast<std::size_t>(buf)];
+  if (lb.spec >= 0 && L.buffers[static_cast<std::size_t>(lb.spec)].kind == BufferKind::flat) {
+    // A padded flat sequence: the rank's range may run past the real elements.
+    const FlatRange fr = flat_range(L, pos, L.buffers[static_cast<std::size_t>(lb.spec)]);
+    if (fr.any && fr.hi > fr.length) {
+      const std::int64_t a = std::max(fr.lo, fr.length);
+      f(a - fr.lo, fr.hi - a, -1, std::int64_t{-1});
+    }
+  }
+  for (int t : lb.tensors) {
+    const TensorStorage st = tensor_storage(L, pos, t);
+    if (st.empty()) continue;
+    const auto& ts = L.tensors[static_cast<std::size_t>(t)];
+    const int n = ts.rank();
+    std::vector<std::int64_t> gstride(static_cast<std::size_t>(n), 1);
+    for (int d = n - 2; d >= 0; --d)
+      gstride[static_cast<std::size_t>(d)] = gstride[static_cast<std::size_t>(d) + 1] * ts.shape[static_cast<std::size_t>(d) + 1];
+    const auto in = static_cast<std::size_t>(n - 1);
+    const DimPart& ip = st.parts[in];
+    for (const HeldBox& hb : st.boxes) {
+      bool empty = false;
+      for (int d = 0; d < n; ++d) empty |= hb.lo[static_cast<std::size_t>(d)] >= hb.hi[static_cast<std::size_t>(d)];
+      if (empty) continue;
+      std::vector<std::int64_t> j(hb.lo.begin(), hb.lo.begin() + n);
+      while (true) {
+        // Outer dims: buffer offset, global offset, padding.
+        std::int64_t boff = hb.base, goff = 0;
+        bool pad = false;
+        for (int d = 0; d < n - 1; ++d) {
+          const auto u = static_cast<std::size_t>(d);
+          boff += j[u] * hb.stride[u];
+          const std::int64_t g = st.parts[u].global(j[u]);
+          pad |= g >= ts.shape[u];
+          goff += g * gstride[u];
+        }
+        boff += hb.lo[in] * hb.stride[in];
+        // Inner dim: runs of consecutive global indices (all of it when not cyclic).
+        std::int64_t k = hb.lo[in];
+        while (k < hb.hi[in]) {
+          const std::int64_t g = ip.global(k);
+          std::int64_t end = hb.hi[in];
+          if (ip.cyclic) end = std::min(end, k + (ip.run_end(g) - g));
+          const std::int64_t real_end = std::min(end, k + std::max<std::int64_t>(0, ts.shape[in] - g));
+          const std::int64_t b0 = boff + (k - hb.lo[in]) * hb.stride[in];
+          if (hb.stride[in] != 1) {  // not expected from the contract's storage; go one by one
+            for (std::int64_t q = k; q < end; ++q) {
+              const std::int64_t gq = ip.global(q);
+              const bool p = pad || gq >= ts.shape[in];
+              f(boff + (q - hb.lo[in]) * hb.stride[in], std::int64_t{1}, p ? -1 : t, p ? -1 : goff + gq);
+            }
+          } else {
+            if (real_end > k) f(b0, real_end - k, pad ? -1 : t, pad ? -1 : goff + g);
+            if (end > real_end && real_end >= k) f(b0 + (real_end - k), end - real_end, -1, std::int64_t{-1});
+          }
+          k = end;
+        }
+        int d = n - 2;
+        for (; d >= 0; --d) {
+          const auto u = static_cast<std::size_t>(d);
+          if (++j[u] < hb.hi[u]) break;
+          j[u] = hb.lo[u];
+        }
+        if (d < 0) break;
+      }
+    }
+  }
+}
+
+enum class TagFill : std::uint8_t {
+  source,  ///< tags; padding kSourcePadding
+  poison,  ///< the complement of each tag (always wrong); padding kDestinationPadding
+};
+
+/// Writes every slot of a dense local buffer.
+inline void fill_tags(const Layout& L, std::int64_t pos, int buf, std::byte* data, TagFill mode, std::uint64_t salt) {
+  const auto E = static_cast<std::size_t>(element_bytes(L.local_buffers()[static_cast<std::size_t>(buf)].dtype));
+  const std::size_t w = std::min<std::size_t>(E, 8);
+  for_each_slot_run(L, pos, buf, [&](std::int64_t b0, std::int64_t count, int t, std::int64_t g0) {
+    std::byte* p = data + static_cast<std::size_t>(b0) * E;
+    if (t < 0) {
+      std::memset(p, static_cast<int>(mode == TagFill::source ? kSourcePadding : kDestinationPadding), static_cast<std::size_t>(count) * E);
+      return;
+    }
+    const std::uint64_t key = tensor_key(L.tensors[static_cast<std::size_t>(t)].name);
+    const std::uint64_t flip = mode == TagFill::poison ? ~std::uint64_t{0} : 0;
+    detail::for_each_tag(key, g0, count, salt, [&](std::int64_t i, std::uint64_t v) {
+      v ^= flip;
+      std::memcpy(p + static_cast<std::size_t>(i) * E, &v, w);
+    });
+  });
+}
+
+struct TagCheck {
+  std::int64_t checked = 0, wrong = 0;
+  std::string first_wrong;  ///< the first wrong slot, in words
+};
+
+/// Checks every slot of a dense destination buffer after a refit.
+inline TagCheck check_tags(const Layout& L, std::int64_t pos, int buf, const std::byte* data, std::uint64_t salt) {
+  TagCheck r;
+  const auto& lb = L.local_buffers()[static_cast<std::size_t>(buf)];
+  const auto E = static_cast<std::size_t>(element_bytes(lb.dtype));
+  const std::size_t w = std::min<std::size_t>(E, 8);
+  for_each_slot_run(L, pos, buf, [&](std::int64_t b0, std::int64_t count, int t, std::int64_t g0) {
+    const std::byte* p = data + static_cast<std::size_t>(b0) * E;
+    r.checked += count;
+    if (t < 0) {
+      for (std::int64_t i = 0; i < count * static_cast<std::int64_t>(E); ++i)
+        if (p[i] != kDestinationPadding) {
+          if (r.wrong++ == 0)
+            r.first_wrong = fmt::format("rank {} buffer '{}' element {} (padding) was overwritten", L.mesh.global_rank(pos), lb.name,
+                                        b0 + i / static_cast<std::int64_t>(E));
+          i = (i / static_cast<std::int64_t>(E) + 1) * static_cast<std::int64_t>(E) - 1;
+        }
+      return;
+    }
+    const auto& ts = L.tensors[static_cast<std::size_t>(t)];
+    const std::uint64_t key = tensor_key(ts.name);
+    detail::for_each_tag(key, g0, count, salt, [&](std::int64_t i, std::uint64_t v) {
+      if (std::memcmp(p + static_cast<std::size_t>(i) * E, &v, w) != 0 && r.wrong++ == 0)
+        r.first_wrong = fmt::format("rank {} buffer '{}' element {} ({} global index {}) is wrong", L.mesh.global_rank(pos), lb.name, b0 + i,
+                                    ts.name, g0 + i);
+    });
+  });
+  return r;
+}
+
+}  // namespace reshard

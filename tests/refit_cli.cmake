@@ -1,0 +1,23 @@
+# Command-line checks of reshard-refit (CONTRACT.md §3), run by CTest:
+#   refit.default            the embedded model validates (--json, one iteration)
+#   refit.example.<pair>     every examples/<pair>/{train,infer}.json refits and validates
+#   refit.usage.transport    an unknown transport is a usage error
+if(TARGET reshard-refit)
+  add_test(NAME refit.default COMMAND reshard-refit --iterations 1 --json)
+  set_tests_properties(refit.default PROPERTIES TIMEOUT 600 LABELS refit
+                       PASS_REGULAR_EXPRESSION "\"validated\":true")
+  file(GLOB _reshard_refit_examples CONFIGURE_DEPENDS LIST_DIRECTORIES true ${PROJECT_SOURCE_DIR}/examples/*)
+  foreach(dir ${_reshard_refit_examples})
+    if(NOT EXISTS ${dir}/train.json OR NOT EXISTS ${dir}/infer.json)
+      continue()
+    endif()
+    get_filename_component(pair ${dir} NAME)
+    add_test(NAME refit.example.${pair}
+             COMMAND reshard-refit --src ${dir}/train.json --dst ${dir}/infer.json --iterations 2 --json --staging-budget 4096)
+    set_tests_properties(refit.example.${pair} PROPERTIES TIMEOUT 120 LABELS refit
+                         PASS_REGULAR_EXPRESSION "\"validated\":true")
+  endforeach()
+  add_test(NAME refit.usage.transport COMMAND reshard-refit --transport carrier-pigeon)
+  set_tests_properties(refit.usage.transport PROPERTIES TIMEOUT 60 LABELS refit
+                       PASS_REGULAR_EXPRESSION "unknown transport 'carrier-pigeon'")
+endif()

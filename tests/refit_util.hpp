@@ -1,0 +1,189 @@
+#pragma once
+// End-to-end refit checks on the in-process transport, element by element.
+//
+// Memory is laid out and checked with the plan oracle's slots (tests/oracle.hpp:
+// its own arithmetic from the contract, not the library's storage code):
+// every source element holds a tag of (tensor name, global index, salt),
+// every destination element starts as the complement of its tag, padding as a
+// fixed byte (different on each side). After a refit every destination
+// element must equal its tag and every padding slot must be untouched.
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "oracle.hpp"
+#include "reshard/backends/local.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/resharder.hpp"
+
+namespace refit_test {
+
+using namespace reshard;
+
+constexpr std::byte kSrcPad{0xA5}, kDstPad{0x5A};
+
+inline std::uint64_t name_hash(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+inline std::uint64_t tag(std::uint64_t name, std::int64_t index, std::uint64_t salt) {
+  std::uint64_t x = name ^ (static_cast<std::uint64_t>(index) * 0x9E3779B97F4A7C15ull) ^ (salt * 0xD6E8FEB86659FD93ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return x;
+}
+
+/// One rank's buffers under one layout, with their oracle slots.
+struct SideMemory {
+  std::vector<bool> present;
+  std::vector<std::vector<oracle::Slot>> slots;
+  std::vector<std::vector<std::byte>> data;
+  std::vector<std::size_t> element_bytes;
+};
+
+inline void write_side(const Layout& L, SideMemory& m, bool source, std::uint64_t salt) {
+  for (std::size_t b = 0; b < m.slots.size(); ++b) {
+    if (!m.present[b]) continue;
+    const std::size_t E = m.element_bytes[b];
+    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
+      std::byte* p = m.data[b].data() + i * E;
+      const auto& s = m.slots[b][i];
+      if (s.padding()) {
+        std::memset(p, static_cast<int>(source ? kSrcPad : kDstPad), E);
+        continue;
+      }
+      std::uint64_t v = tag(name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name), s.index, salt);
+      if (!source) v = ~v;
+      std::memcpy(p, &v, E);
+    }
+  }
+}
+
+inline SideMemory make_side(const Layout& L, std::int64_t rank, bool source, std::uint64_t salt) {
+  SideMemory m;
+  const auto pos = L.mesh.position_of(rank);
+  const auto n = L.local_buffers().size();
+  m.present.assign(n, false);
+  m.slots.resize(n);
+  m.data.resize(n);
+  m.element_bytes.resize(n);
+  if (!pos) return m;
+  auto rs = oracle::local_slots(L, *pos);
+  for (std::size_t b = 0; b < n; ++b) {
+    m.present[b] = rs.present[b];
+    m.slots[b] = std::move(rs.buffers[b]);
+    m.element_bytes[b] = static_cast<std::size_t>(element_bytes(L.local_buffers()[b].dtype));
+    m.data[b].assign(m.slots[b].size() * m.element_bytes[b], std::byte{0});
+  }
+  write_side(L, m, source, salt);
+  return m;
+}
+
+/// Destination elements that are wrong (first one described in *first).
+inline std::int64_t count_wrong(const Layout& L, const SideMemory& m, std::int64_t rank, std::uint64_t salt, std::string* first) {
+  std::int64_t wrong = 0;
+  for (std::size_t b = 0; b < m.slots.size(); ++b) {
+    if (!m.present[b]) continue;
+    const std::size_t E = m.element_bytes[b];
+    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
+      const std::byte* p = m.data[b].data() + i * E;
+      const auto& s = m.slots[b][i];
+      bool ok = true;
+      if (s.padding()) {
+        for (std::size_t k = 0; k < E; ++k) ok &= p[k] == kDstPad;
+      } else {
+        const std::uint64_t v = tag(name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name), s.index, salt);
+        ok = std::memcmp(p, &v, E) == 0;
+      }
+      if (!ok && wrong++ == 0 && first)
+        *first = fmt::format("rank {} buffer '{}' element {} ({}) is wrong", rank, L.local_buffers()[b].name, i,
+                             s.padding() ? std::string("padding") : fmt::format("{}[{}]", L.tensors[static_cast<std::size_t>(s.tensor)].name, s.index));
+    }
+  }
+  return wrong;
+}
+
+inline std::map<std::string, BufferView> views(const Layout& L, SideMemory& m) {
+  std::map<std::string, BufferView> out;
+  for (std::size_t b = 0; b < m.slots.size(); ++b)
+    if (m.present[b])
+      out[L.local_buffers()[b].name] = bytes_view(m.data[b].data(), m.data[b].size(), static_cast<std::int64_t>(m.element_bytes[b]));
+  return out;
+}
+
+inline std::vector<std::int64_t> world_of(const Layout& a, const Layout& b) {
+  std::set<std::int64_t> s;
+  for (auto r : a.mesh.global_ranks()) s.insert(r);
+  for (auto r : b.mesh.global_ranks()) s.insert(r);
+  return {s.begin(), s.end()};
+}
+
+struct Outcome {
+  std::vector<std::int64_t> ranks;
+  std::vector<RefitReport> last;  ///< per rank, the last refit's report
+  std::vector<std::int64_t> compiles;
+  std::int64_t wrong = 0;
+  std::string first_wrong;
+  LocalTrafficStats traffic;  ///< what the transport itself moved, all refits
+  std::int64_t plan_bytes = 0, plan_local_bytes = 0;
+  std::int64_t sum(std::int64_t RefitReport::*f) const {
+    std::int64_t s = 0;
+    for (const auto& r : last) s += r.*f;
+    return s;
+  }
+  std::int64_t max(std::int64_t RefitReport::*f) const {
+    std::int64_t s = 0;
+    for (const auto& r : last) s = std::max(s, r.*f);
+    return s;
+  }
+};
+
+/// Refits `refits` times with new source values each time (salt = refit
+/// number), checking every destination element after each refit.
+inline Outcome run_refits(const Layout& src, const Layout& dst, ResharderOptions opt = {}, int refits = 1,
+                          LocalWorldOptions wopt = {}) {
+  Outcome out;
+  out.ranks = world_of(src, dst);
+  const std::size_t n = out.ranks.size();
+  std::vector<SideMemory> smem(n), dmem(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    smem[i] = make_side(src, out.ranks[i], true, 0);
+    dmem[i] = make_side(dst, out.ranks[i], false, 0);
+  }
+  const Schedule full = plan(src, dst);
+  out.plan_bytes = full.stats.bytes;
+  out.plan_local_bytes = full.stats.local_bytes;
+  out.last.resize(n);
+  out.compiles.resize(n);
+  std::mutex m;
+  LocalWorld world(out.ranks, wopt);
+  world.run([&](LocalTransport& t) {
+    std::size_t i = 0;
+    while (out.ranks[i] != t.rank()) ++i;
+    LocalBuffers bufs;
+    bufs.src = views(src, smem[i]);
+    bufs.dst = views(dst, dmem[i]);
+    Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
+    for (int k = 0; k < refits; ++k) {
+      if (k > 0) {
+        write_side(src, smem[i], true, static_cast<std::uint64_t>(k));
+        write_side(dst, dmem[i], false, static_cast<std::uint64_t>(k));
+      }
+      out.last[i] = r.refit();
+      std::string first;
+      const auto wrong = count_wrong(dst, dmem[i], t.rank(), static_cast<std::uint64_t>(k), &first);
+      std::lock_guard lk(m);
+      if (wrong && out.first_wrong.empty()) out.first_wrong = fmt::format("refit {}: {}", k, first);
+      out.wrong += wrong;
+    }
+    out.compiles[i] = r.executor().compiles();
+  });
+  out.traffic = world.total_stats();
+  return out;
+}
+
+}  // namespace refit_test

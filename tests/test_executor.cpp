@@ -1,0 +1,342 @@
+// The executor and the in-process transport: message bucketing, zero-copy
+// and half-staged pieces, waves under a staging budget, peak staging, bytes
+// equal to the plan, agreement checks between ranks, deadlines, and the
+// Transport concept's diagnostics.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "refit_util.hpp"
+#include "reshard/executor.hpp"
+
+using namespace reshard;
+
+namespace {
+
+Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<TensorSpec> ts) {
+  Layout L;
+  L.mesh.axes = {{axis, size}};
+  L.mesh.first_rank = first;
+  L.tensors = std::move(ts);
+  L.validate();
+  return L;
+}
+DimSpec cut(std::int64_t size) {
+  DimSpec d;
+  d.axes = {AxisRef{0, 1, size}};
+  return d;
+}
+TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims, DType dt = DType::f32) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.shape = std::move(shape);
+  t.dims = std::move(dims);
+  t.dtype = dt;
+  return t;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+/// Runs the executor directly (no Resharder) over one shared full schedule;
+/// `edit` may change the schedule a rank compiles. Returns per-rank stats.
+struct DirectRun {
+  std::vector<ExecutorStats> stats;
+  std::vector<std::int64_t> ranks;
+  std::int64_t wrong = 0;
+  std::string first_wrong;
+  LocalTrafficStats traffic;
+  Schedule schedule;
+};
+DirectRun run_direct(const Layout& src, const Layout& dst, ExecutorOptions opt,
+                     const std::function<void(std::int64_t, Schedule&)>& edit = {}, int runs = 1) {
+  DirectRun out;
+  out.schedule = plan(src, dst);
+  out.ranks = refit_test::world_of(src, dst);
+  const auto n = out.ranks.size();
+  std::vector<refit_test::SideMemory> smem(n), dmem(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    smem[i] = refit_test::make_side(src, out.ranks[i], true, 0);
+    dmem[i] = refit_test::make_side(dst, out.ranks[i], false, 0);
+  }
+  out.stats.resize(n);
+  std::mutex m;
+  LocalWorld world(out.ranks);
+  world.run([&](LocalTransport& t) {
+    std::size_t i = 0;
+    while (out.ranks[i] != t.rank()) ++i;
+    auto bind = [&](const Layout& L, refit_test::SideMemory& mem) {
+      std::vector<BoundBuffer> bb(L.local_buffers().size());
+      const auto pos = L.mesh.position_of(t.rank());
+      for (std::size_t b = 0; b < bb.size(); ++b) {
+        if (!mem.present[b]) continue;
+        bb[b].name = L.local_buffers()[b].name;
+        bb[b].data = mem.data[b].data();
+        bb[b].element_bytes = static_cast<std::int64_t>(mem.element_bytes[b]);
+        bb[b].shape = buffer_shape(L, *pos, static_cast<int>(b));
+      }
+      return bb;
+    };
+    auto sb = bind(src, smem[i]);
+    auto db = bind(dst, dmem[i]);
+    std::vector<const BoundBuffer*> sp, dp;
+    for (auto& b : sb) sp.push_back(b.data ? &b : nullptr);
+    for (auto& b : db) dp.push_back(b.data ? &b : nullptr);
+    Schedule s = out.schedule;
+    if (edit) edit(t.rank(), s);
+    Executor<LocalTransport> ex;
+    ex.setup(s, sp, dp, t, opt);
+    for (int k = 0; k < runs; ++k) out.stats[i] = ex.run();
+    std::string first;
+    const auto wrong = refit_test::count_wrong(dst, dmem[i], t.rank(), 0, &first);
+    std::lock_guard lk(m);
+    if (wrong && out.first_wrong.empty()) out.first_wrong = first;
+    out.wrong += wrong;
+  });
+  out.traffic = world.total_stats();
+  return out;
+}
+
+std::int64_t sum(const DirectRun& r, std::int64_t ExecutorStats::*f) {
+  std::int64_t s = 0;
+  for (const auto& x : r.stats) s += x.*f;
+  return s;
+}
+
+}  // namespace
+
+// --- the Transport concept ---------------------------------------------------
+
+struct NotATransport {};
+struct AlmostATransport {  // everything but wait_any and abort
+  using request = int;
+  std::int64_t rank() const { return 0; }
+  std::span<const std::int64_t> world_ranks() const { return {}; }
+  std::string_view name() const { return "almost"; }
+  RegionHandle register_memory(void*, std::size_t, MemoryKind) { return {}; }
+  void deregister_memory(RegionHandle) {}
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte>, Deadline) { return {}; }
+  void prepare(std::span<const TransferOp>, Deadline) {}
+  request post(std::span<const TransferOp>) { return 0; }
+  bool test(request&) { return true; }
+  void wait(request&, Deadline) {}
+};
+static_assert(Transport<LocalTransport>);
+static_assert(!Transport<NotATransport>);
+static_assert(!Transport<AlmostATransport>);
+static_assert(!Transport<int>);
+
+TEST_CASE("many small tensors between one pair travel as one bucketed message") {
+  std::vector<TensorSpec> ts;
+  for (int i = 0; i < 20; ++i) ts.push_back(tensor(fmt::format("w{}", i), {8, 8}, {}));
+  auto src = one_axis("tp", 1, 0, ts), dst = one_axis("tp", 1, 1, ts);
+  auto r = run_direct(src, dst, {});
+  INFO(r.first_wrong);
+  CHECK(r.wrong == 0);
+  CHECK(r.stats[0].messages_sent == 1);
+  CHECK(r.stats[1].messages_received == 1);
+  CHECK(r.traffic.messages_sent == 1);
+  CHECK(r.stats[0].packed_bytes == 20 * 64 * 4);
+  CHECK(r.stats[1].unpacked_bytes == 20 * 64 * 4);
+  CHECK(r.stats[0].bytes_sent == r.schedule.stats.bytes);
+}
+
+TEST_CASE("contiguous pieces go zero-copy, one-sided runs skip half the staging") {
+  SUBCASE("contiguous on both sides: no staging at all") {
+    auto src = one_axis("tp", 2, 0, {tensor("w", {1024, 64}, {cut(2), {}})});
+    auto dst = one_axis("tp", 4, 2, {tensor("w", {1024, 64}, {cut(4), {}})});
+    auto r = run_direct(src, dst, {});
+    CHECK(r.wrong == 0);
+    CHECK(sum(r, &ExecutorStats::zero_copy_bytes) == r.schedule.stats.bytes);
+    CHECK(sum(r, &ExecutorStats::packed_bytes) == 0);
+    CHECK(sum(r, &ExecutorStats::unpacked_bytes) == 0);
+    CHECK(sum(r, &ExecutorStats::staging_bytes) == 0);
+    CHECK(r.traffic.bytes_sent == r.schedule.stats.bytes);
+  }
+  SUBCASE("row-parallel: packed by the sender, received in place") {
+    auto src = one_axis("tp", 2, 0, {tensor("o", {256, 512}, {{}, cut(2)}, DType::bf16)});
+    auto dst = one_axis("tp", 4, 2, {tensor("o", {256, 512}, {{}, cut(4)}, DType::bf16)});
+    auto r = run_direct(src, dst, {});
+    CHECK(r.wrong == 0);
+    CHECK(sum(r, &ExecutorStats::packed_bytes) == r.schedule.stats.bytes);
+    CHECK(sum(r, &ExecutorStats::unpacked_bytes) == 0);
+  }
+  SUBCASE("the reverse: sent in place, unpacked by the receiver") {
+    auto src = one_axis("tp", 4, 0, {tensor("o", {256, 512}, {{}, cut(4)}, DType::bf16)});
+    auto dst = one_axis("tp", 2, 4, {tensor("o", {256, 512}, {{}, cut(2)}, DType::bf16)});
+    auto r = run_direct(src, dst, {});
+    CHECK(r.wrong == 0);
+    CHECK(sum(r, &ExecutorStats::packed_bytes) == 0);
+    CHECK(sum(r, &ExecutorStats::unpacked_bytes) == r.schedule.stats.bytes);
+  }
+}
+
+TEST_CASE("waves keep staging under the budget, with and without pipelining") {
+  // Cross-dim reshard: strided on both sides, so everything is staged twice.
+  auto src = one_axis("tp", 2, 0, {tensor("w", {96, 80}, {cut(2), {}}, DType::bf16), tensor("b", {333}, {cut(1)}, DType::u8)});
+  auto dst = one_axis("tp", 2, 2, {tensor("w", {96, 80}, {{}, cut(2)}, DType::bf16), tensor("b", {333}, {cut(1)}, DType::u8)});
+  for (int pipeline : {1, 2}) {
+    for (std::int64_t budget : {std::int64_t{128}, std::int64_t{1000}, std::int64_t{5000}, std::int64_t{1} << 20}) {
+      ExecutorOptions opt;
+      opt.staging_budget = budget;
+      opt.pipeline = pipeline;
+      auto r = run_direct(src, dst, opt, {}, 2);
+      INFO("pipeline " << pipeline << ", budget " << budget << ": " << r.first_wrong);
+      CHECK(r.wrong == 0);
+      std::int64_t staged = 0;
+      for (const auto& s : r.stats) {
+        CHECK(s.peak_staging_bytes <= budget);
+        CHECK(s.staging_bytes <= budget);
+        staged = std::max(staged, s.peak_staging_bytes);
+      }
+      CHECK(staged > 0);
+      CHECK(sum(r, &ExecutorStats::bytes_sent) == r.schedule.stats.bytes);
+      if (budget < 5000) {
+        for (const auto& s : r.stats) CHECK(s.waves > 1);
+      }
+      if (budget == (std::int64_t{1} << 20)) {
+        for (const auto& s : r.stats) CHECK(s.waves == 1);
+      }
+    }
+  }
+}
+
+TEST_CASE("ranks whose schedules disagree fail setup together instead of hanging") {
+  auto src = one_axis("tp", 2, 0, {tensor("w", {64, 16}, {cut(2), {}})});
+  auto dst = one_axis("tp", 4, 2, {tensor("w", {64, 16}, {cut(4), {}})});
+  ExecutorOptions opt;
+  opt.timeout = std::chrono::seconds(20);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto e = error_of([&] {
+    run_direct(src, dst, opt, [](std::int64_t rank, Schedule& s) {
+      if (rank == 3) s.copies.erase(std::remove_if(s.copies.begin(), s.copies.end(), [](const Copy& c) { return c.dst_rank == 3; }), s.copies.end());
+    });
+  });
+  CHECK(e.find("plans") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  e = error_of([&] {
+    run_direct(src, dst, opt, [](std::int64_t rank, Schedule& s) {
+      if (rank == 4)  // the same copies, but rank 4 expects fewer bytes
+        for (auto& c : s.copies)
+          if (c.dst_rank == 4) c.extent[0] -= 1;
+    });
+  });
+  CHECK(e.find("disagree") != std::string::npos);
+}
+
+TEST_CASE("executor misuse: unbound buffers, out-of-bounds copies, run before setup") {
+  Executor<LocalTransport> ex;
+  CHECK(error_of([&] { ex.run(); }).find("before a successful setup") != std::string::npos);
+  auto src = one_axis("tp", 1, 0, {tensor("w", {8, 8}, {})});
+  auto dst = one_axis("tp", 1, 1, {tensor("w", {8, 8}, {})});
+  auto e = error_of([&] { run_direct(src, dst, {}, [](std::int64_t, Schedule& s) { s.copies[0].src_offset = 10; }); });
+  CHECK(e.find("reads outside source buffer 'w'") != std::string::npos);
+}
+
+TEST_CASE("local transport: matching, deadlines, sizes, regions, bootstrap") {
+  LocalWorld world({10, 20});
+  SUBCASE("a message reaches the peer's posted receive, in order per tag") {
+    std::vector<int> a(100), b(100, 0), c(100, 0);
+    for (int i = 0; i < 100; ++i) a[static_cast<std::size_t>(i)] = i;
+    world.run([&](LocalTransport& t) {
+      const auto dl = Clock::now() + std::chrono::seconds(10);
+      if (t.rank() == 10) {
+        auto r = t.register_memory(a.data(), 400, MemoryKind::host);
+        TransferOp s1{OpKind::send, 20, 7, r, 0, 200}, s2{OpKind::send, 20, 7, r, 200, 200};
+        auto q1 = t.post(std::span(&s1, 1));
+        auto q2 = t.post(std::span(&s2, 1));
+        t.wait(q1, dl);
+        t.wait(q2, dl);
+      } else {
+        auto rb = t.register_memory(b.data(), 400, MemoryKind::host);
+        auto rc = t.register_memory(c.data(), 400, MemoryKind::host);
+        TransferOp r1{OpKind::recv, 10, 7, rb, 0, 200}, r2{OpKind::recv, 10, 7, rc, 0, 200};
+        auto q = t.post(std::span(&r1, 1));
+        auto q2 = t.post(std::span(&r2, 1));
+        LocalTransport::request* both[2] = {&q, &q2};
+        const auto first = t.wait_any(both, dl);
+        CHECK(first < 2);
+        t.wait(q, dl);
+        t.wait(q2, dl);
+        CHECK(t.test(q));
+      }
+    });
+    for (int i = 0; i < 50; ++i) {
+      CHECK(b[static_cast<std::size_t>(i)] == i);
+      CHECK(c[static_cast<std::size_t>(i)] == 50 + i);
+    }
+    CHECK(world.stats(10).bytes_sent == 400);
+    CHECK(world.stats(20).bytes_received == 400);
+  }
+  SUBCASE("an unmatched receive times out naming the missing send") {
+    auto e = error_of([&] {
+      world.run([&](LocalTransport& t) {
+        if (t.rank() != 20) return;
+        std::vector<char> m(16);
+        auto r = t.register_memory(m.data(), 16, MemoryKind::host);
+        TransferOp op{OpKind::recv, 10, 3, r, 0, 16};
+        auto q = t.post(std::span(&op, 1));
+        t.wait(q, Clock::now() + std::chrono::milliseconds(100));
+      });
+    });
+    CHECK(e.find("timed out waiting for receive of 16 bytes from rank 10 at rank 20") != std::string::npos);
+  }
+  SUBCASE("sizes that differ fail both sides") {
+    auto e = error_of([&] {
+      world.run([&](LocalTransport& t) {
+        std::vector<char> m(64);
+        auto r = t.register_memory(m.data(), 64, MemoryKind::host);
+        TransferOp op = t.rank() == 10 ? TransferOp{OpKind::send, 20, 1, r, 0, 64} : TransferOp{OpKind::recv, 10, 1, r, 0, 32};
+        auto q = t.post(std::span(&op, 1));
+        t.wait(q, Clock::now() + std::chrono::seconds(10));
+      });
+    });
+    CHECK(e.find("size mismatch") != std::string::npos);
+  }
+  SUBCASE("an op outside its region is refused") {
+    auto e = error_of([&] {
+      world.run([&](LocalTransport& t) {
+        if (t.rank() != 10) return;
+        std::vector<char> m(64);
+        auto r = t.register_memory(m.data(), 64, MemoryKind::host);
+        TransferOp op{OpKind::send, 20, 1, r, 60, 8};
+        t.post(std::span(&op, 1));
+      });
+    });
+    CHECK(e.find("covers bytes [60, 68) of a region of 64 bytes") != std::string::npos);
+  }
+  SUBCASE("all_gather returns every rank's blob in world order") {
+    std::vector<std::vector<std::vector<std::byte>>> got(2);
+    world.run([&](LocalTransport& t) {
+      std::vector<std::byte> mine(static_cast<std::size_t>(t.rank() / 10), std::byte{static_cast<unsigned char>(t.rank())});
+      for (int round = 0; round < 3; ++round) got[t.rank() == 10 ? 0 : 1] = t.all_gather(mine, Clock::now() + std::chrono::seconds(10));
+    });
+    for (const auto& g : got) {
+      REQUIRE(g.size() == 2);
+      CHECK(g[0] == std::vector<std::byte>(1, std::byte{10}));
+      CHECK(g[1] == std::vector<std::byte>(2, std::byte{20}));
+    }
+  }
+}
+
+TEST_CASE("many rank threads on few cores: copies are shared, nobody spins") {
+  // 16 + 16 ranks, everything point to point; the world limits concurrent
+  // copiers to the hardware threads and the rest sleep.
+  auto src = one_axis("tp", 16, 0, {tensor("w", {512, 256}, {cut(16), {}}, DType::bf16)});
+  auto dst = one_axis("tp", 16, 16, {tensor("w", {512, 256}, {{}, cut(16)}, DType::bf16)});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_direct(src, dst, {}, {}, 5);
+  CHECK(r.wrong == 0);
+  CHECK(r.traffic.bytes_sent == 5 * r.schedule.stats.bytes);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+}

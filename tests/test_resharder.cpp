@@ -1,0 +1,452 @@
+// Resharder end to end on the in-process transport, checked element by
+// element with the plan oracle: named layout pairs (fused, flat, padded,
+// uneven, cyclic, staged, colocated, permuted), the random layout families of
+// the planner tests, repeated refits with new weights, strided views, and
+// misuse errors.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "random_layouts.hpp"
+#include "refit_util.hpp"
+#include "reshard/verify.hpp"
+
+using namespace reshard;
+using refit_test::run_refits;
+
+namespace {
+
+Layout make_layout(std::vector<Axis> axes, std::int64_t first, std::vector<TensorSpec> tensors, std::vector<BufferSpec> buffers = {},
+                   std::vector<std::int64_t> ranks = {}) {
+  Layout L;
+  L.mesh.axes = std::move(axes);
+  L.mesh.first_rank = first;
+  L.mesh.ranks = std::move(ranks);
+  L.tensors = std::move(tensors);
+  L.buffers = std::move(buffers);
+  L.validate();
+  return L;
+}
+DimSpec on(int axis, std::int64_t size, Split split = Split::even) {
+  DimSpec d;
+  d.axes = {AxisRef{axis, 1, size}};
+  d.split = split;
+  return d;
+}
+TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims = {}, DType dt = DType::bf16,
+                  std::vector<StageCoord> stage = {}) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.shape = std::move(shape);
+  t.dtype = dt;
+  t.dims = std::move(dims);
+  t.stage = std::move(stage);
+  return t;
+}
+BufferSpec concat(std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
+  BufferSpec b;
+  b.name = std::move(name);
+  b.parts = std::move(parts);
+  b.dim = dim;
+  b.interleave = interleave;
+  return b;
+}
+
+/// A Llama block: Megatron dp=2 x tp=2 (per-group interleaved qkv, [gate; up])
+/// to vLLM tp=4 ([q; k; v]), disaggregated.
+std::pair<Layout, Layout> llama_block() {
+  const DimSpec t0 = on(1, 2), none{};
+  Layout src = make_layout({{"dp", 2}, {"tp", 2}}, 0,
+                           {tensor("q", {64, 64}, {t0, none}), tensor("k", {32, 64}, {t0, none}), tensor("v", {32, 64}, {t0, none}),
+                            tensor("o", {64, 64}, {none, t0}), tensor("gate", {96, 64}, {t0, none}), tensor("up", {96, 64}, {t0, none}),
+                            tensor("down", {64, 96}, {none, t0}), tensor("norm", {64})},
+                           {concat("linear_qkv", {"q", "k", "v"}, 0, 2), concat("linear_fc1", {"gate", "up"})});
+  const DimSpec r0 = on(0, 4);
+  Layout dst = make_layout({{"tp", 4}}, 4,
+                           {tensor("q", {64, 64}, {r0, none}), tensor("k", {32, 64}, {r0, none}), tensor("v", {32, 64}, {r0, none}),
+                            tensor("o", {64, 64}, {none, r0}), tensor("gate", {96, 64}, {r0, none}), tensor("up", {96, 64}, {r0, none}),
+                            tensor("down", {64, 96}, {none, r0}), tensor("norm", {64})},
+                           {concat("qkv_proj", {"q", "k", "v"}), concat("gate_up_proj", {"gate", "up"})});
+  return {src, dst};
+}
+
+void check_outcome(const refit_test::Outcome& o) {
+  INFO(o.first_wrong);
+  CHECK(o.wrong == 0);
+  // Bytes moved equal the plan's bytes, counted by the executor and by the transport.
+  CHECK(o.sum(&RefitReport::bytes_sent) == o.plan_bytes);
+  CHECK(o.sum(&RefitReport::bytes_received) == o.plan_bytes);
+  CHECK(o.sum(&RefitReport::plan_bytes_sent) == o.plan_bytes);
+  CHECK(o.sum(&RefitReport::local_bytes) == o.plan_local_bytes);
+  for (const auto& r : o.last) {
+    CHECK(r.peak_staging_bytes <= r.staging_budget);
+    CHECK(r.peak_staging_bytes <= r.staging_bytes);
+  }
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("named layout pairs refit element by element") {
+  SUBCASE("llama block: Megatron interleaved qkv dp2 x tp2 -> vLLM tp4") {
+    auto [src, dst] = llama_block();
+    auto o = run_refits(src, dst);
+    check_outcome(o);
+    CHECK(o.traffic.bytes_sent == o.plan_bytes);
+  }
+  SUBCASE("colocated tp4 -> tp2, cut dim moves from 0 to 1, padded") {
+    DimSpec p0 = on(0, 4);
+    p0.pad_to = 40;
+    Layout src = make_layout({{"tp", 4}}, 0, {tensor("w", {37, 12}, {p0, {}}, DType::f32), tensor("b", {37}, {on(0, 4, Split::chunk)})});
+    Layout dst = make_layout({{"tp", 2}}, 0, {tensor("w", {37, 12}, {{}, on(0, 2)}, DType::f32), tensor("b", {37}, {on(0, 2, Split::balanced)})});
+    auto o = run_refits(src, dst);
+    check_outcome(o);
+    CHECK(o.plan_local_bytes > 0);
+  }
+  SUBCASE("flat ZeRO bucket over dp4 -> tp2") {
+    BufferSpec flat;
+    flat.name = "bucket0";
+    flat.parts = {"a", "b"};
+    flat.kind = BufferKind::flat;
+    flat.flat = on(0, 4, Split::chunk);
+    Layout src = make_layout({{"dp", 4}}, 0, {tensor("a", {30, 7}), tensor("b", {50})}, {flat});
+    Layout dst = make_layout({{"tp", 2}}, 4, {tensor("a", {30, 7}, {on(0, 2), {}}), tensor("b", {50})});
+    check_outcome(run_refits(src, dst));
+  }
+  SUBCASE("uneven 3:1 gather and 1:3 scatter") {
+    Layout three = make_layout({{"tp", 3}}, 0, {tensor("w", {10, 5}, {on(0, 3, Split::chunk), {}}, DType::f64)});
+    Layout one = make_layout({{"tp", 1}}, 3, {tensor("w", {10, 5}, {}, DType::f64)});
+    check_outcome(run_refits(three, one));
+    check_outcome(run_refits(one, three));
+  }
+  SUBCASE("round-robin experts ep4 -> contiguous ep2") {
+    DimSpec cyc = on(0, 4);
+    cyc.split = Split::cyclic;
+    cyc.block = 1;
+    Layout src = make_layout({{"ep", 4}}, 0, {tensor("experts", {8, 6, 4}, {cyc, {}, {}}, DType::u8)});
+    Layout dst = make_layout({{"ep", 2}}, 4, {tensor("experts", {8, 6, 4}, {on(0, 2), {}, {}}, DType::u8)});
+    check_outcome(run_refits(src, dst));
+  }
+  SUBCASE("pipeline stages to a permuted rank list") {
+    Layout src = make_layout({{"pp", 2}, {"tp", 2}}, 0,
+                             {tensor("l0", {16, 8}, {on(1, 2), {}}, DType::f16, {StageCoord{0, 0}}),
+                              tensor("l1", {16, 8}, {{}, on(1, 2)}, DType::f16, {StageCoord{0, 1}})});
+    Layout dst = make_layout({{"tp", 2}}, 0, {tensor("l0", {16, 8}, {{}, on(0, 2)}, DType::f16), tensor("l1", {16, 8}, {on(0, 2), {}}, DType::f16)},
+                             {}, {7, 5});
+    check_outcome(run_refits(src, dst));
+  }
+  SUBCASE("full replication to full sharding") {
+    Layout src = make_layout({{"dp", 4}}, 0, {tensor("w", {64, 32}, {}, DType::f32)});
+    Layout dst = make_layout({{"tp", 4}}, 4, {tensor("w", {64, 32}, {{}, on(0, 4)}, DType::f32)});
+    auto o = run_refits(src, dst);
+    check_outcome(o);
+    // The four replicas share the sending.
+    int senders = 0;
+    for (std::size_t i = 0; i < 4; ++i) senders += o.last[i].bytes_sent > 0;
+    CHECK(senders > 1);
+  }
+}
+
+TEST_CASE("random layout pairs refit element by element") {
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 300; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed);
+    INFO(pair.describe());
+    ResharderOptions opt;
+    // Vary the executor: tiny budgets force many waves and split messages;
+    // zero_copy_min 0 sends every contiguous run in place.
+    opt.executor.staging_budget = seed % 3 == 0 ? 2048 : seed % 3 == 1 ? 8192 : (64 << 20);
+    opt.executor.zero_copy_min = seed % 2 ? 0 : 1024;
+    opt.executor.pipeline = seed % 5 == 0 ? 1 : 2;
+    opt.executor.timeout = std::chrono::seconds(60);
+    auto o = run_refits(pair.src, pair.dst, opt);
+    check_outcome(o);
+    CHECK(o.traffic.bytes_sent == o.plan_bytes);
+    ++cases;
+  }
+  CHECK(cases == 300);
+}
+
+TEST_CASE("repeated refits reuse the compiled program and move the new weights") {
+  auto [src, dst] = llama_block();
+  ResharderOptions opt;
+  opt.executor.staging_budget = 2048;  // many waves
+  auto o = run_refits(src, dst, opt, 4);
+  check_outcome(o);
+  for (auto c : o.compiles) CHECK(c == 1);
+  for (const auto& r : o.last) CHECK(r.refit_index == 3);
+  // Four refits moved four times the plan.
+  CHECK(o.traffic.bytes_sent == 4 * o.plan_bytes);
+  CHECK(o.max(&RefitReport::peak_staging_bytes) <= 2048);
+}
+
+TEST_CASE("a staging budget smaller than one message splits it across waves") {
+  // One 32 KiB strided piece per pair (row-parallel: packed on the sender).
+  Layout src = make_layout({{"tp", 2}}, 0, {tensor("o", {128, 256}, {{}, on(0, 2)}, DType::bf16)});
+  Layout dst = make_layout({{"tp", 4}}, 2, {tensor("o", {128, 256}, {{}, on(0, 4)}, DType::bf16)});
+  ResharderOptions opt;
+  opt.executor.staging_budget = 1024;
+  auto o = run_refits(src, dst, opt);
+  check_outcome(o);
+  CHECK(o.max(&RefitReport::peak_staging_bytes) <= 1024);
+  CHECK(o.max(&RefitReport::peak_staging_bytes) > 0);
+  int most_waves = 0;
+  for (const auto& r : o.last) most_waves = std::max(most_waves, r.waves);
+  CHECK(most_waves >= 32);  // 16 KiB per pair through at most 512 bytes per wave
+}
+
+TEST_CASE("strided views: weights inside larger allocations") {
+  auto [src, dst] = llama_block();
+  const auto ranks = refit_test::world_of(src, dst);
+  std::vector<refit_test::SideMemory> smem, dmem;
+  for (auto r : ranks) {
+    smem.push_back(refit_test::make_side(src, r, true, 9));
+    dmem.push_back(refit_test::make_side(dst, r, false, 9));
+  }
+  // Each destination buffer lives in a bigger pitched allocation: rows of
+  // cols + 3 elements, offset by 5; copy back out after the refit to check.
+  struct Pitched {
+    std::vector<std::uint16_t> mem;
+    std::int64_t rows = 0, cols = 0, pitch = 0;
+  };
+  std::vector<std::map<std::string, Pitched>> pitched(ranks.size());
+  std::int64_t wrong = 0;
+  std::string first;
+  std::mutex m;
+  LocalWorld world(ranks);
+  world.run([&](LocalTransport& t) {
+    std::size_t i = 0;
+    while (ranks[i] != t.rank()) ++i;
+    LocalBuffers bufs;
+    bufs.src = refit_test::views(src, smem[i]);
+    const auto dpos = dst.mesh.position_of(t.rank());
+    for (std::size_t b = 0; dpos && b < dst.local_buffers().size(); ++b) {
+      if (!dmem[i].present[b]) continue;
+      auto shape = buffer_shape(dst, *dpos, static_cast<int>(b));
+      Pitched& p = pitched[i][dst.local_buffers()[b].name];
+      p.rows = shape.size() == 2 ? shape[0] : 1;
+      p.cols = shape.back();
+      p.pitch = p.cols + 3;
+      p.mem.assign(static_cast<std::size_t>(5 + p.rows * p.pitch), 0xBEEF);
+      // Start from the poisoned contents so padding checks still hold.
+      for (std::int64_t r = 0; r < p.rows; ++r)
+        std::memcpy(&p.mem[static_cast<std::size_t>(5 + r * p.pitch)], dmem[i].data[b].data() + r * p.cols * 2, static_cast<std::size_t>(p.cols) * 2);
+      if (shape.size() == 2)
+        bufs.dst[dst.local_buffers()[b].name] = strided_view(p.mem.data() + 5, shape, {p.pitch, 1});
+      else
+        bufs.dst[dst.local_buffers()[b].name] = strided_view(p.mem.data() + 5, shape, {1});
+    }
+    ResharderOptions opt;
+    opt.executor.zero_copy_min = 0;
+    Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
+    r.refit();
+    for (std::size_t b = 0; dpos && b < dst.local_buffers().size(); ++b) {
+      if (!dmem[i].present[b]) continue;
+      Pitched& p = pitched[i][dst.local_buffers()[b].name];
+      for (std::int64_t row = 0; row < p.rows; ++row)
+        std::memcpy(dmem[i].data[b].data() + row * p.cols * 2, &p.mem[static_cast<std::size_t>(5 + row * p.pitch)], static_cast<std::size_t>(p.cols) * 2);
+      // The gaps between rows were never touched.
+      for (std::int64_t row = 0; row < p.rows; ++row)
+        for (std::int64_t c = p.cols; c < p.pitch && 5 + row * p.pitch + c < static_cast<std::int64_t>(p.mem.size()); ++c)
+          CHECK(p.mem[static_cast<std::size_t>(5 + row * p.pitch + c)] == 0xBEEF);
+    }
+    std::string f;
+    const auto w = refit_test::count_wrong(dst, dmem[i], t.rank(), 9, &f);
+    std::lock_guard lk(m);
+    if (w && first.empty()) first = f;
+    wrong += w;
+  });
+  INFO(first);
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("misuse is a clear error naming the buffer") {
+  auto [src, dst] = llama_block();
+  const auto ranks = refit_test::world_of(src, dst);
+  // Runs a setup where `edit` changes rank 5's buffers; returns the error.
+  auto setup_error = [&](const std::function<void(LocalBuffers&)>& edit) {
+    std::vector<refit_test::SideMemory> smem, dmem;
+    for (auto r : ranks) {
+      smem.push_back(refit_test::make_side(src, r, true, 0));
+      dmem.push_back(refit_test::make_side(dst, r, false, 0));
+    }
+    LocalWorld world(ranks);
+    return error_of([&] {
+      world.run([&](LocalTransport& t) {
+        std::size_t i = 0;
+        while (ranks[i] != t.rank()) ++i;
+        LocalBuffers bufs;
+        bufs.src = refit_test::views(src, smem[i]);
+        bufs.dst = refit_test::views(dst, dmem[i]);
+        if (t.rank() == 5) edit(bufs);
+        Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
+        r.refit();
+      });
+    });
+  };
+  CHECK(setup_error([](LocalBuffers&) {}) == "(no error)");
+  auto e = setup_error([](LocalBuffers& b) { b.dst.erase("qkv_proj"); });
+  CHECK(e.find("destination buffer 'qkv_proj' is missing") != std::string::npos);
+  CHECK(e.find("rank 5") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) { b.dst["gate_up_proj"].elements -= 1; });
+  CHECK(e.find("'gate_up_proj' is too small") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) {
+    auto& v = b.dst["o"];
+    v.element_bytes = 4;
+    v.elements /= 2;
+  });
+  CHECK(e.find("'o' has 4-byte elements but the layout stores bf16") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) { b.dst["qkv"] = b.dst["qkv_proj"]; });
+  CHECK(e.find("'qkv' is not a buffer of") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) { b.dst["down"].data = b.dst["o"].data; });
+  CHECK(e.find("overlap in memory") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) {
+    auto& v = b.dst["o"];
+    v.shape = {64, 32};
+    v.strides = {32, 1};
+  });
+  CHECK(e.find("the view has shape [64, 32] but the layout gives this rank shape [64, 16]") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) {
+    auto& v = b.dst["o"];
+    v.shape = {64, 16};
+    v.strides = {8, 1};
+  });
+  CHECK(e.find("map two elements to one place") != std::string::npos);
+  e = setup_error([](LocalBuffers& b) { b.src["linear_qkv"] = b.dst["o"]; });
+  CHECK(e.find("source buffer 'linear_qkv' was given but") != std::string::npos);
+}
+
+TEST_CASE("refit before setup, and a failed refit, are errors") {
+  auto [src, dst] = llama_block();
+  Resharder<Layout, LocalTransport> unready(src, dst);
+  auto e = error_of([&] { unready.refit(); });
+  CHECK(e.find("setup() has not completed") != std::string::npos);
+
+  // Rank 4 never calls refit: every rank that exchanges data with it must
+  // fail at its deadline (or by abort), never return a report.
+  const auto ranks = refit_test::world_of(src, dst);
+  std::vector<refit_test::SideMemory> smem, dmem;
+  for (auto r : ranks) {
+    smem.push_back(refit_test::make_side(src, r, true, 0));
+    dmem.push_back(refit_test::make_side(dst, r, false, 0));
+  }
+  std::atomic<int> reports{0}, depends{0};
+  LocalWorld world(ranks);
+  ResharderOptions opt;
+  opt.executor.timeout = std::chrono::milliseconds(300);
+  e = error_of([&] {
+    world.run([&](LocalTransport& t) {
+      std::size_t i = 0;
+      while (ranks[i] != t.rank()) ++i;
+      LocalBuffers bufs;
+      bufs.src = refit_test::views(src, smem[i]);
+      bufs.dst = refit_test::views(dst, dmem[i]);
+      Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
+      if (t.rank() == 4) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(800));
+        return;
+      }
+      bool needs4 = false;
+      for (const auto& c : r.schedule().copies) needs4 |= c.src_rank == 4 || c.dst_rank == 4;
+      depends += needs4;
+      try {
+        r.refit();
+        reports += needs4;
+      } catch (const Error&) {
+        // A second refit after a failure is refused.
+        auto again = error_of([&] { r.refit(); });
+        CHECK(again.find("an earlier run failed") != std::string::npos);
+        throw;
+      }
+    });
+  });
+  CHECK(depends > 0);
+  CHECK(reports == 0);
+  CHECK((e.find("timed out") != std::string::npos || e.find("aborted") != std::string::npos));
+}
+
+TEST_CASE("layouts of different tensors are refused before any setup") {
+  auto [src, dst] = llama_block();
+  Layout other = make_layout({{"tp", 1}}, 0, {tensor("q", {64, 32})});
+  auto e = error_of([&] { Resharder<Layout, LocalTransport> r(src, other); });
+  CHECK(e.find("shape") != std::string::npos);
+}
+
+TEST_CASE("verify.hpp tags every slot the way the oracle lays them out") {
+  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed);
+    INFO(pair.describe());
+    for (const Layout* L : {&pair.src, &pair.dst}) {
+      for (std::int64_t pos = 0; pos < L->mesh.size(); ++pos) {
+        const auto slots = oracle::local_slots(*L, pos);
+        for (std::size_t b = 0; b < slots.buffers.size(); ++b) {
+          if (!slots.present[b]) continue;
+          const auto E = static_cast<std::size_t>(element_bytes(L->local_buffers()[b].dtype));
+          std::vector<std::byte> mem(slots.buffers[b].size() * E, std::byte{0x11});
+          fill_tags(*L, pos, static_cast<int>(b), mem.data(), TagFill::source, 3);
+          for (std::size_t i = 0; i < slots.buffers[b].size(); ++i) {
+            const auto& sl = slots.buffers[b][i];
+            std::vector<std::byte> want(E, kSourcePadding);
+            if (!sl.padding()) {
+              const auto v = element_tag(tensor_key(L->tensors[static_cast<std::size_t>(sl.tensor)].name), sl.index, 3);
+              std::memcpy(want.data(), &v, E);
+            }
+            REQUIRE(std::memcmp(mem.data() + i * E, want.data(), E) == 0);
+          }
+          // A destination filled with the poison fails every slot; the right values pass.
+          fill_tags(*L, pos, static_cast<int>(b), mem.data(), TagFill::poison, 3);
+          const auto bad = check_tags(*L, pos, static_cast<int>(b), mem.data(), 3);
+          std::int64_t real = 0;
+          for (const auto& sl : slots.buffers[b]) real += !sl.padding();
+          CHECK(bad.wrong == real);
+          CHECK(bad.checked == static_cast<std::int64_t>(slots.buffers[b].size()));
+        }
+      }
+    }
+  }
+}
+
+namespace {
+/// Stands for a compile-time layout type: anything with .lower() works.
+struct LowersToLayout {
+  Layout runtime;
+  Layout lower() const { return runtime; }
+};
+}  // namespace
+
+TEST_CASE("layouts given as types that lower to reshard::Layout") {
+  auto [src, dst] = llama_block();
+  static_assert(LayoutDescription<LowersToLayout>);
+  static_assert(!LayoutDescription<int>);
+  const LowersToLayout typed{src};
+  const auto ranks = refit_test::world_of(src, dst);
+  std::vector<refit_test::SideMemory> smem, dmem;
+  for (auto r : ranks) {
+    smem.push_back(refit_test::make_side(src, r, true, 4));
+    dmem.push_back(refit_test::make_side(dst, r, false, 4));
+  }
+  std::atomic<std::int64_t> wrong{0};
+  LocalWorld world(ranks);
+  world.run([&](LocalTransport& t) {
+    std::size_t i = 0;
+    while (ranks[i] != t.rank()) ++i;
+    LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
+    Resharder<LowersToLayout, LocalTransport> r(typed, dst, bufs, t);
+    r.refit();
+    wrong += refit_test::count_wrong(dst, dmem[i], t.rank(), 4, nullptr);
+  });
+  CHECK(wrong == 0);
+}

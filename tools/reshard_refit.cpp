@@ -1,0 +1,233 @@
+// reshard-refit: runs a real refit and the traditional one side by side
+// (CONTRACT.md §3).
+//   reshard-refit [--transport local] [--iterations N] [--json] [--src SRC.json --dst DST.json]
+//                 [--model CONFIG.json --train SPEC --infer SPEC [--colocate] [--group-experts]]
+//                 [--staging-budget BYTES] [--no-baseline]
+// With no arguments: an embedded Llama-like model (8 layers, hidden 2048,
+// bf16, ~700 MB) from Megatron pp=2 x dp=2 x tp=2 to vLLM tp=4 on the
+// in-process transport. Every destination element is checked after the last
+// refit of each method. Exit status: 0 validated, 1 validation failed or
+// invalid input, 2 usage error.
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "refit_harness.hpp"
+#include "reshard/json_io.hpp"
+#include "reshard/presets/presets.hpp"
+#ifdef RESHARD_HAVE_UCX
+#include "reshard/backends/mpi_bootstrap.hpp"
+#include "reshard/ucx_refit.hpp"
+#endif
+
+namespace {
+
+using namespace reshard;
+using refit_harness::MethodResult;
+
+std::string human_bytes(double b) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
+}
+std::string human_seconds(double s) { return s < 1 ? fmt::format("{:.1f} ms", s * 1e3) : fmt::format("{:.3f} s", s); }
+
+nlohmann::json method_json(const MethodResult& m) {
+  return {{"bytes_moved", m.bytes_moved},     {"seconds", m.median}, {"best_seconds", m.best},
+          {"validated", m.validated},         {"local_bytes", m.local_bytes},
+          {"messages", m.messages},           {"waves", m.waves},
+          {"peak_staging_bytes", m.peak_staging_bytes}, {"iteration_seconds", m.seconds},
+          {"checked_elements", m.checked},    {"wrong_elements", m.wrong}};
+}
+
+#ifdef RESHARD_HAVE_UCX
+/// `--transport ucx` under mpirun: world = both sides' ranks. Rank 0 prints
+/// the report; every rank exits 1 unless the refit validated.
+int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const std::string& model, int iterations,
+            bool baseline, std::int64_t budget, const std::string& protocol, bool json) {
+  MpiSession mpi(argc, argv);
+  try {
+    UcxOptions uo;
+    uo.protocol = parse_ucx_protocol(protocol);
+    UcxTransport t(mpi_bootstrap(), uo);
+    UcxRefitOptions ro;
+    ro.iterations = iterations;
+    ro.baseline = baseline;
+    ro.executor.staging_budget = budget;
+    const UcxRefitResult r = ucx_refit(src, dst, t, ro);
+    const bool ok = r.reshard.validated && (!baseline || r.baseline.validated);
+    if (t.rank() == 0) {
+      auto j = to_json(r);
+      j["model"] = model;
+      std::cout << (json ? j.dump() : j.dump(2)) << std::endl;
+      if (!ok)
+        fmt::print(stderr, "reshard-refit: validation failed: {}\n",
+                   !r.reshard.validated ? r.reshard.first_wrong : r.baseline.first_wrong);
+    }
+    t.all_gather({}, Clock::now() + std::chrono::seconds(30));
+    return ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "reshard-refit: rank {}: {}\n", mpi.rank(), e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);  // finalize can hang after a failed peer
+  }
+  return 1;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"reshard-refit: move real weights from a training layout to an inference layout, and compare with the traditional refit"};
+  std::string transport = "local", src_path, dst_path, model_path, train_spec, infer_spec;
+  int iterations = 5;
+  bool json = false, no_baseline = false, colocate = false, group_experts = false;
+  std::int64_t budget = ExecutorOptions{}.staging_budget;
+  std::string protocol = "tag";
+  app.add_option("--transport", transport, "local (in-process threads) or ucx (under mpirun); nccl is not built yet");
+  app.add_option("--protocol", protocol, "ucx: tag (tagged messages, default) or put (one-sided puts)");
+  app.add_option("--iterations", iterations, "refits per method; seconds is the median")->check(CLI::Range(1, 1000));
+  app.add_flag("--json", json, "one JSON object on stdout");
+  auto* so = app.add_option("--src", src_path, "source layout file (CONTRACT.md §1)");
+  auto* dopt = app.add_option("--dst", dst_path, "destination layout file");
+  so->needs(dopt);
+  dopt->needs(so);
+  auto* mo = app.add_option("--model", model_path, "HuggingFace config.json: both layouts from presets");
+  auto* to = app.add_option("--train", train_spec, "training parallelism (Megatron-Core), e.g. tp=2,pp=2,dp=2");
+  auto* io = app.add_option("--infer", infer_spec, "inference parallelism (vLLM), e.g. tp=4");
+  auto* co = app.add_flag("--colocate", colocate, "inference ranks are the training ranks");
+  auto* go = app.add_flag("--group-experts", group_experts, "stack MoE experts into 3-D tensors");
+  mo->needs(to)->needs(io);
+  for (auto* o : {to, io, co, go}) o->needs(mo);
+  mo->excludes(so);
+  app.add_option("--staging-budget", budget, "staging bytes per rank (default 256 MiB)")->check(CLI::Range(std::int64_t{64}, INT64_MAX));
+  app.add_flag("--no-baseline", no_baseline, "skip the traditional refit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+#ifdef RESHARD_HAVE_UCX
+  const bool have_ucx = true;
+#else
+  const bool have_ucx = false;
+#endif
+  if (transport == "nccl" || (transport == "ucx" && !have_ucx)) {
+    fmt::print(stderr, "reshard-refit: transport '{}' is not built{}\n", transport,
+               transport == "nccl" ? " yet" : " (UCX or MPI was not found when this was configured)");
+    return 2;
+  }
+  if (transport != "local" && transport != "ucx") {
+    fmt::print(stderr, "reshard-refit: unknown transport '{}' (local, ucx or nccl)\n", transport);
+    return 2;
+  }
+
+  try {
+    Layout src, dst;
+    std::string model;
+    if (!model_path.empty()) {
+      presets::PresetOptions popt;
+      popt.colocate = colocate;
+      popt.group_experts = group_experts;
+      auto m = presets::model_layouts(model_path, train_spec, infer_spec, popt);
+      src = std::move(m.train);
+      dst = std::move(m.infer);
+      src.origin = "train " + train_spec;
+      dst.origin = "infer " + infer_spec;
+      model = m.manifest.config.origin;
+    } else if (!src_path.empty()) {
+      src = read_layout_file(src_path);
+      dst = read_layout_file(dst_path);
+      model = fmt::format("{} -> {}", src_path, dst_path);
+    } else {
+      const refit_harness::ModelShape m;
+      src = refit_harness::megatron_layout(m, 2, 2, 2, 0);
+      dst = refit_harness::vllm_layout(m, 4, 1, 8);
+      model = m.name;
+    }
+#ifdef RESHARD_HAVE_UCX
+    if (transport == "ucx") return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json);
+#endif
+    refit_harness::RunOptions opt;
+    opt.iterations = iterations;
+    opt.baseline = !no_baseline;
+    opt.executor.staging_budget = budget;
+    const auto r = refit_harness::run_refit(src, dst, opt);
+    const bool ok = r.reshard.validated && (no_baseline || r.baseline.validated);
+    const double speedup = r.reshard.median > 0 && !no_baseline ? r.baseline.median / r.reshard.median : 0;
+
+    if (json) {
+      nlohmann::json j = {{"model", model},
+                          {"transport", transport},
+                          {"src_ranks", r.src_ranks},
+                          {"dst_ranks", r.dst_ranks},
+                          {"src_layout", src.origin},
+                          {"dst_layout", dst.origin},
+                          {"bytes_moved", r.reshard.bytes_moved},
+                          {"seconds", r.reshard.median},
+                          {"best_seconds", r.reshard.best},
+                          {"validated", ok},
+                          {"iterations", iterations},
+                          {"iteration_seconds", r.reshard.seconds},
+                          {"plan_bytes", r.plan_bytes},
+                          {"minimal_bytes", r.minimal_bytes},
+                          {"local_bytes", r.reshard.local_bytes},
+                          {"messages", r.reshard.messages},
+                          {"waves", r.reshard.waves},
+                          {"peak_staging_bytes", r.reshard.peak_staging_bytes},
+                          {"staging_budget_bytes", budget},
+                          {"transport_bytes", r.transport_bytes},
+                          {"plan_seconds", r.plan_seconds},
+                          {"checked_elements", r.reshard.checked},
+                          {"wrong_elements", r.reshard.wrong}};
+      if (!no_baseline) {
+        j["baseline"] = method_json(r.baseline);
+        j["speedup"] = speedup;
+      }
+      std::cout << j.dump() << "\n";
+    } else {
+      fmt::print("reshard-refit: {} ({}, {} ranks -> {}, {} ranks) on the {} transport, {} iterations\n", model, src.origin, r.src_ranks,
+                 dst.origin, r.dst_ranks, transport, iterations);
+      fmt::print("{:<24} {:>14} {:>14}\n", "", "reshard", no_baseline ? "" : "traditional");
+      auto row = [&](const char* name, const std::string& a, const std::string& b) { fmt::print("{:<24} {:>14} {:>14}\n", name, a, b); };
+      const MethodResult& b = r.baseline;
+      row("median time", human_seconds(r.reshard.median), no_baseline ? "" : human_seconds(b.median));
+      row("best time", human_seconds(r.reshard.best), no_baseline ? "" : human_seconds(b.best));
+      row("bytes over the network", human_bytes(static_cast<double>(r.reshard.bytes_moved)), no_baseline ? "" : human_bytes(static_cast<double>(b.bytes_moved)));
+      row("bytes copied locally", human_bytes(static_cast<double>(r.reshard.local_bytes)), no_baseline ? "" : human_bytes(static_cast<double>(b.local_bytes)));
+      row("messages", fmt::format("{}", r.reshard.messages), no_baseline ? "" : fmt::format("{}", b.messages));
+      row("waves (max per rank)", fmt::format("{}", r.reshard.waves), no_baseline ? "" : fmt::format("{}", b.waves));
+      row("peak staging (max rank)", human_bytes(static_cast<double>(r.reshard.peak_staging_bytes)),
+          no_baseline ? "" : human_bytes(static_cast<double>(b.peak_staging_bytes)));
+      row("validated", r.reshard.validated ? "yes" : "NO", no_baseline ? "" : (b.validated ? "yes" : "NO"));
+      fmt::print("plan: {} over the network (minimal {}), {} locally; staging budget {} per rank\n",
+                 human_bytes(static_cast<double>(r.plan_bytes)), human_bytes(static_cast<double>(r.minimal_bytes)),
+                 human_bytes(static_cast<double>(r.plan_local_bytes)), human_bytes(static_cast<double>(budget)));
+      if (!no_baseline)
+        fmt::print("speedup: {:.2f}x faster than the traditional refit (median of {} alternating iterations; best {:.2f}x)\n", speedup,
+                   iterations, r.reshard.best > 0 ? b.best / r.reshard.best : 0.0);
+      if (!r.reshard.validated) fmt::print("reshard: {} wrong elements; first: {}\n", r.reshard.wrong, r.reshard.first_wrong);
+      if (!no_baseline && !b.validated) fmt::print("traditional: {} wrong elements; first: {}\n", b.wrong, b.first_wrong);
+    }
+    if (!ok) {
+      fmt::print(stderr, "reshard-refit: validation failed: {}\n", !r.reshard.validated ? r.reshard.first_wrong : r.baseline.first_wrong);
+      return 1;
+    }
+    return 0;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "reshard-refit: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "reshard-refit: {}\n", e.what());
+    return 1;
+  }
+}
