@@ -1,0 +1,126 @@
+#pragma once
+// Small helpers the layout presets share: building a Layout tensor by tensor
+// from a manifest, and the arithmetic both presets need (rounding, stages).
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../layout.hpp"
+#include "model.hpp"
+#include "parallel_spec.hpp"
+
+namespace reshard::presets {
+
+inline std::int64_t round_up(std::int64_t n, std::int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+namespace detail {
+
+/// Builds one side's Layout: mesh axes, then tensors and fused buffers.
+class LayoutBuilder {
+ public:
+  LayoutBuilder(std::string origin, std::vector<Axis> axes, std::int64_t first_rank) {
+    L_.origin = std::move(origin);
+    L_.mesh.axes = std::move(axes);
+    L_.mesh.first_rank = first_rank;
+  }
+  int axis(std::string_view name) const { return L_.mesh.axis_index(name); }
+  std::int64_t size(std::string_view name) const {
+    return L_.mesh.axes[static_cast<std::size_t>(axis(name))].size;
+  }
+  /// The whole axis as a reference.
+  AxisRef whole(std::string_view name) const { return AxisRef{axis(name), 1, size(name)}; }
+
+  /// An even cut over `refs` (major to minor), optionally of a padded extent.
+  static DimSpec even(std::vector<AxisRef> refs, std::int64_t pad_to = 0) {
+    DimSpec d;
+    d.axes = std::move(refs);
+    d.pad_to = pad_to;
+    return d;
+  }
+  static DimSpec sizes(std::vector<AxisRef> refs, std::vector<std::int64_t> parts) {
+    DimSpec d;
+    d.axes = std::move(refs);
+    d.split = Split::sizes;
+    d.sizes = std::move(parts);
+    return d;
+  }
+
+  /// Adds a manifest tensor with its dimspecs (empty = replicated) and the
+  /// pipeline stage (coordinate on axis `stage_axis`) it lives on.
+  void add(const TensorInfo& t, std::vector<DimSpec> dims, std::int64_t stage) {
+    TensorSpec s;
+    s.name = t.name;
+    s.shape = t.shape;
+    s.dtype = t.dtype;
+    if (dims.empty()) dims.resize(t.shape.size());
+    s.dims = std::move(dims);
+    if (stage_axis_ >= 0) s.stage.push_back(StageCoord{stage_axis_, stage});
+    L_.tensors.push_back(std::move(s));
+  }
+  void set_stage_axis(std::string_view name) { stage_axis_ = axis(name); }
+
+  /// A concat buffer of tensors (by name) along `dim`.
+  void concat(std::string name, std::vector<std::string> parts, std::int64_t interleave = 1, int dim = 0) {
+    BufferSpec b;
+    b.name = std::move(name);
+    b.parts = std::move(parts);
+    b.kind = BufferKind::concat;
+    b.dim = dim;
+    b.interleave = interleave;
+    L_.buffers.push_back(std::move(b));
+  }
+
+  Layout finish() {
+    L_.validate();
+    return std::move(L_);
+  }
+
+ private:
+  Layout L_;
+  int stage_axis_ = -1;
+};
+
+/// Expresses one digit of a factorization of the ranks of a pipeline stage
+/// as sub-axes of the mesh axes. `axes` are the mesh's (axis, size) pairs
+/// minor to major; the digit spans the mixed-radix positions [lo, hi) in
+/// product scale (a digit of size z that starts after a stride s spans
+/// [s, s*z)). Returns the references major to minor, or nullopt when the digit
+/// does not line up with the axes (no sub-axes express it).
+inline std::optional<std::vector<AxisRef>> digit_as_subaxes(const std::vector<std::pair<int, std::int64_t>>& axes,
+                                                            std::int64_t lo, std::int64_t hi) {
+  std::vector<AxisRef> refs;
+  std::int64_t a_lo = 1;
+  for (const auto& [axis, size] : axes) {
+    const std::int64_t a_hi = a_lo * size;
+    const std::int64_t o_lo = std::max(lo, a_lo), o_hi = std::min(hi, a_hi);
+    if (o_lo < o_hi) {
+      if (o_lo % a_lo != 0 || o_hi % o_lo != 0 || a_hi % o_hi != 0) return std::nullopt;
+      refs.push_back(AxisRef{axis, o_lo / a_lo, o_hi / o_lo});
+    }
+    a_lo = a_hi;
+  }
+  std::int64_t covered = 1;
+  for (const auto& r : refs) covered *= r.size;
+  if (covered != hi / lo || hi % lo != 0) return std::nullopt;
+  return std::vector<AxisRef>(refs.rbegin(), refs.rend());
+}
+
+/// Stage of each layer (decoder layers, then MTP layers on the last stage).
+inline std::vector<std::int64_t> stage_of_layers(const std::vector<std::int64_t>& counts, std::int64_t total_layers) {
+  std::vector<std::int64_t> stage;
+  for (std::size_t s = 0; s < counts.size(); ++s)
+    for (std::int64_t i = 0; i < counts[s]; ++i) stage.push_back(static_cast<std::int64_t>(s));
+  while (static_cast<std::int64_t>(stage.size()) < total_layers)
+    stage.push_back(static_cast<std::int64_t>(counts.size()) - 1);
+  return stage;
+}
+
+/// "CONFIG: train spec 'tp=3': " prefix for preset errors.
+inline std::string spec_where(const ModelConfig& c, std::string_view side, const ParallelSpec& s) {
+  return fmt::format("{}: {} spec '{}'", c.origin, side, s.text.empty() ? to_string(s) : s.text);
+}
+
+}  // namespace detail
+}  // namespace reshard::presets

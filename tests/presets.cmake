@@ -1,0 +1,5 @@
+# test_presets reads model configs from tests/models (copies of ../shared/models
+# plus tiny Qwen3 / Qwen3-MoE / MLA+MTP configs), so it runs from any build dir.
+if(TARGET test_presets)
+  target_compile_definitions(test_presets PRIVATE RESHARD_TEST_MODELS="${CMAKE_CURRENT_SOURCE_DIR}/models")
+endif()
