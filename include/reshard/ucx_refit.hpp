@@ -1,0 +1,465 @@
+#pragma once
+// A measured refit over the UCX transport, run by every process of the job
+// (reshard-refit --transport ucx under mpirun). Mirrors the in-process
+// harness: the same tagged weights (verify.hpp), the reshard refit and the
+// traditional gather + broadcast + slice refit (traditional.hpp) on the same
+// transport, alternating iterations, the last of each checked element by
+// element from all-wrong destination memory. Then the raw UCX bandwidth
+// between the two ranks that exchange the most bytes is measured in the same
+// run, so the report says what fraction of the transport the refit reached.
+//
+//   reshard::MpiSession mpi(argc, argv);
+//   reshard::UcxTransport t(reshard::mpi_bootstrap(), ucx_options);
+//   auto r = reshard::ucx_refit(src, dst, t, options);   // collective
+//   if (t.rank() == 0) std::cout << reshard::to_json(r).dump() << "\n";
+//
+// Every rank returns the same result. A failure on any rank throws on every
+// rank (the transport is aborted); the destination is then not updated.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "backends/ucx.hpp"
+#include "commit.hpp"
+#include "plan.hpp"
+#include "resharder.hpp"
+#include "traditional.hpp"
+#include "verify.hpp"
+
+namespace reshard {
+
+struct UcxRefitOptions {
+  int iterations = 5;
+  bool baseline = true;
+  ExecutorOptions executor;
+  /// Raw bandwidth probe: bytes per transfer (0: the busiest pair's bytes,
+  /// clamped to [1 MiB, probe_max_bytes]) and timed transfers.
+  bool probe = true;
+  std::size_t probe_bytes = 0, probe_max_bytes = std::size_t{256} << 20;
+  int probe_iterations = 3;
+};
+
+/// One method's figures over all ranks (what the local harness reports).
+struct UcxRefitMethod {
+  std::int64_t bytes_moved = 0;  ///< network bytes per refit, sum over ranks
+  std::int64_t local_bytes = 0, messages = 0;
+  int waves = 0;
+  std::int64_t peak_staging_bytes = 0, staging_bytes = 0;
+  std::int64_t max_rank_bytes = 0;  ///< most bytes one rank sent or received per refit
+  std::vector<double> seconds;      ///< per iteration
+  double median = 0, best = 0;
+  bool validated = false;
+  std::int64_t checked = 0, wrong = 0;
+  std::string first_wrong;
+};
+
+struct UcxRefitResult {
+  std::int64_t world = 0, src_ranks = 0, dst_ranks = 0;
+  std::int64_t plan_bytes = 0, plan_local_bytes = 0;
+  double plan_seconds = 0;
+  bool same_host = true;  ///< seconds are first start to last finish (else the slowest rank's own time)
+  std::string protocol;
+  UcxRefitMethod reshard, baseline;
+  bool has_baseline = false;
+  /// Raw bandwidth between the busiest pair, both protocols.
+  std::int64_t pair_from = -1, pair_to = -1, pair_bytes = 0;
+  UcxBandwidth raw_put, raw_tag;
+  bool has_probe = false;
+  double refit_gb_per_s = 0;       ///< bytes_moved / median
+  double bottleneck_gb_per_s = 0;  ///< max_rank_bytes / median: the busiest rank's link
+  double fraction_of_raw = 0;      ///< bottleneck vs the raw bandwidth of the protocol in use
+  double fraction_of_raw_put = 0;  ///< bottleneck vs raw one-sided puts
+  double speedup = 0;              ///< baseline median / reshard median
+  std::vector<std::int64_t> connected_peers_max;  ///< the reshard program's endpoints on the rank with the most
+};
+
+namespace ucx_refit_detail {
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Dense local buffers of this rank under one layout.
+struct Side {
+  const Layout* L = nullptr;
+  std::optional<std::int64_t> pos;
+  std::vector<std::unique_ptr<std::byte[]>> mem;
+
+  void allocate(const Layout& layout, std::int64_t rank, std::map<std::string, BufferView>& views) {
+    L = &layout;
+    pos = layout.mesh.position_of(rank);
+    const auto& lbs = layout.local_buffers();
+    mem.resize(lbs.size());
+    if (!pos) return;
+    for (std::size_t b = 0; b < lbs.size(); ++b) {
+      const auto shape = buffer_shape(layout, *pos, static_cast<int>(b));
+      if (shape.empty()) continue;
+      const std::int64_t E = element_bytes(lbs[b].dtype);
+      const std::int64_t bytes = product(shape) * E;
+      mem[b] = std::make_unique<std::byte[]>(static_cast<std::size_t>(std::max<std::int64_t>(bytes, 1)));  // zeroed: pages touched now
+      views[lbs[b].name] = bytes_view(mem[b].get(), static_cast<std::size_t>(bytes), E);
+    }
+  }
+  void fill(TagFill mode, std::uint64_t salt) {
+    if (!pos) return;
+    for (std::size_t b = 0; b < mem.size(); ++b)
+      if (mem[b]) fill_tags(*L, *pos, static_cast<int>(b), mem[b].get(), mode, salt);
+  }
+  TagCheck check(std::uint64_t salt) const {
+    TagCheck all;
+    if (!pos) return all;
+    for (std::size_t b = 0; b < mem.size(); ++b) {
+      if (!mem[b]) continue;
+      auto r = check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt);
+      all.checked += r.checked;
+      if (r.wrong && all.first_wrong.empty()) all.first_wrong = r.first_wrong;
+      all.wrong += r.wrong;
+    }
+    return all;
+  }
+};
+
+/// What one rank contributes to the summary.
+struct RankFigures {
+  std::vector<std::int64_t> t0, t1, b0, b1;  ///< steady-clock ns per iteration
+  RefitReport main;
+  std::vector<RefitReport> base;
+  TagCheck check, base_check;
+  double plan_seconds = 0;
+  std::string host;
+  std::vector<std::int64_t> peers;
+  std::vector<std::pair<std::int64_t, std::int64_t>> sends;  ///< (dst rank, bytes) this rank sends
+};
+
+inline void put_report(ucx_detail::Writer& w, const RefitReport& r) {
+  for (std::int64_t v : {r.bytes_sent, r.bytes_received, r.local_bytes, r.messages_sent, r.messages_received, r.zero_copy_bytes, r.packed_bytes,
+                         r.unpacked_bytes, std::int64_t{r.waves}, r.staging_bytes, r.peak_staging_bytes, r.plan_bytes_sent, r.plan_bytes_received,
+                         r.plan_local_bytes})
+    w.put(v);
+  w.put(r.seconds);
+}
+inline RefitReport get_report(ucx_detail::Reader& rd) {
+  RefitReport r;
+  r.bytes_sent = rd.get<std::int64_t>();
+  r.bytes_received = rd.get<std::int64_t>();
+  r.local_bytes = rd.get<std::int64_t>();
+  r.messages_sent = rd.get<std::int64_t>();
+  r.messages_received = rd.get<std::int64_t>();
+  r.zero_copy_bytes = rd.get<std::int64_t>();
+  r.packed_bytes = rd.get<std::int64_t>();
+  r.unpacked_bytes = rd.get<std::int64_t>();
+  r.waves = static_cast<int>(rd.get<std::int64_t>());
+  r.staging_bytes = rd.get<std::int64_t>();
+  r.peak_staging_bytes = rd.get<std::int64_t>();
+  r.plan_bytes_sent = rd.get<std::int64_t>();
+  r.plan_bytes_received = rd.get<std::int64_t>();
+  r.plan_local_bytes = rd.get<std::int64_t>();
+  r.seconds = rd.get<double>();
+  return r;
+}
+template <class V>
+void put_vec(ucx_detail::Writer& w, const std::vector<V>& v) {
+  w.put<std::uint64_t>(v.size());
+  for (const auto& x : v) w.put(x);
+}
+template <class V>
+std::vector<V> get_vec(ucx_detail::Reader& rd) {
+  std::vector<V> v(static_cast<std::size_t>(rd.get<std::uint64_t>()));
+  for (auto& x : v) x = rd.get<V>();
+  return v;
+}
+inline void put_check(ucx_detail::Writer& w, const TagCheck& c) {
+  w.put(c.checked);
+  w.put(c.wrong);
+  w.put_string(c.first_wrong);
+}
+inline TagCheck get_check(ucx_detail::Reader& rd) {
+  TagCheck c;
+  c.checked = rd.get<std::int64_t>();
+  c.wrong = rd.get<std::int64_t>();
+  c.first_wrong = rd.get_string();
+  return c;
+}
+
+inline std::string host_name() {
+  char h[256] = {};
+  if (gethostname(h, sizeof(h) - 1) != 0) return "?";
+  return h;
+}
+
+}  // namespace ucx_refit_detail
+
+/// Runs the measured refit on every rank of `t`'s world (collective).
+inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTransport& t, const UcxRefitOptions& opt = {}) {
+  using namespace ucx_refit_detail;
+  UcxRefitResult res;
+  const auto world = t.world_ranks();
+  res.world = static_cast<std::int64_t>(world.size());
+  res.src_ranks = src.mesh.size();
+  res.dst_ranks = dst.mesh.size();
+  res.protocol = std::string(to_string(t.protocol()));
+  res.has_baseline = opt.baseline;
+  const int iters = std::max(1, opt.iterations);
+  {
+    std::int64_t need = 0;
+    for (const Layout* L : {&src, &dst})
+      for (auto r : L->mesh.global_ranks()) need = std::max(need, r + 1);
+    for (const Layout* L : {&src, &dst})
+      for (auto r : L->mesh.global_ranks())
+        if (std::find(world.begin(), world.end(), r) == world.end())
+          fail("ucx refit: {} uses rank {} but the job has {} processes (run under mpirun with -np {} or more)", L->origin, r, world.size(), need);
+  }
+  const Layout gathered = opt.baseline ? gather_layout(src) : Layout{};
+  const Layout broadcast = opt.baseline ? broadcast_layout(dst) : Layout{};
+  const auto far = [&] { return Clock::now() + opt.executor.timeout; };
+  const auto ns = [](Clock::time_point p) { return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(p.time_since_epoch()).count()); };
+
+  RankFigures me;
+  {
+    LocalBuffers main_bufs;
+    Side s, d;
+    s.allocate(src, t.rank(), main_bufs.src);
+    d.allocate(dst, t.rank(), main_bufs.dst);
+    s.fill(TagFill::source, 0);
+    d.fill(TagFill::poison, 0);
+    ResharderOptions ro;
+    ro.executor = opt.executor;
+    ro.executor.channel = 0;
+    Resharder<Layout, UcxTransport> main(src, dst, main_bufs, t, ro);
+    me.plan_seconds = main.schedule().stats.plan_seconds;
+    me.peers = t.connected_peers();  // the reshard program's endpoints, before the baseline opens its own
+    {
+      std::map<std::int64_t, std::int64_t> to;
+      for (const auto& c : main.schedule().copies)
+        if (c.src_rank == t.rank() && c.dst_rank != t.rank()) to[c.dst_rank] += c.bytes();
+      me.sends.assign(to.begin(), to.end());
+    }
+    Side g_side, b_side;
+    std::map<std::string, BufferView> gv, bv;
+    std::unique_ptr<Resharder<Layout, UcxTransport>> gather, bcast, slice;
+    if (opt.baseline) {
+      g_side.allocate(gathered, t.rank(), gv);
+      b_side.allocate(broadcast, t.rank(), bv);
+      LocalBuffers g_bufs{main_bufs.src, gv}, b_bufs{gv, bv}, s_bufs{bv, main_bufs.dst};
+      ResharderOptions r1 = ro, r2 = ro, r3 = ro;
+      r1.executor.channel = 1;
+      r2.executor.channel = 2;
+      r3.executor.channel = 3;
+      gather = std::make_unique<Resharder<Layout, UcxTransport>>(src, gathered, g_bufs, t, r1);
+      bcast = std::make_unique<Resharder<Layout, UcxTransport>>(gathered, broadcast, b_bufs, t, r2);
+      slice = std::make_unique<Resharder<Layout, UcxTransport>>(broadcast, dst, s_bufs, t, r3);
+    }
+    // Alternate the methods so both see the same machine; the last of each
+    // starts from all-wrong destination memory and is checked.
+    for (int k = 0; k < iters; ++k) {
+      const bool last = k == iters - 1;
+      if (last && k > 0) d.fill(TagFill::poison, 0);
+      t.all_gather({}, far());
+      me.t0.push_back(ns(Clock::now()));
+      me.main = main.refit();
+      me.t1.push_back(ns(Clock::now()));
+      if (last) me.check = d.check(0);
+      if (!opt.baseline) continue;
+      if (last) d.fill(TagFill::poison, 0);
+      t.all_gather({}, far());
+      me.b0.push_back(ns(Clock::now()));
+      me.base = {gather->refit(), bcast->refit(), slice->refit()};
+      me.b1.push_back(ns(Clock::now()));
+      if (last) me.base_check = d.check(0);
+    }
+    t.all_gather({}, far());
+  }
+  me.host = host_name();
+
+  // Everyone's figures to everyone.
+  ucx_detail::Writer w;
+  put_vec(w, me.t0);
+  put_vec(w, me.t1);
+  put_vec(w, me.b0);
+  put_vec(w, me.b1);
+  put_report(w, me.main);
+  w.put<std::uint64_t>(me.base.size());
+  for (const auto& r : me.base) put_report(w, r);
+  put_check(w, me.check);
+  put_check(w, me.base_check);
+  w.put(me.plan_seconds);
+  w.put_string(me.host);
+  put_vec(w, me.peers);
+  w.put<std::uint64_t>(me.sends.size());
+  for (const auto& [p, b] : me.sends) {
+    w.put(p);
+    w.put(b);
+  }
+  const Blobs blobs = t.all_gather(w.buf, far());
+  std::vector<RankFigures> all(blobs.size());
+  for (std::size_t i = 0; i < blobs.size(); ++i) {
+    ucx_detail::Reader rd(blobs[i], world[i], "refit figures");
+    RankFigures& f = all[i];
+    f.t0 = get_vec<std::int64_t>(rd);
+    f.t1 = get_vec<std::int64_t>(rd);
+    f.b0 = get_vec<std::int64_t>(rd);
+    f.b1 = get_vec<std::int64_t>(rd);
+    f.main = get_report(rd);
+    f.base.resize(static_cast<std::size_t>(rd.get<std::uint64_t>()));
+    for (auto& r : f.base) r = get_report(rd);
+    f.check = get_check(rd);
+    f.base_check = get_check(rd);
+    f.plan_seconds = rd.get<double>();
+    f.host = rd.get_string();
+    f.peers = get_vec<std::int64_t>(rd);
+    f.sends.resize(static_cast<std::size_t>(rd.get<std::uint64_t>()));
+    for (auto& [p, b] : f.sends) {
+      p = rd.get<std::int64_t>();
+      b = rd.get<std::int64_t>();
+    }
+    res.same_host &= f.host == all[0].host;
+    res.plan_bytes += f.main.plan_bytes_sent;
+    res.plan_local_bytes += f.main.plan_local_bytes;
+    res.plan_seconds = std::max(res.plan_seconds, f.plan_seconds);
+    if (f.peers.size() > res.connected_peers_max.size()) res.connected_peers_max = f.peers;
+    for (const auto& [p, b] : f.sends)
+      if (b > res.pair_bytes) {
+        res.pair_bytes = b;
+        res.pair_from = world[i];
+        res.pair_to = p;
+      }
+  }
+
+  auto summarize = [&](UcxRefitMethod& m, bool base) {
+    for (const auto& f : all) {
+      std::int64_t sent = 0, recv = 0;
+      const std::vector<RefitReport> reps = base ? f.base : std::vector<RefitReport>{f.main};
+      for (const RefitReport& r : reps) {
+        m.bytes_moved += r.bytes_sent;
+        m.local_bytes += r.local_bytes;
+        m.messages += r.messages_sent;
+        m.waves = std::max(m.waves, r.waves);
+        m.peak_staging_bytes = std::max(m.peak_staging_bytes, r.peak_staging_bytes);
+        m.staging_bytes = std::max(m.staging_bytes, r.staging_bytes);
+        sent += r.bytes_sent;
+        recv += r.bytes_received;
+      }
+      m.max_rank_bytes = std::max({m.max_rank_bytes, sent, recv});
+      const TagCheck& c = base ? f.base_check : f.check;
+      m.checked += c.checked;
+      m.wrong += c.wrong;
+      if (c.wrong && m.first_wrong.empty()) m.first_wrong = c.first_wrong;
+    }
+    for (int k = 0; k < iters; ++k) {
+      const auto u = static_cast<std::size_t>(k);
+      std::int64_t a = INT64_MAX, b = INT64_MIN, longest = 0;
+      for (const auto& f : all) {
+        const auto& s0 = base ? f.b0 : f.t0;
+        const auto& s1 = base ? f.b1 : f.t1;
+        a = std::min(a, s0[u]);
+        b = std::max(b, s1[u]);
+        longest = std::max(longest, s1[u] - s0[u]);
+      }
+      // One host: one clock, first start to last finish. Several: clocks differ; the slowest rank.
+      m.seconds.push_back(static_cast<double>(res.same_host ? b - a : longest) * 1e-9);
+    }
+    m.median = median(m.seconds);
+    m.best = *std::min_element(m.seconds.begin(), m.seconds.end());
+    m.validated = m.wrong == 0 && m.checked > 0;
+  };
+  summarize(res.reshard, false);
+  if (opt.baseline) {
+    summarize(res.baseline, true);
+    res.speedup = res.reshard.median > 0 ? res.baseline.median / res.reshard.median : 0;
+  }
+  if (res.reshard.median > 0) {
+    res.refit_gb_per_s = static_cast<double>(res.reshard.bytes_moved) / res.reshard.median / 1e9;
+    res.bottleneck_gb_per_s = static_cast<double>(res.reshard.max_rank_bytes) / res.reshard.median / 1e9;
+  }
+
+  // Raw bandwidth between the busiest pair, in the same run.
+  if (opt.probe && res.pair_from >= 0) {
+    std::size_t bytes = opt.probe_bytes;
+    if (bytes == 0) bytes = std::clamp<std::size_t>(static_cast<std::size_t>(res.pair_bytes), std::size_t{1} << 20, opt.probe_max_bytes);
+    const int it = std::max(1, opt.probe_iterations);
+    res.raw_put = t.measure_bandwidth(res.pair_from, res.pair_to, bytes, it, far(), UcxProtocol::put);
+    res.raw_tag = t.measure_bandwidth(res.pair_from, res.pair_to, bytes, it, far(), UcxProtocol::tag);
+    res.has_probe = true;
+    const double raw = t.protocol() == UcxProtocol::put ? res.raw_put.gb_per_s : res.raw_tag.gb_per_s;
+    if (raw > 0) res.fraction_of_raw = res.bottleneck_gb_per_s / raw;
+    if (res.raw_put.gb_per_s > 0) res.fraction_of_raw_put = res.bottleneck_gb_per_s / res.raw_put.gb_per_s;
+  }
+  t.all_gather({}, far());
+  return res;
+}
+
+inline nlohmann::json to_json(const UcxRefitMethod& m) {
+  return {{"bytes_moved", m.bytes_moved},
+          {"seconds", m.median},
+          {"best_seconds", m.best},
+          {"validated", m.validated},
+          {"local_bytes", m.local_bytes},
+          {"messages", m.messages},
+          {"waves", m.waves},
+          {"peak_staging_bytes", m.peak_staging_bytes},
+          {"max_rank_bytes", m.max_rank_bytes},
+          {"iteration_seconds", m.seconds},
+          {"checked_elements", m.checked},
+          {"wrong_elements", m.wrong}};
+}
+
+inline nlohmann::json to_json(const UcxBandwidth& b) {
+  return {{"from", b.from}, {"to", b.to}, {"bytes", b.bytes}, {"iterations", b.iterations}, {"seconds", b.seconds}, {"gb_per_s", b.gb_per_s}};
+}
+
+/// The contract's reshard-refit --json object (CONTRACT.md §3) without
+/// "model", which the caller adds, plus what this run measured.
+inline nlohmann::json to_json(const UcxRefitResult& r) {
+  nlohmann::json j = {{"transport", "ucx"},
+                      {"protocol", r.protocol},
+                      {"src_ranks", r.src_ranks},
+                      {"dst_ranks", r.dst_ranks},
+                      {"world", r.world},
+                      {"bytes_moved", r.reshard.bytes_moved},
+                      {"seconds", r.reshard.median},
+                      {"best_seconds", r.reshard.best},
+                      {"validated", r.reshard.validated && (!r.has_baseline || r.baseline.validated)},
+                      {"iteration_seconds", r.reshard.seconds},
+                      {"plan_bytes", r.plan_bytes},
+                      {"local_bytes", r.reshard.local_bytes},
+                      {"messages", r.reshard.messages},
+                      {"waves", r.reshard.waves},
+                      {"peak_staging_bytes", r.reshard.peak_staging_bytes},
+                      {"plan_seconds", r.plan_seconds},
+                      {"checked_elements", r.reshard.checked},
+                      {"wrong_elements", r.reshard.wrong},
+                      {"timing", r.same_host ? "first start to last finish (one host)" : "slowest rank (several hosts)"},
+                      {"refit_gb_per_s", r.refit_gb_per_s},
+                      {"bottleneck_gb_per_s", r.bottleneck_gb_per_s},
+                      {"max_endpoints_per_rank", r.connected_peers_max.size()}};
+  if (r.has_baseline) {
+    j["baseline"] = to_json(r.baseline);
+    j["speedup"] = r.speedup;
+  }
+  if (r.has_probe) {
+    j["raw"] = {{"pair", {r.pair_from, r.pair_to}},
+                {"pair_bytes", r.pair_bytes},
+                {"put", to_json(r.raw_put)},
+                {"tag", to_json(r.raw_tag)}};
+    j["raw_put_gb_per_s"] = r.raw_put.gb_per_s;
+    j["fraction_of_raw"] = r.fraction_of_raw;
+    j["fraction_of_raw_put"] = r.fraction_of_raw_put;
+  }
+  return j;
+}
+
+}  // namespace reshard

@@ -1,0 +1,383 @@
+// The UCX transport across real processes without mpirun: the test forks the
+// ranks and serves their all-gather (the caller-supplied bootstrap path).
+// Transport semantics, errors that name what is wrong, and faults: a rank
+// killed (SIGKILL) or stopped (SIGSTOP) during a refit makes every other rank
+// fail within a bounded time, naming it, with the destination reported not
+// updated; nobody hangs.
+#include <signal.h>
+
+#include <chrono>
+#include <cstring>
+#include <regex>
+#include <thread>
+
+#include <doctest/doctest.h>
+
+#include "fork_world.hpp"
+#include "refit_util.hpp"
+#include "reshard/backends/ucx.hpp"
+#include "reshard/json_io.hpp"
+#include "reshard/ucx_refit.hpp"
+
+using namespace reshard;
+using namespace std::chrono_literals;
+
+namespace {
+
+Deadline in(std::chrono::milliseconds d) { return Clock::now() + d; }
+
+// Inside a child doctest cannot record anything: a failed expectation ends
+// the child with a message the parent shows (and the job fails as a whole).
+#define EXPECT(cond)                                                                                          \
+  do {                                                                                                        \
+    if (!(cond)) throw std::runtime_error(fmt::format("{}:{}: expected {}", __FILE__, __LINE__, #cond)); \
+  } while (0)
+
+bool names_rank(const std::string& text, int rank) {
+  return std::regex_search(text, std::regex(fmt::format("rank {}([^0-9]|$)", rank)));
+}
+
+std::string fails(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+/// Runs `body` on n forked ranks; checks every one exited 0; returns the reports.
+std::vector<std::string> run_ok(int n, const std::function<void(int, UcxTransport&, const std::function<void(const std::string&)>&)>& body,
+                                UcxOptions uo = {}) {
+  auto outs = fork_world::run(n, [&](int rank, Bootstrap& boot, const auto& report) {
+    UcxTransport t(std::move(boot), uo);
+    body(rank, t, report);
+    t.all_gather({}, in(10s));
+    return 0;
+  });
+  INFO(fork_world::describe(outs));
+  std::vector<std::string> reports;
+  for (const auto& o : outs) {
+    CHECK(o.exited);
+    CHECK(o.code == 0);
+    reports.push_back(o.report);
+  }
+  return reports;
+}
+
+const char* kSrc = R"({"mesh": {"axes": [["tp", 2]], "first_rank": 0},
+  "tensors": [{"name": "w", "shape": [1024, 4096], "dtype": "f32", "dims": ["tp", null]},
+              {"name": "b", "shape": [4096], "dtype": "bf16", "dims": ["tp"]}]})";
+const char* kDst = R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2},
+  "tensors": [{"name": "w", "shape": [1024, 4096], "dtype": "f32", "dims": [null, "tp"]},
+              {"name": "b", "shape": [4096], "dtype": "bf16", "dims": [null]}]})";
+
+Layout layout(const char* text, const char* origin) { return parse_layout(nlohmann::json::parse(text), origin); }
+
+}  // namespace
+
+TEST_CASE("ucx: sends and receives move bytes, replay after replay, with both protocols") {
+  for (auto proto : {UcxProtocol::tag, UcxProtocol::put}) {
+    CAPTURE(to_string(proto));
+    UcxOptions uo;
+    uo.protocol = proto;
+    uo.put_chunk = 100'000;  // several chunks per message
+    run_ok(3, [](int r, UcxTransport& t, const auto& report) {
+      const int n = 3, next = (r + 1) % n, prev = (r + n - 1) % n;
+      const std::size_t N = 300'001;  // odd: chunks of unequal size
+      std::vector<unsigned char> s(N), d(N);
+      const RegionHandle rs = t.register_memory(s.data(), N, MemoryKind::host);
+      const RegionHandle rd = t.register_memory(d.data(), N, MemoryKind::host);
+      // Three messages each way, one empty, same tags both ways.
+      std::vector<TransferOp> recvs = {{OpKind::recv, prev, 1, rd, 0, 1000}, {OpKind::recv, prev, 2, rd, 1000, 0}, {OpKind::recv, prev, 3, rd, 1000, N - 1000}};
+      std::vector<TransferOp> sends = {{OpKind::send, next, 1, rs, 0, 1000}, {OpKind::send, next, 2, rs, 0, 0}, {OpKind::send, next, 3, rs, 1000, N - 1000}};
+      std::vector<TransferOp> all = recvs;
+      all.insert(all.end(), sends.begin(), sends.end());
+      t.prepare(all, in(10s));
+      for (int it = 0; it < 4; ++it) {
+        for (std::size_t i = 0; i < N; ++i) s[i] = static_cast<unsigned char>(i * 31 + r * 7 + it);
+        std::memset(d.data(), 0, N);
+        auto rq = t.post(recvs);
+        auto sq = t.post(sends);
+        std::vector<UcxTransport::request*> both = {&rq, &sq};
+        t.wait_any(both, in(10s));
+        t.wait(rq, in(10s));
+        t.wait(sq, in(10s));
+        EXPECT(t.test(rq));
+        std::size_t bad = 0;
+        for (std::size_t i = 0; i < N; ++i) bad += d[i] != static_cast<unsigned char>(i * 31 + prev * 7 + it);
+        if (bad) report(fmt::format("rank {} replay {}: {} wrong bytes", r, it, bad));
+        EXPECT(bad == 0);
+        t.all_gather({}, in(10s));  // the next replay rewrites the source
+      }
+      EXPECT(t.stats().bytes_received == 4 * static_cast<std::int64_t>(N));
+      // Endpoints only to the peers the program needs.
+      auto peers = t.connected_peers();
+      std::sort(peers.begin(), peers.end());
+      std::vector<std::int64_t> want = {std::min(prev, next), std::max(prev, next)};
+      EXPECT(peers == want);
+    }, uo);
+  }
+}
+
+TEST_CASE("ucx: prepare fails on every rank, with a message naming sizes, ranks and tag, when the programs disagree") {
+  auto outs = fork_world::run(2, [](int r, Bootstrap& boot, const auto& report) {
+    UcxTransport t(std::move(boot));
+    std::vector<std::byte> buf(4096);
+    const RegionHandle h = t.register_memory(buf.data(), buf.size(), MemoryKind::host);
+    // Rank 0 sends 100 bytes with tag 5; rank 1 expects 200.
+    std::vector<TransferOp> ops = {r == 0 ? TransferOp{OpKind::send, 1, 5, h, 0, 100} : TransferOp{OpKind::recv, 0, 5, h, 0, 200}};
+    report(fails([&] { t.prepare(ops, in(10s)); }));
+    // A send the peer has no receive for.
+    std::vector<TransferOp> extra;
+    if (r == 0) extra.push_back(TransferOp{OpKind::send, 1, 9, h, 0, 10});
+    report(fails([&] { t.prepare(extra, in(10s)); }));
+    // An op outside its region fails before any exchange, but on every rank.
+    std::vector<TransferOp> bad = {r == 0 ? TransferOp{OpKind::send, 1, 1, h, 4000, 200} : TransferOp{OpKind::recv, 0, 1, h, 0, 200}};
+    report(fails([&] { t.prepare(bad, in(10s)); }));
+    // Posting an op that was never prepared.
+    std::vector<TransferOp> stray = {TransferOp{OpKind::send, 1 - r, 77, h, 0, 8}};
+    report(fails([&] { t.post(stray); }));
+    return 0;
+  });
+  INFO(fork_world::describe(outs));
+  for (const auto& o : outs) {
+    REQUIRE(o.exited);
+    CHECK(o.code == 0);
+    std::vector<std::string> lines;
+    std::stringstream ss(o.report);
+    for (std::string l; std::getline(ss, l);) lines.push_back(l);
+    REQUIRE(lines.size() == 4);
+    CHECK(lines[0].find("size mismatch") != std::string::npos);
+    CHECK(lines[0].find("100") != std::string::npos);
+    CHECK(lines[0].find("200") != std::string::npos);
+    CHECK(lines[1].find("tag 0x9") != std::string::npos);
+    CHECK(lines[2].find("region of 4096 bytes") != std::string::npos);
+    CHECK(names_rank(lines[2], 0));
+    CHECK(lines[3].find("was not prepared") != std::string::npos);
+  }
+}
+
+TEST_CASE("ucx: a wait names the peer and the op at its deadline; abort reaches a waiting peer at once") {
+  auto outs = fork_world::run(3, [](int r, Bootstrap& boot, const auto& report) {
+    UcxOptions uo;
+    uo.stall_timeout = 20s;
+    UcxTransport t(std::move(boot), uo);
+    std::vector<std::byte> buf(1 << 16);
+    const RegionHandle h = t.register_memory(buf.data(), buf.size(), MemoryKind::host);
+    std::vector<TransferOp> ops;
+    if (r == 0) ops = {{OpKind::send, 1, 4, h, 0, 512}};
+    if (r == 1) ops = {{OpKind::recv, 0, 4, h, 0, 512}, {OpKind::recv, 2, 4, h, 512, 64}};
+    if (r == 2) ops = {{OpKind::send, 1, 4, h, 0, 64}};
+    t.prepare(ops, in(10s));
+    // Rank 0 never posts its send: rank 1 times out naming it.
+    if (r == 1) {
+      auto q = t.post(ops);
+      const auto t0 = Clock::now();
+      report(fails([&] { t.wait(q, in(300ms)); }));
+      report(fmt::format("{:.3f}", std::chrono::duration<double>(Clock::now() - t0).count()));
+    }
+    if (r == 2) {
+      auto q = t.post(ops);
+      t.wait(q, in(10s));
+    }
+    t.all_gather({}, in(10s));
+    // Rank 2 gives up; rank 1, waiting again, hears it well before its deadline.
+    if (r == 2) t.abort("rank 2 found something wrong");
+    if (r == 1) {
+      const auto t0 = Clock::now();
+      report(fails([&] { t.all_gather({}, in(15s)); }));
+      report(fmt::format("{:.3f}", std::chrono::duration<double>(Clock::now() - t0).count()));
+    }
+    return 0;
+  }, fork_world::Options{30s, false});
+  INFO(fork_world::describe(outs));
+  const auto& o = outs[1];
+  REQUIRE(o.exited);
+  std::vector<std::string> lines;
+  std::stringstream ss(o.report);
+  for (std::string l; std::getline(ss, l);) lines.push_back(l);
+  REQUIRE(lines.size() == 4);
+  CHECK(lines[0].find("timed out") != std::string::npos);
+  CHECK(lines[0].find("receive of 512 bytes from rank 0") != std::string::npos);
+  CHECK(lines[0].find("from rank 2") == std::string::npos);  // that one completed
+  CHECK(std::stod(lines[1]) < 5.0);
+  CHECK(lines[2].find("rank 2 gave up: rank 2 found something wrong") != std::string::npos);
+  CHECK(std::stod(lines[3]) < 5.0);
+}
+
+TEST_CASE("ucx: the raw bandwidth probe measures both protocols between two ranks of the job") {
+  auto reports = run_ok(3, [](int, UcxTransport& t, const auto& report) {
+    for (auto how : {UcxProtocol::put, UcxProtocol::tag}) {
+      const auto bw = t.measure_bandwidth(2, 0, 4 << 20, 2, in(30s), how);
+      EXPECT(bw.from == 2);
+      EXPECT(bw.to == 0);
+      EXPECT(bw.gb_per_s > 0);
+      EXPECT(bw.seconds > 0);
+      report(fmt::format("{} {:.3f}", to_string(how), bw.gb_per_s));
+    }
+  });
+  // Every rank got the same figures.
+  CHECK(reports[0] == reports[1]);
+  CHECK(reports[1] == reports[2]);
+}
+
+namespace {
+
+enum class Fault { none, kill_before, kill_during, stop };
+
+/// Four ranks (sources 0-1, destinations 2-3, every destination fed by both
+/// sources); rank 1 fails in refit #1 as `fault` says. Each rank reports one
+/// line: "ok", or "failed after S s: message".
+std::vector<fork_world::Outcome> faulty_refit(Fault fault, UcxProtocol proto) {
+  const Layout src = layout(kSrc, "src.json"), dst = layout(kDst, "dst.json");
+  fork_world::Options fo;
+  fo.limit = 60s;
+  fo.kill_leftovers = fault == Fault::stop;
+  return fork_world::run(4, [&](int r, Bootstrap& boot, const auto& report) {
+    UcxOptions uo;
+    uo.protocol = proto;
+    uo.stall_timeout = fault == Fault::stop ? 2s : 20s;
+    UcxTransport t(std::move(boot), uo);
+    auto sm = refit_test::make_side(src, r, true, 0);
+    auto dm = refit_test::make_side(dst, r, false, 0);
+    LocalBuffers bufs;
+    bufs.src = refit_test::views(src, sm);
+    bufs.dst = refit_test::views(dst, dm);
+    ResharderOptions ro;
+    ro.executor.timeout = 25s;
+    Resharder<Layout, UcxTransport> rs(src, dst, bufs, t, ro);
+    refit_and_agree(rs, t);
+    std::string first;
+    if (refit_test::count_wrong(dst, dm, r, 0, &first) != 0) {
+      report("refit 0 wrong: " + first);
+      return 1;
+    }
+    refit_test::write_side(src, sm, true, 1);
+    refit_test::write_side(dst, dm, false, 1);
+    t.all_gather({}, in(10s));
+    std::thread killer;
+    if (r == 1 && fault == Fault::kill_before) raise(SIGKILL);
+    if (r == 1 && fault == Fault::stop) raise(SIGSTOP);
+    if (r == 1 && fault == Fault::kill_during)
+      killer = std::thread([] {
+        std::this_thread::sleep_for(2ms);
+        raise(SIGKILL);
+      });
+    const auto t0 = Clock::now();
+    try {
+      refit_and_agree(rs, t);
+      if (killer.joinable()) killer.join();
+      report(refit_test::count_wrong(dst, dm, r, 1, &first) == 0 ? "ok" : "wrong: " + first);
+    } catch (const RefitNotCommitted& e) {
+      report(fmt::format("failed after {:.3f} s: {}", std::chrono::duration<double>(Clock::now() - t0).count(), e.what()));
+    }
+    if (killer.joinable()) killer.join();
+    return 0;
+  }, fo);
+}
+
+void check_fault(const std::vector<fork_world::Outcome>& outs, Fault fault, double bound) {
+  MESSAGE(fork_world::describe(outs));
+  INFO(fork_world::describe(outs));
+  REQUIRE(outs.size() == 4);
+  CHECK_FALSE(outs[1].exited);
+  CHECK(outs[1].signal == SIGKILL);  // the stopped one is killed by the harness at the end
+  for (int r : {0, 2, 3}) {
+    const auto& o = outs[static_cast<std::size_t>(r)];
+    CAPTURE(r);
+    CHECK_FALSE(o.hung);
+    REQUIRE(o.exited);
+    CHECK(o.code == 0);
+    if (o.report == "ok") {  // killed after the refit and its agreement: allowed only then
+      CHECK(fault == Fault::kill_during);
+      continue;
+    }
+    REQUIRE(o.report.rfind("failed after ", 0) == 0);
+    CHECK(o.report.find("destination not updated") != std::string::npos);
+    CHECK(names_rank(o.report.substr(o.report.find(": ") + 2), 1));
+    CHECK(std::stod(o.report.substr(13)) < bound);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ucx: a killed peer: every other rank fails within seconds, names it, and reports the destination not updated") {
+  const auto t0 = Clock::now();
+  check_fault(faulty_refit(Fault::kill_before, UcxProtocol::tag), Fault::kill_before, 10.0);
+  check_fault(faulty_refit(Fault::kill_during, UcxProtocol::tag), Fault::kill_during, 10.0);
+  // One-sided puts: only a peer that dies before it puts. Without an RDMA
+  // lane UCX 1.13 emulates puts with messages, and a sender dying in the
+  // middle of one makes UCX abort the target (ucp_put_handler: "Fatal:
+  // unexpected error"); see the protocol notes in backends/ucx.hpp.
+  check_fault(faulty_refit(Fault::kill_before, UcxProtocol::put), Fault::kill_before, 10.0);
+  CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 60);
+}
+
+TEST_CASE("ucx: a stopped peer: every other rank fails after the stall timeout, naming it") {
+  check_fault(faulty_refit(Fault::stop, UcxProtocol::tag), Fault::stop, 2.0 + 5.0);
+}
+
+TEST_CASE("ucx: a refit over the caller-supplied bootstrap is validated element by element") {
+  const Layout src = layout(kSrc, "src.json"), dst = layout(kDst, "dst.json");
+  auto outs = fork_world::run(4, [&](int r, Bootstrap& boot, const auto& report) {
+    UcxTransport t(std::move(boot));
+    auto sm = refit_test::make_side(src, r, true, 0);
+    auto dm = refit_test::make_side(dst, r, false, 0);
+    LocalBuffers bufs;
+    bufs.src = refit_test::views(src, sm);
+    bufs.dst = refit_test::views(dst, dm);
+    Resharder<Layout, UcxTransport> rs(src, dst, bufs, t);
+    std::int64_t wrong = 0;
+    std::string first;
+    for (int k = 0; k < 3; ++k) {
+      refit_test::write_side(src, sm, true, static_cast<std::uint64_t>(k));
+      refit_test::write_side(dst, dm, false, static_cast<std::uint64_t>(k));
+      t.all_gather({}, in(10s));
+      const RefitReport rep = refit_and_agree(rs, t);
+      EXPECT(rep.bytes_received == rep.plan_bytes_received);
+      wrong += refit_test::count_wrong(dst, dm, r, static_cast<std::uint64_t>(k), &first);
+    }
+    report(wrong ? first : "ok");
+    t.all_gather({}, in(10s));
+    return 0;
+  });
+  INFO(fork_world::describe(outs));
+  for (const auto& o : outs) {
+    CHECK(o.exited);
+    CHECK(o.code == 0);
+    CHECK(o.report == "ok");
+  }
+}
+
+TEST_CASE("bootstrap: make_bootstrap takes the three all-gather forms and checks the rank list") {
+  auto echo = [](std::span<const std::byte> m) { return Blobs{std::vector<std::byte>(m.begin(), m.end())}; };
+  const std::vector<std::byte> x{std::byte{7}, std::byte{9}};
+  auto b1 = make_bootstrap(0, {0}, echo);
+  CHECK(b1.all_gather(x, Clock::now(), {}) == Blobs{x});
+  auto b2 = make_bootstrap(5, {5}, [&](std::span<const std::byte> m, Deadline) { return echo(m); });
+  CHECK(b2.all_gather(x, Clock::now(), {}) == Blobs{x});
+  bool idled = false;
+  auto b3 = make_bootstrap(1, {1}, [&](std::span<const std::byte> m, Deadline, const Bootstrap::Idle& idle) {
+    idle();
+    return echo(m);
+  });
+  b3.all_gather(x, Clock::now(), [&] { idled = true; });
+  CHECK(idled);
+  CHECK_THROWS_WITH_AS(make_bootstrap(3, {0, 1}, echo), doctest::Contains("rank 3 is not in the rank list"), Error);
+  CHECK_THROWS_WITH_AS(make_bootstrap(0, {0, 1, 0}, echo), doctest::Contains("appears twice"), Error);
+}
+
+TEST_CASE("ucx: ranks that disagree on the protocol all fail at construction, saying so") {
+  auto outs = fork_world::run(2, [](int r, Bootstrap& boot, const auto& report) {
+    UcxOptions uo;
+    uo.protocol = r == 0 ? UcxProtocol::tag : UcxProtocol::put;
+    report(fails([&] { UcxTransport t(std::move(boot), uo); }));
+    return 0;
+  });
+  INFO(fork_world::describe(outs));
+  for (const auto& o : outs) {
+    CHECK(o.exited);
+    CHECK(o.report.find("every rank must use the same") != std::string::npos);
+  }
+}

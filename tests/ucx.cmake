@@ -1,0 +1,55 @@
+# The UCX transport's tests (tests/mpi/), built only where UCX is found.
+#   test_ucx_fork       doctest; forks its own ranks (no mpirun): transport
+#                       semantics, error messages, killed and stopped peers
+#   ucx.mpi.refit       under mpirun -np 8: layout pairs (colocated, flat
+#                       buckets, permuted ranks, a small MoE preset, random
+#                       uneven/fused pairs) refitted over UCX with both
+#                       protocols, validated element by element
+#   ucx.mpi.cli         under mpirun -np 6: `reshard-refit --transport ucx`
+#                       (tiny MoE tp=2,dp=1,ep=2 -> tp=4), must validate
+# Loopback only: UCX_NET_DEVICES=lo; shared memory + CMA carry the data, TCP
+# the error-handling control endpoints. mpirun runs as root in CI containers,
+# oversubscribed (2 cores).
+if(NOT TARGET ucx::ucp)  # found (or not) by the top-level CMakeLists.txt
+  message(STATUS "reshard: UCX not found (libucx-dev): the UCX transport's tests are skipped")
+  return()
+endif()
+
+if(NOT TARGET reshard_ucx)
+  add_library(reshard_ucx INTERFACE)
+  target_link_libraries(reshard_ucx INTERFACE reshard::reshard ucx::ucp ucx::ucs)
+endif()
+
+set(_ucx_env "UCX_NET_DEVICES=lo" "UCX_WARN_UNUSED_ENV_VARS=n")
+
+add_executable(test_ucx_fork ${CMAKE_CURRENT_LIST_DIR}/mpi/test_ucx_fork.cpp)
+target_link_libraries(test_ucx_fork PRIVATE reshard_test_main reshard_warnings reshard_ucx)
+target_include_directories(test_ucx_fork PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+add_test(NAME test_ucx_fork COMMAND test_ucx_fork)
+set_tests_properties(test_ucx_fork PROPERTIES TIMEOUT 240 LABELS ucx ENVIRONMENT "${_ucx_env}")
+
+find_package(MPI QUIET COMPONENTS CXX)
+if(NOT MPI_CXX_FOUND OR NOT MPIEXEC_EXECUTABLE)
+  message(STATUS "reshard: MPI not found: the UCX tests under mpirun are skipped")
+  return()
+endif()
+
+add_executable(ucx-mpi-refit ${CMAKE_CURRENT_LIST_DIR}/mpi/ucx_mpi_refit.cpp)
+target_link_libraries(ucx-mpi-refit PRIVATE reshard_warnings reshard_ucx MPI::MPI_CXX)
+target_include_directories(ucx-mpi-refit PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+target_compile_definitions(ucx-mpi-refit PRIVATE RESHARD_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+
+# Root-safe, oversubscribed, no MPI-level UCX (MPI only bootstraps).
+set(_mpirun ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl self,vader,tcp
+            --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo -x UCX_NET_DEVICES -x UCX_WARN_UNUSED_ENV_VARS)
+set(_mpi_env ${_ucx_env} "OMPI_ALLOW_RUN_AS_ROOT=1" "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" "OMPI_MCA_rmaps_base_oversubscribe=1")
+
+add_test(NAME ucx.mpi.refit COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 8 $<TARGET_FILE:ucx-mpi-refit>)
+set_tests_properties(ucx.mpi.refit PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")
+
+if(TARGET reshard-refit)
+  add_test(NAME ucx.mpi.cli
+           COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/tests/models/tiny-moe.json
+                   --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 3 --json)
+  set_tests_properties(ucx.mpi.cli PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")
+endif()
