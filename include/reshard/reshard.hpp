@@ -1,11 +1,28 @@
 #pragma once
-// Umbrella header: layouts -> plan -> schedule (-> execution).
+// Umbrella header. Data flows one way:
+//   layouts (types or JSON) -> plan -> schedule -> executor over a transport.
+
+// Layouts
 #include "reshard/dtype.hpp"
 #include "reshard/error.hpp"
 #include "reshard/mesh.hpp"
 #include "reshard/dim_spec.hpp"
 #include "reshard/layout.hpp"
 #include "reshard/storage.hpp"
+#include "reshard/static_layout.hpp"
+#include "reshard/json_io.hpp"
+#include "reshard/presets/presets.hpp"
+
+// Plan
 #include "reshard/box.hpp"
 #include "reshard/schedule.hpp"
 #include "reshard/plan.hpp"
+
+// Execution
+#include "reshard/transport.hpp"
+#include "reshard/copy_kernels.hpp"
+#include "reshard/executor.hpp"
+#include "reshard/resharder.hpp"
+#include "reshard/backends/local.hpp"
+#include "reshard/traditional.hpp"
+#include "reshard/verify.hpp"
