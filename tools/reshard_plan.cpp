@@ -247,8 +247,6 @@ int main(int argc, char** argv) {
       auto m = presets::model_layouts(model_path, train_spec, infer_spec, popt);
       src = std::move(m.train);
       dst = std::move(m.infer);
-      src.origin = "train " + train_spec;
-      dst.origin = "infer " + infer_spec;
       if (!emit_dir.empty()) {
         std::filesystem::create_directories(emit_dir);
         for (auto [L, name] : {std::pair{&src, "src.json"}, std::pair{&dst, "dst.json"}}) {

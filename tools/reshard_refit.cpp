@@ -141,8 +141,6 @@ int main(int argc, char** argv) {
       auto m = presets::model_layouts(model_path, train_spec, infer_spec, popt);
       src = std::move(m.train);
       dst = std::move(m.infer);
-      src.origin = "train " + train_spec;
-      dst.origin = "infer " + infer_spec;
       model = m.manifest.config.origin;
     } else if (!src_path.empty()) {
       src = read_layout_file(src_path);
