@@ -527,6 +527,10 @@ class Executor {
   void compile_waves(bool reuse, std::int64_t slot_capacity);
   void pack(const Message& m, std::byte* out) const;
   void unpack(const Message& m, const std::byte* in) const;
+  /// Walks a message's pieces in message order: f(element bytes, part, box,
+  /// first element within the part, element count, byte offset in the message).
+  template <class F>
+  void for_each_range(const Message& m, F&& f) const;
   void start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                   std::vector<std::size_t>& recv_groups);
   void finish_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
@@ -1014,8 +1018,10 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
 }
 
 template <class T>
-void Executor<T>::pack(const Message& m, std::byte* out) const {
+template <class F>
+void Executor<T>::for_each_range(const Message& m, F&& f) const {
   const Pair& p = pairs_[m.pair];
+  std::int64_t at = 0;  // byte offset of the segment in the message
   for (const Segment& seg : p.messages[m.msg].segs) {
     const SideCopy& s = p.copies[seg.copy];
     std::byte* data = side_buffer(p, s).data;
@@ -1025,28 +1031,22 @@ void Executor<T>::pack(const Message& m, std::byte* out) const {
       const std::int64_t lo = std::max(a, part.first), hi = std::min(b, part.first + part.count);
       if (lo >= hi) continue;
       BoxSide box{data, part.offset[0], part.stride[0].data()};
-      pack_range(E, part.rank, part.extent.data(), box, lo - part.first, hi - lo, out + (lo - a) * s.element_bytes);
+      f(E, part, box, lo - part.first, hi - lo, at + (lo - a) * s.element_bytes);
     }
-    out += seg.count * s.element_bytes;
+    at += seg.count * s.element_bytes;
   }
 }
 
 template <class T>
+void Executor<T>::pack(const Message& m, std::byte* out) const {
+  for_each_range(m, [&](std::size_t E, const Part& part, const BoxSide& box, std::int64_t first, std::int64_t count,
+                        std::int64_t at) { pack_range(E, part.rank, part.extent.data(), box, first, count, out + at); });
+}
+
+template <class T>
 void Executor<T>::unpack(const Message& m, const std::byte* in) const {
-  const Pair& p = pairs_[m.pair];
-  for (const Segment& seg : p.messages[m.msg].segs) {
-    const SideCopy& s = p.copies[seg.copy];
-    std::byte* data = side_buffer(p, s).data;
-    const auto E = static_cast<std::size_t>(s.element_bytes);
-    const std::int64_t a = seg.first, b = seg.first + seg.count;
-    for (const Part& part : s.parts) {
-      const std::int64_t lo = std::max(a, part.first), hi = std::min(b, part.first + part.count);
-      if (lo >= hi) continue;
-      BoxSide box{data, part.offset[0], part.stride[0].data()};
-      unpack_range(E, part.rank, part.extent.data(), box, lo - part.first, hi - lo, in + (lo - a) * s.element_bytes);
-    }
-    in += seg.count * s.element_bytes;
-  }
+  for_each_range(m, [&](std::size_t E, const Part& part, const BoxSide& box, std::int64_t first, std::int64_t count,
+                        std::int64_t at) { unpack_range(E, part.rank, part.extent.data(), box, first, count, in + at); });
 }
 
 template <class T>
