@@ -33,12 +33,14 @@ int main(int argc, char** argv) {
   std::string model, train = "tp=1,pp=4,dp=32,ep=16", infer = "tp=8,dp=16";
   std::vector<std::int64_t> ranks;
   bool colocate = false, skip_full = false, per_expert = false;
+  int threads = 0;
   app.add_option("--model", model, "HuggingFace config.json")->required();
   app.add_option("--train", train, "training spec (Megatron)");
   app.add_option("--infer", infer, "inference spec (vLLM)");
   app.add_option("--rank", ranks, "also plan only this global rank (repeatable)");
   app.add_flag("--colocate", colocate, "inference ranks start at 0");
   app.add_flag("--skip-full", skip_full, "do not plan all ranks");
+  app.add_option("--threads", threads, "threads for the full plan (0: one per core)");
   app.add_flag("--per-expert", per_expert, "one global tensor per expert (default: experts stacked per layer)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -61,7 +63,9 @@ int main(int argc, char** argv) {
     if (!skip_full) {
       t0 = std::chrono::steady_clock::now();
       const double c0 = cpu_seconds();
-      const auto s = reshard::plan(m.train, m.infer);
+      reshard::PlanOptions po;
+      po.threads = threads;
+      const auto s = reshard::plan(m.train, m.infer, po);
       const double t = seconds_since(t0), cpu = cpu_seconds() - c0;
       fmt::print("plan all ranks: {:.3f} s ({:.3f} s CPU), {} copies, {:.2f} GiB over the network, max send {:.2f} GiB, max recv "
                  "{:.2f} GiB\n",

@@ -378,3 +378,39 @@ TEST_CASE("a tensor whose shape or dtype differs between the sides is an error n
     CHECK(e.context.field == "dtype");
   }
 }
+
+TEST_CASE("a piece needing more than kMaxBoxRank box dims is cut into several copies") {
+  // Each of 5 dims of 12 is block-cyclic over its own axis on both sides
+  // (B=4 on the source, B=2 on the destination): a source part meets a
+  // destination part in 2 runs of 2 on every dim, which merge on neither side
+  // (local extents 8 and 6), so the piece has 10 box dims.
+  const std::vector<Axis> axes{{"a", 2}, {"b", 2}, {"c", 2}, {"d", 2}, {"e", 2}};
+  Layout src = mesh_layout(axes), dst = mesh_layout(axes, 32);
+  std::vector<DimSpec> sdims, ddims;
+  for (int d = 0; d < 5; ++d) {
+    sdims.push_back(cyclic({AxisRef{d, 1, 2}}, 4));
+    ddims.push_back(cyclic({AxisRef{d, 1, 2}}, 2));
+  }
+  add_tensor(src, "w", {12, 12, 12, 12, 12}, sdims);
+  add_tensor(dst, "w", {12, 12, 12, 12, 12}, ddims);
+  src.validate();
+  dst.validate();
+  static_assert(2 * 5 > kMaxBoxRank);
+  const Schedule s = require_correct(src, dst);
+  int widest = 0;
+  for (const auto& c : s.copies) widest = std::max(widest, static_cast<int>(c.rank));
+  CHECK(widest == kMaxBoxRank);
+  CHECK(s.copies.size() > 32 * 32);  // more than one copy per pair of ranks
+}
+
+TEST_CASE("a full plan is the same for any thread count") {
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed);
+    PlanOptions one, many;
+    many.threads = 3;
+    const Schedule a = plan(pair.src, pair.dst, one), b = plan(pair.src, pair.dst, many);
+    REQUIRE(a.copies.size() == b.copies.size());
+    CHECK(copy_multiset(a.copies) == copy_multiset(b.copies));
+    for (std::size_t i = 0; i < a.copies.size(); ++i) CHECK(copy_key(a.copies[i]) == copy_key(b.copies[i]));
+  }
+}

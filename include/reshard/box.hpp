@@ -5,8 +5,10 @@
 // of each occurrence on both sides. A group is one or two box dims of a copy
 // (count x len), so block-cyclic patterns never expand element by element.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <numeric>
+#include <span>
 #include <vector>
 
 #include "dim_spec.hpp"
@@ -127,29 +129,43 @@ inline std::int64_t source_indices_below(const std::vector<RunGroup>& groups, st
 /// be given slabs with equal element counts.
 class NeededBox {
  public:
-  NeededBox(std::vector<std::vector<RunGroup>> dims, std::vector<std::int64_t> extents)
-      : dims_(std::move(dims)), extents_(std::move(extents)) {
-    for (const auto& g : dims_) {
+  /// A view: `dims` (one intersect_dim result per dim) and `extents` (the
+  /// part's local extents) must outlive it.
+  NeededBox(std::span<const std::vector<RunGroup>> dims, std::span<const std::int64_t> extents)
+      : dims_(dims), extents_(extents) {
+    for (std::size_t d = 0; d < dims_.size(); ++d) {
       std::int64_t n = 0;
-      for (const auto& r : g) n += r.elements();
-      totals_.push_back(n);
+      for (const auto& r : dims_[d]) n += r.elements();
+      totals_[d] = n;
     }
   }
   int rank() const { return static_cast<int>(dims_.size()); }
   std::int64_t total(int d) const { return totals_[static_cast<std::size_t>(d)]; }
   std::int64_t elements() const {
     std::int64_t n = 1;
-    for (auto t : totals_) n *= t;
+    for (std::size_t d = 0; d < dims_.size(); ++d) n *= totals_[d];
     return n;
   }
   std::int64_t below(int d, std::int64_t x) const { return source_indices_below(dims_[static_cast<std::size_t>(d)], x); }
+  /// Smallest x in [lo, hi] with below(d, x) >= target. Closed form when the
+  /// dim's needed set is one run group (the common case), else a search.
+  std::int64_t first_reaching_on(int d, std::int64_t lo, std::int64_t hi, std::int64_t target) const {
+    const auto& g = dims_[static_cast<std::size_t>(d)];
+    if (g.size() == 1 && target > 0 && target <= g[0].elements()) {
+      const RunGroup& r = g[0];
+      const std::int64_t k = target - 1;  // the target-th needed index, 0-based
+      const std::int64_t x = r.s0 + (k / r.len) * r.sper + k % r.len + 1;
+      return std::clamp(x, lo, hi);
+    }
+    return first_reaching(lo, hi, target, [&](std::int64_t x) { return below(d, x); });
+  }
   /// Needed elements whose row-major index in the local array is below x.
   std::int64_t linear_below(std::int64_t x) const {
     const int n = rank();
     std::int64_t size = 1;
     for (auto e : extents_) size *= e;
     if (x >= size) return elements();
-    std::vector<std::int64_t> digit(static_cast<std::size_t>(n));
+    std::array<std::int64_t, kMaxTensorRank> digit{};
     for (int d = n - 1; d >= 0; --d) {
       digit[static_cast<std::size_t>(d)] = x % extents_[static_cast<std::size_t>(d)];
       x /= extents_[static_cast<std::size_t>(d)];
@@ -179,9 +195,9 @@ class NeededBox {
   }
 
  private:
-  std::vector<std::vector<RunGroup>> dims_;
-  std::vector<std::int64_t> extents_;
-  std::vector<std::int64_t> totals_;
+  std::span<const std::vector<RunGroup>> dims_;
+  std::span<const std::int64_t> extents_;
+  std::array<std::int64_t, kMaxTensorRank> totals_{};
 };
 
 }  // namespace reshard

@@ -13,6 +13,9 @@
 
 namespace reshard {
 
+/// Most dims a tensor can have.
+inline constexpr int kMaxTensorRank = 8;
+
 enum class Split : std::uint8_t { even, chunk, balanced, sizes, cyclic };
 
 struct DimSpec {

@@ -18,8 +18,6 @@
 
 namespace reshard {
 
-inline constexpr int kMaxTensorRank = 8;
-
 struct StageCoord {
   int axis = 0;
   std::int64_t coord = 0;

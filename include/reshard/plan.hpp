@@ -11,8 +11,11 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <map>
 #include <set>
+#include <span>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -36,6 +39,11 @@ struct PlanOptions {
   /// even share. Smaller pieces go whole to one replica, by rotation.
   std::int64_t split_bytes = 64 * 1024;
   bool coalesce = true;
+  /// Threads for a full plan (only_rank < 0): destinations are cut into this
+  /// many contiguous ranges, planned independently (every choice is a pure
+  /// function of the destination) and joined in order, so the schedule is the
+  /// same for any count. 0: std::thread::hardware_concurrency().
+  int threads = 1;
 };
 
 /// Checks that two layouts describe the same tensors; returns, for each
@@ -59,7 +67,7 @@ inline std::vector<int> match_tensors(const Layout& src, const Layout& dst) {
 }
 
 /// Mesh positions that hold part `parts` (one part index per dim) of tensor t.
-inline std::vector<std::int64_t> positions_of_part(const Layout& L, int t, const std::vector<std::int64_t>& parts) {
+inline std::vector<std::int64_t> positions_of_part(const Layout& L, int t, std::span<const std::int64_t> parts) {
   const auto& ts = L.tensors[static_cast<std::size_t>(t)];
   const auto& axes = L.mesh.axes;
   std::vector<std::vector<std::int64_t>> allowed(axes.size());
@@ -126,20 +134,44 @@ class Planner {
     s.only_rank = opt_.only_rank;
     std::vector<Copy> batch;
     if (opt_.only_rank < 0) {
-      // One destination at a time: its copies are sorted and coalesced in a
-      // small batch (no copy ever merges across destination ranks), so the
-      // big output is written once, in order.
-      bool ordered = true;
-      for (std::int64_t p = 0; p < dst_.mesh.size(); ++p) {
-        if (p > 0 && dst_.mesh.global_rank(p) < dst_.mesh.global_rank(p - 1)) ordered = false;
-        batch.clear();
-        for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, batch);
-        if (s.copies.capacity() == 0 && !batch.empty()) {
-          s.copies.reserve(batch.size() * static_cast<std::size_t>(dst_.mesh.size()) * 5 / 4 + 16);
-        }
-        detail::prefault(s.copies, batch.size());
-        finish(batch, s.copies);
+      const std::int64_t P = dst_.mesh.size();
+      int T = opt_.threads > 0 ? opt_.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      T = static_cast<int>(std::min<std::int64_t>(T, std::max<std::int64_t>(P, 1)));
+      // Range k of T: [P*k/T, P*(k+1)/T). Range 0 runs here, straight into the
+      // output; the others in their own Planners (their caches are not shared).
+      std::vector<std::vector<Copy>> parts(static_cast<std::size_t>(T > 1 ? T - 1 : 0));
+      std::vector<std::exception_ptr> errors(parts.size());
+      std::vector<std::thread> workers;
+      for (int k = 1; k < T; ++k)
+        workers.emplace_back([&, k] {
+          try {
+            PlanOptions o = opt_;
+            o.threads = 1;
+            Planner(src_, dst_, o).plan_range(P * k / T, P * (k + 1) / T, parts[static_cast<std::size_t>(k - 1)]);
+          } catch (...) {
+            errors[static_cast<std::size_t>(k - 1)] = std::current_exception();
+          }
+        });
+      std::exception_ptr mine;
+      try {
+        plan_range(0, P / T, s.copies);
+      } catch (...) {
+        mine = std::current_exception();
       }
+      for (auto& w : workers) w.join();
+      if (mine) std::rethrow_exception(mine);
+      for (auto& e : errors)
+        if (e) std::rethrow_exception(e);
+      std::size_t total = s.copies.size();
+      for (const auto& v : parts) total += v.size();
+      s.copies.reserve(total);
+      for (auto& v : parts) {
+        s.copies.insert(s.copies.end(), v.begin(), v.end());
+        std::vector<Copy>().swap(v);
+      }
+      bool ordered = true;
+      for (std::int64_t p = 1; p < P && ordered; ++p)
+        ordered = dst_.mesh.global_rank(p) >= dst_.mesh.global_rank(p - 1);
       if (!ordered)
         std::stable_sort(s.copies.begin(), s.copies.end(),
                          [](const Copy& a, const Copy& b) { return a.dst_rank < b.dst_rank; });
@@ -157,6 +189,22 @@ class Planner {
   }
 
  private:
+  /// Every copy into destination positions [p0, p1), appended to out in
+  /// destination order. One destination at a time: its copies are sorted and
+  /// coalesced in a small batch (no copy ever merges across destination
+  /// ranks), so the big output is written once, in order.
+  void plan_range(std::int64_t p0, std::int64_t p1, std::vector<Copy>& out) {
+    std::vector<Copy> batch;
+    for (std::int64_t p = p0; p < p1; ++p) {
+      batch.clear();
+      for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, batch);
+      if (out.capacity() == 0 && !batch.empty())
+        out.reserve(batch.size() * static_cast<std::size_t>(p1 - p0) * 5 / 4 + 16);
+      detail::prefault(out, batch.size());
+      finish(batch, out);
+    }
+  }
+
   using Window = std::array<std::int64_t, 2 * kMaxTensorRank>;  // lo,hi per dim
 
   const FlatRange* flat_of(const Layout& L, std::int64_t pos, int t, std::map<std::pair<std::int64_t, int>, FlatRange>& cache) {
@@ -193,7 +241,7 @@ class Planner {
     return tensor_storage(dst_, pos, t, flat_of(dst_, pos, t, dst_flat_), concat_of(dst_, pos, t, dst_concat_));
   }
   /// positions_of_part(src_, st, parts), computed once per part in a plan.
-  const std::vector<std::int64_t>& src_holders(int st, const std::vector<std::int64_t>& parts) {
+  const std::vector<std::int64_t>& src_holders(int st, std::span<const std::int64_t> parts) {
     const auto& cuts = src_.tensors[static_cast<std::size_t>(st)].cuts;
     std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
     for (std::size_t d = 0; d < parts.size(); ++d)
@@ -226,7 +274,7 @@ class Planner {
             [&](std::int64_t p) { cand[static_cast<std::size_t>(d)].push_back(p); });
       }
       std::set<std::int64_t> dsts;
-      for_each_combination(cand, [&](const std::vector<std::int64_t>& parts) {
+      for_each_combination(cand, [&](std::span<const std::int64_t> parts) {
         for (auto p : positions_of_part(dst_, dt, parts)) dsts.insert(p);
       });
       for (auto p : dsts)
@@ -238,11 +286,11 @@ class Planner {
   static void for_each_combination(const std::vector<std::vector<std::int64_t>>& choices, F&& f) {
     for (const auto& c : choices)
       if (c.empty()) return;
-    std::vector<std::size_t> idx(choices.size(), 0);
-    std::vector<std::int64_t> cur(choices.size());
+    std::array<std::size_t, kMaxTensorRank> idx{};
+    std::array<std::int64_t, kMaxTensorRank> cur{};
     while (true) {
       for (std::size_t d = 0; d < choices.size(); ++d) cur[d] = choices[d][idx[d]];
-      f(cur);
+      f(std::span<const std::int64_t>(cur.data(), choices.size()));
       std::size_t d = choices.size();
       while (d > 0) {
         --d;
@@ -262,12 +310,13 @@ class Planner {
     const int n = sts.rank();
     // Copies from keep_src come only from the one part it holds: the other
     // parts need not be planned (their holders never include it).
-    std::vector<std::int64_t> own;
-    if (keep_src >= 0) {
+    std::array<std::int64_t, kMaxTensorRank> own{};
+    const bool only_own = keep_src >= 0;
+    if (only_own) {
       const auto kpos = src_.mesh.position_of(keep_src);
       if (!kpos || !src_.holds(*kpos, st)) return;
       for (int d = 0; d < n; ++d)
-        own.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, *kpos));
+        own[static_cast<std::size_t>(d)] = sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, *kpos);
     }
     const TensorStorage ds = dst_storage(dpos, dt);
     if (ds.empty()) return;
@@ -276,19 +325,21 @@ class Planner {
     Ctx c{dpos, dt, st, drank, keep_src, &ds, nullptr, &out};
     for (const auto& D : ds.boxes) {
       c.D = &D;
-      std::vector<std::vector<std::int64_t>> cand(static_cast<std::size_t>(n));
+      auto& cand = dst_cand_;  // scratch, reused: this runs millions of times
+      cand.resize(static_cast<std::size_t>(n));
       bool empty = false;
       for (int d = 0; d < n && !empty; ++d) {
         const auto ud = static_cast<std::size_t>(d);
+        cand[ud].clear();
         auto [glo, ghi] = detail::global_window(ds.parts[ud], D.lo[ud], D.hi[ud]);
         ghi = std::min(ghi, sts.shape[ud]);
         sts.cuts[ud].for_parts_meeting(glo, ghi, [&](std::int64_t p) {
-          if (own.empty() || p == own[ud]) cand[ud].push_back(p);
+          if (!only_own || p == own[ud]) cand[ud].push_back(p);
         });
         empty = cand[ud].empty();
       }
       if (empty) continue;
-      for_each_combination(cand, [&](const std::vector<std::int64_t>& parts) { plan_part(c, parts, local_pos); });
+      for_each_combination(cand, [&](std::span<const std::int64_t> parts) { plan_part(c, parts, local_pos); });
     }
   }
 
@@ -302,10 +353,11 @@ class Planner {
   };
 
   /// The pieces of source part `parts` that destination box c.D needs.
-  void plan_part(Ctx& c, const std::vector<std::int64_t>& parts, std::optional<std::int64_t> local_pos) {
+  void plan_part(Ctx& c, std::span<const std::int64_t> parts, std::optional<std::int64_t> local_pos) {
     const auto& sts = src_.tensors[static_cast<std::size_t>(c.st)];
     const int n = sts.rank();
-    std::vector<DimPart> sp(static_cast<std::size_t>(n));
+    auto& sp = part_dims_;  // scratch, reused (plan_part does not nest)
+    sp.resize(static_cast<std::size_t>(n));
     // Unsigned: the key only feeds the replica rotation, wrapping is fine.
     std::uint64_t part_key = 0;
     for (int d = 0; d < n; ++d) {
@@ -316,23 +368,32 @@ class Planner {
     // Needed region in the part's local coordinates: per dim the run groups,
     // their bounding window, and the element counts.
     Window need{};
-    std::vector<std::vector<RunGroup>> groups(static_cast<std::size_t>(n));
-    std::vector<std::int64_t> ext(static_cast<std::size_t>(n));
+    auto& groups = part_groups_;
+    if (groups.size() < static_cast<std::size_t>(n)) groups.resize(static_cast<std::size_t>(n));
+    std::array<std::int64_t, kMaxTensorRank> ext{};
+    std::int64_t needed_elements = 1;
     for (int d = 0; d < n; ++d) {
       const auto ud = static_cast<std::size_t>(d);
       auto& g = groups[ud];
+      g.clear();
       intersect_dim(sp[ud], 0, sp[ud].local_extent, c.ds->parts[ud], c.D->lo[ud], c.D->hi[ud], sts.shape[ud], g);
       if (g.empty()) return;
-      std::int64_t lo = INT64_MAX, hi = 0;
+      std::int64_t lo = INT64_MAX, hi = 0, count = 0;
       for (const auto& r : g) {
         lo = std::min(lo, r.s0);
         hi = std::max(hi, r.s0 + (r.count - 1) * r.sper + r.len);
+        count += r.elements();
       }
       need[2 * ud] = lo;
       need[2 * ud + 1] = hi;
       ext[ud] = sp[ud].local_extent;
+      needed_elements *= count;
     }
-    const NeededBox needed(std::move(groups), ext);
+    // The exact needed set is only consulted to cut slabs among replicas.
+    auto needed_box = [&] {
+      return NeededBox(std::span<const std::vector<RunGroup>>(groups.data(), static_cast<std::size_t>(n)),
+                       std::span<const std::int64_t>(ext.data(), static_cast<std::size_t>(n)));
+    };
     const std::int64_t ebytes = element_bytes(sts.dtype);
     const std::vector<std::int64_t>& holders = src_holders(c.st, parts);
     if (holders.empty()) fail("plan: no source rank holds a part of tensor '{}'", sts.name);
@@ -344,7 +405,7 @@ class Planner {
       std::optional<std::int64_t> local;
       if (local_pos && std::binary_search(holders.begin(), holders.end(), *local_pos)) local = local_pos;
       const auto R = static_cast<std::int64_t>(holders.size());
-      if (local || R == 1 || needed.elements() * ebytes < opt_.split_bytes) {
+      if (local || R == 1 || needed_elements * ebytes < opt_.split_bytes) {
         const std::int64_t h = local ? *local : holders[replica(0, holders.size())];
         emit(c, h, sp, need);
         return;
@@ -354,6 +415,7 @@ class Planner {
       // sends an even share. The dim: the outermost whose needed count R
       // divides, else the outermost with at least 8 per replica (slabs
       // within 1/8 of each other), else the one with the most.
+      const NeededBox needed = needed_box();
       int cut = -1;
       for (int d = 0; d < n && cut < 0; ++d)
         if (needed.total(d) >= R && needed.total(d) % R == 0) cut = d;
@@ -369,11 +431,10 @@ class Planner {
       }
       const auto uc = static_cast<std::size_t>(cut);
       const std::int64_t T = needed.total(cut);
-      auto count = [&](std::int64_t x) { return needed.below(cut, x); };
       std::int64_t lo = need[2 * uc];
       for (std::int64_t i = 0; i < R; ++i) {
         const std::int64_t hi = i + 1 == R ? need[2 * uc + 1]
-                                           : NeededBox::first_reaching(lo, need[2 * uc + 1], (i + 1) * T / R, count);
+                                           : needed.first_reaching_on(cut, lo, need[2 * uc + 1], (i + 1) * T / R);
         Window w = need;
         w[2 * uc] = lo;
         w[2 * uc + 1] = hi;
@@ -386,6 +447,8 @@ class Planner {
     // array. Cut [0, size) at every interval end; give each segment to one
     // holder covering it (the destination itself when it can), and a large
     // segment with R holders to all of them in R pieces of equal needed size.
+    const NeededBox needed = needed_box();
+    const std::vector<std::int64_t> extents(ext.begin(), ext.begin() + n);
     std::vector<std::pair<std::int64_t, std::int64_t>> cover;  // per holder
     std::vector<std::int64_t> cuts;
     for (auto h : holders) {
@@ -402,7 +465,7 @@ class Planner {
     auto flush = [&]() {
       if (run_holder < 0) return;
       std::vector<std::array<std::int64_t, 2 * kMaxTensorRank>> tiles;
-      linear_to_boxes(ext, run_lo, run_hi, tiles);
+      linear_to_boxes(extents, run_lo, run_hi, tiles);
       for (const auto& t : tiles) {
         Window w{};
         bool ok = true;
@@ -457,6 +520,44 @@ class Planner {
     flush();
   }
 
+  /// A piece's box before it is cut to kMaxBoxRank dims.
+  using WideDims = std::array<std::int64_t, 2 * kMaxTensorRank>;
+
+  /// Appends the collapsed box (rank r) as copies: one, or, when it has more
+  /// than kMaxBoxRank dims, one per index of its outer r - kMaxBoxRank dims.
+  static void emit_box(Copy& cp, std::int64_t so, std::int64_t doff, int r, const WideDims& ext, const WideDims& sst,
+                       const WideDims& dst, std::vector<Copy>& out) {
+    const int outer = std::max(0, r - kMaxBoxRank);
+    const int old = cp.rank;  // cp is reused: dims past the new rank must read 0
+    cp.rank = r - outer;
+    for (int k = 0; k < cp.rank; ++k) {
+      const auto uk = static_cast<std::size_t>(k), uo = static_cast<std::size_t>(outer + k);
+      cp.extent[uk] = ext[uo];
+      cp.src_stride[uk] = sst[uo];
+      cp.dst_stride[uk] = dst[uo];
+    }
+    for (auto k = static_cast<std::size_t>(cp.rank); k < static_cast<std::size_t>(old); ++k)
+      cp.extent[k] = cp.src_stride[k] = cp.dst_stride[k] = 0;
+    std::array<std::int64_t, 2 * kMaxTensorRank> i{};
+    while (true) {
+      cp.src_offset = so;
+      cp.dst_offset = doff;
+      for (int k = 0; k < outer; ++k) {
+        const auto uk = static_cast<std::size_t>(k);
+        cp.src_offset += i[uk] * sst[uk];
+        cp.dst_offset += i[uk] * dst[uk];
+      }
+      out.push_back(cp);
+      int k = outer - 1;
+      for (; k >= 0; --k) {
+        const auto uk = static_cast<std::size_t>(k);
+        if (++i[uk] < ext[uk]) break;
+        i[uk] = 0;
+      }
+      if (k < 0) break;
+    }
+  }
+
   /// Copies from holder position h: the part's local window w, met with each
   /// of the holder's held boxes and with the destination box.
   void emit(Ctx& c, std::int64_t h, const std::vector<DimPart>& sp, const Window& w) {
@@ -482,35 +583,34 @@ class Planner {
       const auto ebytes = static_cast<std::int32_t>(element_bytes(sts.dtype));
       std::array<std::size_t, kMaxTensorRank> idx{};
       Copy cp;  // built here (hot in cache), then copied out once
+      cp.src_rank = srank;
+      cp.dst_rank = c.drank;
+      cp.src_buffer = src_buffer;
+      cp.dst_buffer = dst_buffer;
+      cp.tensor = c.dt;
+      cp.element_bytes = ebytes;
+      WideDims ext, sst, dst;  // dims [0, r) set per copy
       while (true) {
-        cp.src_rank = srank;
-        cp.dst_rank = c.drank;
-        cp.src_buffer = src_buffer;
-        cp.dst_buffer = dst_buffer;
-        cp.tensor = c.dt;
-        cp.element_bytes = ebytes;
-        cp.src_offset = S.base;
-        cp.dst_offset = D.base;
+        std::int64_t so = S.base, doff = D.base;
         int r = 0;
         for (int d = 0; d < n; ++d) {
           const auto ud = static_cast<std::size_t>(d);
           const RunGroup& g = groups[ud][idx[ud]];
-          cp.src_offset += g.s0 * S.stride[ud];
-          cp.dst_offset += g.d0 * D.stride[ud];
+          so += g.s0 * S.stride[ud];
+          doff += g.d0 * D.stride[ud];
           if (g.count > 1) {
-            cp.extent[static_cast<std::size_t>(r)] = g.count;
-            cp.src_stride[static_cast<std::size_t>(r)] = g.sper * S.stride[ud];
-            cp.dst_stride[static_cast<std::size_t>(r)] = g.dper * D.stride[ud];
+            ext[static_cast<std::size_t>(r)] = g.count;
+            sst[static_cast<std::size_t>(r)] = g.sper * S.stride[ud];
+            dst[static_cast<std::size_t>(r)] = g.dper * D.stride[ud];
             ++r;
           }
-          cp.extent[static_cast<std::size_t>(r)] = g.len;
-          cp.src_stride[static_cast<std::size_t>(r)] = S.stride[ud];
-          cp.dst_stride[static_cast<std::size_t>(r)] = D.stride[ud];
+          ext[static_cast<std::size_t>(r)] = g.len;
+          sst[static_cast<std::size_t>(r)] = S.stride[ud];
+          dst[static_cast<std::size_t>(r)] = D.stride[ud];
           ++r;
         }
-        cp.rank = r;
-        collapse(cp);  // also zeroes the dims past the new rank
-        c.out->push_back(cp);
+        r = collapse_dims(r, ext, sst, dst);
+        emit_box(cp, so, doff, r, ext, sst, dst, *c.out);
         int d = n - 1;
         for (; d >= 0; --d) {
           const auto ud = static_cast<std::size_t>(d);
@@ -536,8 +636,14 @@ class Planner {
                           static_cast<std::uint32_t>(i)});
     }
     std::sort(keys_.begin(), keys_.end(), [](const Key& a, const Key& b) {
-      return std::tie(a.dst_rank, a.dst_buffer, a.src_rank, a.src_buffer, a.tensor, a.dst_offset, a.idx) <
-             std::tie(b.dst_rank, b.dst_buffer, b.src_rank, b.src_buffer, b.tensor, b.dst_offset, b.idx);
+      // Field by field with early exits (a tuple compare costs more here).
+      if (a.dst_rank != b.dst_rank) return a.dst_rank < b.dst_rank;
+      if (a.dst_buffer != b.dst_buffer) return a.dst_buffer < b.dst_buffer;
+      if (a.src_rank != b.src_rank) return a.src_rank < b.src_rank;
+      if (a.src_buffer != b.src_buffer) return a.src_buffer < b.src_buffer;
+      if (a.tensor != b.tensor) return a.tensor < b.tensor;
+      if (a.dst_offset != b.dst_offset) return a.dst_offset < b.dst_offset;
+      return a.idx < b.idx;
     });
     const std::size_t start = out.size();
     for (const Key& k : keys_) {
@@ -559,7 +665,9 @@ class Planner {
   std::deque<TensorStorage> src_store_;        // stable references
   std::vector<std::int32_t> src_store_index_;  // (position, tensor) -> src_store_ index, -1 = not yet
   std::unordered_map<std::uint64_t, std::vector<std::int64_t>> holders_;
-  std::vector<std::vector<RunGroup>> emit_groups_;
+  std::vector<std::vector<RunGroup>> emit_groups_, part_groups_;
+  std::vector<DimPart> part_dims_;
+  std::vector<std::vector<std::int64_t>> dst_cand_;
   struct FinishKey {
     std::int64_t dst_rank, src_rank, dst_offset;
     std::int32_t dst_buffer, src_buffer, tensor;

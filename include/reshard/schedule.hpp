@@ -13,9 +13,11 @@
 
 namespace reshard {
 
-/// Most dims a copy box can have: two per tensor dim (a periodic run set
-/// becomes count x length) and one more for merged progressions.
-inline constexpr int kMaxBoxRank = 20;
+/// Most dims a copy box can have. A piece of a tensor of rank n can need up
+/// to 2n dims (a periodic run set becomes count x length); the planner cuts
+/// such rare pieces into several copies of at most kMaxBoxRank dims, so that
+/// every Copy stays small (a full plan holds millions of them).
+inline constexpr int kMaxBoxRank = 8;
 
 /// A strided box copy between two local buffers.
 struct Copy {
@@ -40,6 +42,39 @@ struct Copy {
   }
 };
 
+/// Drops unit dims and merges dims that are contiguous on both sides, in
+/// place on dims [0, rank) of three parallel arrays; returns the new rank
+/// (>= 1: a single element keeps one unit dim so the box has a shape). Dims
+/// past the new rank are left as they were.
+template <class Ext>
+int collapse_dims(int rank, Ext& extent, Ext& src_stride, Ext& dst_stride) {
+  int r = 0;
+  for (int d = 0; d < rank; ++d) {
+    const auto ud = static_cast<std::size_t>(d);
+    if (extent[ud] == 1) continue;
+    if (r > 0) {
+      const auto up = static_cast<std::size_t>(r - 1);
+      if (src_stride[up] == src_stride[ud] * extent[ud] && dst_stride[up] == dst_stride[ud] * extent[ud]) {
+        extent[up] *= extent[ud];
+        src_stride[up] = src_stride[ud];
+        dst_stride[up] = dst_stride[ud];
+        continue;
+      }
+    }
+    const auto ur = static_cast<std::size_t>(r);
+    extent[ur] = extent[ud];
+    src_stride[ur] = src_stride[ud];
+    dst_stride[ur] = dst_stride[ud];
+    ++r;
+  }
+  if (r == 0) {
+    extent[0] = 1;
+    src_stride[0] = dst_stride[0] = 1;
+    r = 1;
+  }
+  return r;
+}
+
 struct ScheduleStats {
   std::int64_t bytes = 0;        ///< between different ranks
   std::int64_t local_bytes = 0;  ///< within one rank
@@ -59,62 +94,60 @@ struct Schedule {
   void compute_stats(std::int64_t rank_count) {
     stats.bytes = stats.local_bytes = 0;
     stats.copies = static_cast<std::int64_t>(copies.size());
-    // Per-rank sums in hash maps: a schedule has millions of copies but few ranks.
-    std::unordered_map<std::int64_t, std::int64_t> sends, recvs;
+    // Per-rank sums: a schedule has millions of copies but few ranks, whose
+    // ids are usually small (an array), else arbitrary (a hash map).
+    std::int64_t lo = 0, hi = -1;
     for (const auto& c : copies) {
-      const std::int64_t n = c.bytes();
-      if (c.is_local()) {
-        stats.local_bytes += n;
-        continue;
-      }
-      stats.bytes += n;
-      sends[c.src_rank] += n;
-      recvs[c.dst_rank] += n;
+      lo = std::min({lo, c.src_rank, c.dst_rank});
+      hi = std::max({hi, c.src_rank, c.dst_rank});
     }
-    auto max_of = [](const std::unordered_map<std::int64_t, std::int64_t>& v) {
-      std::int64_t best = 0;
-      for (const auto& [rank, sum] : v) best = std::max(best, sum);
-      return best;
-    };
-    stats.max_send_bytes = max_of(sends);
-    stats.max_recv_bytes = max_of(recvs);
+    if (lo >= 0 && hi < (std::int64_t{1} << 22)) {
+      std::vector<std::int64_t> sends(static_cast<std::size_t>(hi + 1)), recvs(static_cast<std::size_t>(hi + 1));
+      for (const auto& c : copies) {
+        const std::int64_t n = c.bytes();
+        if (c.is_local()) {
+          stats.local_bytes += n;
+          continue;
+        }
+        stats.bytes += n;
+        sends[static_cast<std::size_t>(c.src_rank)] += n;
+        recvs[static_cast<std::size_t>(c.dst_rank)] += n;
+      }
+      stats.max_send_bytes = sends.empty() ? 0 : *std::max_element(sends.begin(), sends.end());
+      stats.max_recv_bytes = recvs.empty() ? 0 : *std::max_element(recvs.begin(), recvs.end());
+    } else {
+      std::unordered_map<std::int64_t, std::int64_t> sends, recvs;
+      for (const auto& c : copies) {
+        const std::int64_t n = c.bytes();
+        if (c.is_local()) {
+          stats.local_bytes += n;
+          continue;
+        }
+        stats.bytes += n;
+        sends[c.src_rank] += n;
+        recvs[c.dst_rank] += n;
+      }
+      auto max_of = [](const std::unordered_map<std::int64_t, std::int64_t>& v) {
+        std::int64_t best = 0;
+        for (const auto& [rank, sum] : v) best = std::max(best, sum);
+        return best;
+      };
+      stats.max_send_bytes = max_of(sends);
+      stats.max_recv_bytes = max_of(recvs);
+    }
     stats.ranks = rank_count;
   }
 };
 
-/// Drops unit dims and merges dims that are contiguous on both sides, so a
-/// contiguous piece becomes one 1-D run.
+/// collapse_dims on a copy: a contiguous piece becomes one 1-D run.
+/// Dims past the rank are zeroed, so equal boxes compare equal as structs.
 inline void collapse(Copy& c) {
-  int r = 0;
-  for (int d = 0; d < c.rank; ++d) {
-    const auto ud = static_cast<std::size_t>(d);
-    if (c.extent[ud] == 1) continue;
-    if (r > 0) {
-      const auto up = static_cast<std::size_t>(r - 1);
-      if (c.src_stride[up] == c.src_stride[ud] * c.extent[ud] &&
-          c.dst_stride[up] == c.dst_stride[ud] * c.extent[ud]) {
-        c.extent[up] *= c.extent[ud];
-        c.src_stride[up] = c.src_stride[ud];
-        c.dst_stride[up] = c.dst_stride[ud];
-        continue;
-      }
-    }
-    const auto ur = static_cast<std::size_t>(r);
-    c.extent[ur] = c.extent[ud];
-    c.src_stride[ur] = c.src_stride[ud];
-    c.dst_stride[ur] = c.dst_stride[ud];
-    ++r;
-  }
-  for (int d = r; d < kMaxBoxRank; ++d) {
+  const int old = c.rank;
+  c.rank = collapse_dims(c.rank, c.extent, c.src_stride, c.dst_stride);
+  for (int d = c.rank; d < old; ++d) {
     const auto ud = static_cast<std::size_t>(d);
     c.extent[ud] = c.src_stride[ud] = c.dst_stride[ud] = 0;
   }
-  if (r == 0) {  // a single element: keep one unit dim so the box has a shape
-    c.extent[0] = 1;
-    c.src_stride[0] = c.dst_stride[0] = 1;
-    r = 1;
-  }
-  c.rank = r;
 }
 
 namespace detail {

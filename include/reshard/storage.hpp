@@ -144,10 +144,15 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
   s.buffer = L.buffer_of(t);
   if (!L.holds(pos, t)) return s;
   const int n = ts.rank();
-  for (int d = 0; d < n; ++d) s.parts.push_back(L.dim_part(pos, t, d));
-  s.extents = L.local_extents(pos, t);
+  s.parts.reserve(static_cast<std::size_t>(n));
+  s.extents.reserve(static_cast<std::size_t>(n));
+  for (int d = 0; d < n; ++d) {
+    s.parts.push_back(L.dim_part(pos, t, d));
+    s.extents.push_back(s.parts.back().local_extent);
+  }
   const std::int64_t size = product(s.extents);
-  std::vector<std::int64_t> rowstride(static_cast<std::size_t>(n), 1);
+  std::array<std::int64_t, kMaxTensorRank> rowstride;
+  rowstride.fill(1);
   for (int d = n - 2; d >= 0; --d)
     rowstride[static_cast<std::size_t>(d)] = rowstride[static_cast<std::size_t>(d) + 1] * s.extents[static_cast<std::size_t>(d) + 1];
   HeldBox whole;
@@ -171,7 +176,8 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
     const ConcatRange& c = concat ? *concat : cr;
     const std::int64_t total = c.total, prefix = c.offset[slot];
     // Buffer extents equal the local array's except along cd (total).
-    std::vector<std::int64_t> bstride(static_cast<std::size_t>(n), 1);
+    std::array<std::int64_t, kMaxTensorRank> bstride;
+    bstride.fill(1);
     for (int d = n - 2; d >= 0; --d) {
       const auto ud = static_cast<std::size_t>(d);
       bstride[ud] = bstride[ud + 1] * (ud + 1 == cd ? total : s.extents[ud + 1]);
@@ -188,7 +194,9 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
     }
     return s;
   }
-  const FlatRange fr = flat ? *flat : flat_range(L, pos, bs);
+  FlatRange computed;  // only when the caller has no cached one
+  if (!flat) computed = flat_range(L, pos, bs);
+  const FlatRange& fr = flat ? *flat : computed;
   const std::int64_t off = fr.offset[slot];
   s.lin_lo = std::max<std::int64_t>(0, fr.lo - off);
   s.lin_hi = std::min<std::int64_t>(size, fr.hi - off);
