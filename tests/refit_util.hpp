@@ -7,13 +7,16 @@
 // every destination element starts as the complement of its tag, padding as a
 // fixed byte (different on each side). After a refit every destination
 // element must equal its tag and every padding slot must be untouched.
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "oracle.hpp"
+#include "reshard/backends/fault_injection.hpp"
 #include "reshard/backends/local.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
@@ -183,6 +186,84 @@ inline Outcome run_refits(const Layout& src, const Layout& dst, ResharderOptions
     out.compiles[i] = r.executor().compiles();
   });
   out.traffic = world.total_stats();
+  return out;
+}
+
+
+/// One rank's history in a run with injected faults.
+struct FaultyRank {
+  std::int64_t rank = -1;
+  std::vector<std::string> errors;   ///< per refit attempted: "" when it committed
+  std::vector<std::int64_t> wrong;   ///< per committed refit: destination elements wrong after it
+  std::vector<RefitReport> reports;  ///< per committed refit
+  RefitState state = RefitState::empty;
+  std::uint64_t last_good = 0;
+  std::vector<std::string> stale;
+  std::optional<StaleReport> failure;
+};
+struct FaultyOutcome {
+  std::vector<FaultyRank> ranks;
+  std::vector<InjectedFault> injected;
+  double seconds = 0;
+  /// Ranks whose refit k committed.
+  int committed(std::size_t k) const {
+    int n = 0;
+    for (const auto& r : ranks) n += k < r.errors.size() && r.errors[k].empty();
+    return n;
+  }
+  const FaultyRank& at(std::int64_t rank) const {
+    for (const auto& r : ranks)
+      if (r.rank == rank) return r;
+    throw Error(fmt::format("no rank {} in the outcome", rank));
+  }
+};
+
+/// Refits `refits` times over FaultInjectingTransport<LocalTransport>
+/// following `plan` (new source values each time: salt = refit number,
+/// unless `same_values`), each rank stopping at its first failure.
+inline FaultyOutcome run_with_faults(const Layout& src, const Layout& dst, FaultPlan& plan, ResharderOptions opt, int refits,
+                                     bool same_values = false) {
+  FaultyOutcome out;
+  const auto ranks = world_of(src, dst);
+  const std::size_t n = ranks.size();
+  std::vector<SideMemory> smem(n), dmem(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    smem[i] = make_side(src, ranks[i], true, 0);
+    dmem[i] = make_side(dst, ranks[i], false, 0);
+  }
+  out.ranks.resize(n);
+  const auto t0 = Clock::now();
+  LocalWorld world(ranks);
+  world.run([&](LocalTransport& inner) {
+    std::size_t i = 0;
+    while (ranks[i] != inner.rank()) ++i;
+    FaultyRank& me = out.ranks[i];
+    me.rank = inner.rank();
+    FaultInjectingTransport<LocalTransport> t(inner, plan);
+    LocalBuffers bufs;
+    bufs.src = views(src, smem[i]);
+    bufs.dst = views(dst, dmem[i]);
+    Resharder<Layout, FaultInjectingTransport<LocalTransport>> r(src, dst, bufs, t, opt);
+    for (int k = 0; k < refits; ++k) {
+      const auto salt = static_cast<std::uint64_t>(same_values ? 0 : k);
+      write_side(src, smem[i], true, salt);
+      write_side(dst, dmem[i], false, salt);
+      try {
+        me.reports.push_back(r.refit());
+        me.errors.emplace_back();
+        me.wrong.push_back(count_wrong(dst, dmem[i], me.rank, salt, nullptr));
+      } catch (const RefitNotCommitted& e) {
+        me.errors.emplace_back(e.what());
+        break;
+      }
+    }
+    me.state = r.state();
+    me.last_good = r.last_good_version();
+    me.stale = r.stale_tensors();
+    me.failure = r.last_failure();
+  });
+  out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  out.injected = plan.injected();
   return out;
 }
 

@@ -1,13 +1,17 @@
 #pragma once
 // Committing a refit: every rank learns whether every rank's refit succeeded.
 //
-// A refit is collective, but each rank's refit() returns as soon as its own
-// sends and receives are done: a rank that exchanged nothing with a peer that
-// died (or gave up) would report success while the refit as a whole did not
-// happen. agree_refit() closes that hole with one bootstrap all-gather of
-// each rank's verdict; refit_and_agree() is refit() followed by it.
+// A refit is collective, but each rank's executor run returns as soon as its
+// own sends and receives are done: a rank that exchanged nothing with a peer
+// that died (or gave up) would report success while the refit as a whole did
+// not happen. Resharder::refit() now closes that hole itself (one bootstrap
+// all-gather of verdicts after every refit, see resharder.hpp), so success is
+// decided in one place. This header keeps:
 //
-//   auto report = reshard::refit_and_agree(resharder, transport);  // throws RefitNotCommitted
+//   agree_refit(t, local_error, deadline)   the verdict exchange on its own, for
+//                                           callers that drive an Executor directly
+//   refit_and_agree(resharder, transport)   = resharder.refit() (kept for callers;
+//                                           throws RefitNotCommitted)
 //
 // Works with any reshard::Transport (its all_gather is the bootstrap).
 #include <chrono>
@@ -22,14 +26,6 @@
 #include "transport.hpp"
 
 namespace reshard {
-
-/// A refit that did not complete on every rank: this rank's destination
-/// buffers must be treated as not updated (some pieces may hold new values,
-/// others old ones).
-class RefitNotCommitted : public TransportError {
- public:
-  explicit RefitNotCommitted(const std::string& what) : TransportError(what) {}
-};
 
 /// After a refit (or its failure: `local_error` non-empty) on every rank:
 /// returns only if all ranks succeeded; otherwise throws RefitNotCommitted
@@ -60,19 +56,13 @@ void agree_refit(T& t, const std::string& local_error, Deadline deadline) {
   }
 }
 
-/// refit() followed by agree_refit(): the report only when every rank's
-/// refit succeeded.
+/// Resharder::refit(), which agrees with every rank before it returns. The
+/// timeout is not used: the agreement has the executor's timeout.
 template <class L, class T>
 RefitReport refit_and_agree(Resharder<L, T>& r, T& t, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-  RefitReport rep;
-  std::string error;
-  try {
-    rep = r.refit();
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  agree_refit(t, error, Clock::now() + timeout);
-  return rep;
+  static_cast<void>(t);
+  static_cast<void>(timeout);
+  return r.refit();
 }
 
 }  // namespace reshard

@@ -29,6 +29,20 @@
 // locally, unpack each peer's receives as they complete, wait for the sends.
 // Any failure aborts the transport (peers fail too) and is rethrown; a failed
 // run never reports success, and the executor refuses further runs.
+//
+// Integrity (ExecutorOptions::checksum): every message's bytes get a CRC32C
+// on the sender (of the packed staging, or of the source range for a
+// zero-copy send), and per peer pair and wave one small control message
+// carries the refit's version and those CRCs. The control message travels in
+// the same receive group as the data, so when the group completes the
+// receiver checks the version (a stale or duplicated message of another
+// refit), the control message's own CRC, and each data message's CRC (of the
+// staging before it is unpacked, or of the destination range it landed in)
+// before unpacking. A mismatch is an IntegrityError naming the peer, the
+// tensors the message carries and the version. Any transport error during a
+// wait is rethrown with the peers and tensors still pending. After a failed
+// run, missing() says which peers' messages (and so which tensors) did not
+// arrive checked on this rank.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -46,7 +60,9 @@
 
 #include <fmt/format.h>
 
+#include "checksum.hpp"
 #include "copy_kernels.hpp"
+#include "cuda/device_engine.hpp"
 #include "error.hpp"
 #include "layout.hpp"
 #include "schedule.hpp"
@@ -65,6 +81,30 @@ struct ExecutorOptions {
   std::chrono::milliseconds timeout{300'000};
   /// Executors that share a transport and may overlap in time need distinct channels.
   std::uint16_t channel = 0;
+  /// CRC32C of every message, checked on arrival with the refit's version
+  /// (one control message per peer pair and wave). All ranks must agree.
+  bool checksum = false;
+  /// Required when the buffers are GPU memory (MemoryKind::device): allocates
+  /// the staging and runs packs, unpacks and local copies, one batch per
+  /// message group (reshard::cuda::CudaCopyEngine, cuda/device_engine.cuh).
+  std::shared_ptr<DeviceCopyEngine> device;
+};
+
+/// Tag bit of the checksum control messages (data messages never set it).
+inline constexpr std::uint64_t kChecksumTagBit = std::uint64_t{1} << 47;
+
+/// A message arrived but failed its check: wrong checksum, wrong version
+/// (stale or duplicated), or a damaged control message.
+class IntegrityError : public TransportError {
+ public:
+  explicit IntegrityError(const std::string& what) : TransportError(what) {}
+};
+
+/// After a failed run: what one peer's messages to this rank left missing.
+struct MissingPieces {
+  std::int64_t peer = -1;  ///< the sender (this rank itself: its local copies)
+  std::int64_t messages = 0, bytes = 0;
+  std::vector<std::string> tensors;  ///< destination tensors with a piece among them
 };
 
 /// A local buffer bound to memory, as the executor sees it: `shape` is the
@@ -111,6 +151,9 @@ struct ExecutorStats {
   std::int64_t zero_copy_bytes = 0;   ///< sent and received without staging on either side
   std::int64_t packed_bytes = 0, unpacked_bytes = 0;
   int waves = 0;
+  std::uint64_t version = 0;                ///< the refit version this run carried
+  std::int64_t checksummed_bytes = 0;       ///< bytes checksummed (sent + received)
+  double checksum_seconds = 0;              ///< time spent computing checksums
   std::int64_t staging_bytes = 0;       ///< staging memory allocated
   std::int64_t peak_staging_bytes = 0;  ///< most staging in use at once (waves in flight), measured
   double seconds = 0;
@@ -423,7 +466,10 @@ inline std::uint64_t copy_digest(std::uint64_t h, const Copy& c) {
   return h;
 }
 
-constexpr std::uint32_t kBlobMagic = 0x52534831;  // "RSH1"
+constexpr std::uint32_t kBlobMagic = 0x52534832;  // "RSH2"
+constexpr std::uint32_t kControlMagic = 0x5253434B;  // "RSCK"
+/// Control message: magic, count, version (8), wave, count CRCs, own CRC.
+inline std::uint64_t control_bytes(std::size_t count) { return 4 + 4 + 8 + 4 + 4 * static_cast<std::uint64_t>(count) + 4; }
 
 }  // namespace exec_detail
 
@@ -449,8 +495,25 @@ class Executor {
              T& transport, ExecutorOptions opt = {}, std::string local_error = {});
 
   /// Runs the program once: moves every byte of the schedule. Throws (after
-  /// aborting the transport) on any failure.
-  ExecutorStats run();
+  /// aborting the transport) on any failure. `version` names this refit (all
+  /// ranks pass the same; with checksums it travels with every pair's
+  /// control message and is checked); run() uses runs() + 1.
+  ExecutorStats run(std::uint64_t version);
+  ExecutorStats run() { return run(static_cast<std::uint64_t>(runs_) + 1); }
+
+  /// Names for error messages, by destination-layout tensor id (a Copy's
+  /// `tensor`); without them tensors are "tensor #id". Set before setup.
+  void set_tensor_names(std::vector<std::string> names) { tensor_names_ = std::move(names); }
+  std::string tensor_name(std::int32_t id) const {
+    return id >= 0 && static_cast<std::size_t>(id) < tensor_names_.size() ? tensor_names_[static_cast<std::size_t>(id)]
+                                                                           : fmt::format("tensor #{}", id);
+  }
+  /// Destination tensors this rank writes (received or copied locally).
+  std::vector<std::string> destination_tensors() const;
+  /// After a failed run: per peer, the messages to this rank that did not
+  /// arrive and pass their checks (empty after a successful run).
+  std::vector<MissingPieces> missing() const;
+  bool broken() const { return broken_; }
 
   bool ready() const { return ready_; }
   /// Per replay, fixed at setup.
@@ -506,10 +569,20 @@ class Executor {
     std::int64_t peer = -1;
     std::vector<TransferOp> ops;
     std::vector<std::size_t> staged;  ///< messages to pack before / unpack after
+    std::vector<std::size_t> all{};   ///< every data message, in op order
+    std::ptrdiff_t control = -1;      ///< receive: index into Wave::controls
+  };
+  /// One checksum control message: a peer pair's data messages in one wave.
+  struct Control {
+    std::size_t pair = 0;
+    std::vector<std::size_t> messages;  ///< indices into messages_
+    std::uint64_t offset = 0, bytes = 0;  ///< in the integrity buffer
   };
   struct Wave {
     Group direct_sends;
     std::vector<Group> sends, recvs;
+    Group control_sends;
+    std::vector<Control> controls;
     std::int64_t staging = 0;
   };
   struct LocalCopy {
@@ -517,6 +590,7 @@ class Executor {
     const BoundBuffer* dst = nullptr;
     std::int64_t element_bytes = 0;
     std::vector<Part> parts;
+    std::int32_t tensor = 0;
   };
 
   [[noreturn]] void fail_here(const std::string& what) const { fail("rank {}: {}", me_, what); }
@@ -526,6 +600,9 @@ class Executor {
   void plan_pair_messages(Pair& p) const;
   void compile_waves(bool reuse, std::int64_t slot_capacity);
   void pack(const Message& m, std::byte* out) const;
+  /// Device buffers: packs (or unpacks) the staged messages in one batch.
+  void device_copy(const std::vector<std::size_t>& staged, bool packing, ExecutorStats& st);
+  void device_local(ExecutorStats& st);
   void unpack(const Message& m, const std::byte* in) const;
   /// Walks a message's pieces in message order: f(element bytes, part, box,
   /// first element within the part, element count, byte offset in the message).
@@ -533,6 +610,17 @@ class Executor {
   void for_each_range(const Message& m, F&& f) const;
   void start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                   std::vector<std::size_t>& recv_groups);
+  /// Byte range of a direct (zero-copy) message in its buffer.
+  const std::byte* direct_range(const Message& m) const;
+  /// Sender: CRCs of a wave's messages into its control messages.
+  void write_controls(Wave& wv, ExecutorStats& st);
+  /// Receiver: checks a completed group against its control message; the
+  /// error ("" when all passed) and, in `bad`, the messages that failed.
+  std::string check_group(std::size_t w, const Group& g, ExecutorStats& st, std::set<std::size_t>& bad) const;
+  std::string tensors_of(const std::vector<std::size_t>& messages) const;
+  /// The peers and tensors of a wave's receive groups (or, with `sends`, of
+  /// its send requests by index) that are still pending.
+  std::string pending_of(std::size_t w, const std::vector<std::size_t>& recv_groups, bool sends) const;
   void finish_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                    std::vector<std::size_t>& recv_groups, Deadline deadline);
   const BoundBuffer& side_buffer(const Pair& p, const SideCopy& s) const {
@@ -553,11 +641,22 @@ class Executor {
   std::vector<Message> messages_;
   std::vector<Wave> waves_;
   std::unique_ptr<std::byte[]> staging_;
+  bool device_ = false;                  ///< buffers and staging in GPU memory (opt_.device moves them)
+  std::byte* device_staging_ = nullptr;  ///< from opt_.device
   std::size_t staging_size_ = 0;
   RegionHandle staging_region_;
   std::int64_t plan_sent_ = 0, plan_recv_ = 0, plan_local_ = 0;
   bool ready_ = false, broken_ = false;
   std::int64_t runs_ = 0, compiles_ = 0;
+  // Integrity and versions.
+  std::vector<std::string> tensor_names_;
+  std::unique_ptr<std::byte[]> integrity_;
+  std::size_t integrity_size_ = 0;
+  RegionHandle integrity_region_;
+  mutable std::vector<std::uint32_t> crc_;  ///< per message, this run (sender)
+  std::vector<char> arrived_;               ///< per message, this run (receiver): arrived and checked
+  bool local_done_ = false;
+  std::uint64_t version_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -570,9 +669,13 @@ void Executor<T>::release() {
   for (auto& r : dst_regions_)
     if (r.valid()) t_->deregister_memory(r);
   if (staging_region_.valid()) t_->deregister_memory(staging_region_);
+  if (integrity_region_.valid()) t_->deregister_memory(integrity_region_);
+  if (device_staging_ && opt_.device) opt_.device->free_staging(device_staging_);
+  device_staging_ = nullptr;
   src_regions_.clear();
   dst_regions_.clear();
   staging_region_ = {};
+  integrity_region_ = {};
   ready_ = false;
 }
 
@@ -616,6 +719,10 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   copies_.clear();
   staging_.reset();
   staging_size_ = 0;
+  integrity_.reset();
+  integrity_size_ = 0;
+  arrived_.clear();
+  crc_.clear();
   plan_sent_ = plan_recv_ = plan_local_ = 0;
   const Deadline deadline = Clock::now() + opt_.timeout;
   const auto world = transport.world_ranks();
@@ -635,6 +742,25 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
     if (opt_.staging_budget < 64) fail_here(fmt::format("staging budget of {} bytes is below the minimum of 64", opt_.staging_budget));
     if (opt_.zero_copy_min < 0) fail_here("zero_copy_min is negative");
     if (world_index(me_) < 0) fail_here("the transport's world does not list this rank");
+    if (opt_.checksum)
+      for (const auto* v : {&src_, &dst_})
+        for (const BoundBuffer* b : *v)
+          if (b && b->memory != MemoryKind::host)
+            fail_here(fmt::format("checksums are computed on the host, but buffer '{}' is device memory", b->name));
+    device_ = false;
+    {
+      const BoundBuffer *host = nullptr, *dev = nullptr;
+      for (const auto* v : {&src_, &dst_})
+        for (const BoundBuffer* b : *v)
+          if (b) (b->memory == MemoryKind::device ? dev : host) = b;
+      if (dev && !opt_.device)
+        fail_here(fmt::format("buffer '{}' is device memory: ExecutorOptions::device must be a DeviceCopyEngine "
+                              "(reshard::cuda::CudaCopyEngine) to pack it", dev->name));
+      if (dev && host)
+        fail_here(fmt::format("buffer '{}' is host memory and buffer '{}' device memory: a rank's buffers must all be one or the other",
+                              host->name, dev->name));
+      device_ = dev != nullptr;
+    }
     if (schedule.only_rank >= 0 && schedule.only_rank != me_)
       fail_here(fmt::format("the schedule was planned for rank {} only", schedule.only_rank));
     for (const auto& c : schedule.copies)
@@ -669,6 +795,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
         const BoundBuffer& sb = buffer_of(true, c);
         const BoundBuffer& db = buffer_of(false, c);
         LocalCopy lc{&sb, &db, c.element_bytes, {}};
+        lc.tensor = c.tensor;
         const auto ms = exec_detail::ViewMap::of(sb), md = exec_detail::ViewMap::of(db);
         const exec_detail::ViewMap* maps[2] = {&ms, &md};
         exec_detail::MultiBox box;
@@ -714,6 +841,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   w1.put_string(local_error);
   w1.put(opt_.zero_copy_min);
   w1.put(opt_.channel);
+  w1.put<std::uint8_t>(opt_.checksum ? 1 : 0);
   w1.put<std::uint32_t>(static_cast<std::uint32_t>(pairs_.size()));
   for (const auto& p : pairs_) {
     w1.put(p.peer);
@@ -743,9 +871,13 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
       if (!ok) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, world[r], msg));
       const auto zcm = rd.get<std::int64_t>();
       const auto channel = rd.get<std::uint16_t>();
+      const bool checksum = rd.get<std::uint8_t>() != 0;
       if (zcm != opt_.zero_copy_min || channel != opt_.channel)
         fail_here(fmt::format("rank {} uses other executor options (zero_copy_min {} vs {}, channel {} vs {})", world[r], zcm,
                               opt_.zero_copy_min, channel, opt_.channel));
+      if (checksum != opt_.checksum)
+        fail_here(fmt::format("rank {} {} checksums but this rank {}: every rank must set ExecutorOptions::checksum alike", world[r],
+                              checksum ? "uses" : "does not use", opt_.checksum ? "does" : "does not"));
       const auto n = rd.get<std::uint32_t>();
       for (std::uint32_t i = 0; i < n; ++i) {
         const auto peer = rd.get<std::int64_t>();
@@ -850,6 +982,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
       for (const auto& g : wv.recvs) all.insert(all.end(), g.ops.begin(), g.ops.end());
       all.insert(all.end(), wv.direct_sends.ops.begin(), wv.direct_sends.ops.end());
       for (const auto& g : wv.sends) all.insert(all.end(), g.ops.begin(), g.ops.end());
+      all.insert(all.end(), wv.control_sends.ops.begin(), wv.control_sends.ops.end());
     }
     transport.prepare(all, deadline);
   } catch (const std::exception& e) {
@@ -978,7 +1111,10 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
   for (const auto& s : staged) messages_[s.message].staging_offset = static_cast<std::uint64_t>(base[static_cast<std::size_t>(s.wave)] + s.offset_in_wave);
   for (int w = 0; w < nwaves; ++w) waves_[static_cast<std::size_t>(w)].staging = usage[static_cast<std::size_t>(w)];
   staging_size_ = static_cast<std::size_t>(total);
-  if (staging_size_ > 0) {
+  if (staging_size_ > 0 && device_) {
+    device_staging_ = opt_.device->allocate_staging(staging_size_);
+    staging_region_ = t_->register_memory(device_staging_, staging_size_, MemoryKind::device);
+  } else if (staging_size_ > 0) {
     staging_ = std::make_unique<std::byte[]>(staging_size_);  // value-initialized: pages touched now, not in a refit
     staging_region_ = t_->register_memory(staging_.get(), staging_size_, MemoryKind::host);
   }
@@ -1013,7 +1149,56 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
       g = &wv.sends.back();
     }
     g->ops.push_back(op);
+    g->all.push_back(k);
     if (m.staged) g->staged.push_back(k);
+  }
+  crc_.assign(messages_.size(), 0);
+  arrived_.assign(messages_.size(), 0);
+  if (!opt_.checksum) return;
+  // One control message per peer pair and wave, after the pair's data
+  // messages in posting order on both sides (tag: the bit, then the wave).
+  std::uint64_t at = 0;
+  for (std::size_t w = 0; w < waves_.size(); ++w) {
+    Wave& wv = waves_[w];
+    std::map<std::size_t, std::size_t> control_of_pair;
+    for (std::size_t k = 0; k < messages_.size(); ++k) {
+      const Message& m = messages_[k];
+      if (pairs_[m.pair].messages[m.msg].wave != static_cast<int>(w)) continue;
+      auto [it, fresh] = control_of_pair.emplace(m.pair, wv.controls.size());
+      if (fresh) wv.controls.push_back(Control{m.pair, {}, 0, 0});
+      wv.controls[it->second].messages.push_back(k);
+    }
+    for (Control& c : wv.controls) {
+      c.offset = at;
+      c.bytes = exec_detail::control_bytes(c.messages.size());
+      at += (c.bytes + 7) & ~std::uint64_t{7};
+    }
+  }
+  integrity_size_ = static_cast<std::size_t>(at);
+  if (integrity_size_ == 0) return;
+  integrity_ = std::make_unique<std::byte[]>(integrity_size_);
+  integrity_region_ = t_->register_memory(integrity_.get(), integrity_size_, MemoryKind::host);
+  for (std::size_t w = 0; w < waves_.size(); ++w) {
+    Wave& wv = waves_[w];
+    for (std::size_t ci = 0; ci < wv.controls.size(); ++ci) {
+      const Control& c = wv.controls[ci];
+      const Pair& p = pairs_[c.pair];
+      TransferOp op;
+      op.kind = p.send ? OpKind::send : OpKind::recv;
+      op.peer = p.peer;
+      op.tag = (static_cast<std::uint64_t>(opt_.channel) << 48) | kChecksumTagBit | static_cast<std::uint64_t>(w);
+      op.region = integrity_region_;
+      op.offset = c.offset;
+      op.bytes = c.bytes;
+      if (p.send) {
+        wv.control_sends.ops.push_back(op);
+        continue;
+      }
+      auto g = std::find_if(wv.recvs.begin(), wv.recvs.end(), [&](const Group& x) { return x.peer == p.peer; });
+      if (g == wv.recvs.end()) fail_here("internal: a wave's control message has no receive group");
+      g->ops.push_back(op);
+      g->control = static_cast<std::ptrdiff_t>(ci);
+    }
   }
 }
 
@@ -1050,6 +1235,36 @@ void Executor<T>::unpack(const Message& m, const std::byte* in) const {
 }
 
 template <class T>
+void Executor<T>::device_copy(const std::vector<std::size_t>& staged, bool packing, ExecutorStats& st) {
+  cuda::BoxBatch batch;
+  for (std::size_t k : staged) {
+    const Message& m = messages_[k];
+    std::byte* stream = device_staging_ + m.staging_offset;
+    for_each_range(m, [&](std::size_t E, const Part& part, const BoxSide& box, std::int64_t first, std::int64_t count, std::int64_t at) {
+      const auto e = static_cast<std::int64_t>(E);
+      batch.add(packing ? cuda::pack_copy(box.base, box.offset, part.rank, part.extent.data(), box.stride, first, count, stream + at, e, e)
+                        : cuda::unpack_copy(box.base, box.offset, part.rank, part.extent.data(), box.stride, first, count, stream + at, e, e),
+                e);
+    });
+    (packing ? st.packed_bytes : st.unpacked_bytes) += pairs_[m.pair].messages[m.msg].bytes;
+  }
+  opt_.device->copy(batch);  // returns when done: the transport may read the staging now
+}
+
+template <class T>
+void Executor<T>::device_local(ExecutorStats& st) {
+  cuda::BoxBatch batch;
+  for (const LocalCopy& lc : local_)
+    for (const Part& part : lc.parts) {
+      batch.add(cuda::box_copy(lc.src->data, part.offset[0], part.stride[0].data(), lc.dst->data, part.offset[1], part.stride[1].data(),
+                               part.rank, part.extent.data(), lc.element_bytes, lc.element_bytes),
+                lc.element_bytes);
+      st.local_bytes += part.count * lc.element_bytes;
+    }
+  opt_.device->copy(batch);
+}
+
+template <class T>
 void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                              std::vector<std::size_t>& recv_groups) {
   Wave& wv = waves_[w];
@@ -1058,6 +1273,17 @@ void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<reque
     recv_groups.push_back(g);
   }
   if (!wv.direct_sends.ops.empty()) {
+    // Checksums are taken before the bytes are handed to the transport, so a
+    // change of the source while the send is in flight is caught too.
+    if (opt_.checksum) {
+      const auto c0 = Clock::now();
+      for (std::size_t k : wv.direct_sends.all) {
+        const auto n = pairs_[messages_[k].pair].messages[messages_[k].msg].bytes;
+        crc_[k] = crc32c(direct_range(messages_[k]), static_cast<std::size_t>(n));
+        st.checksummed_bytes += n;
+      }
+      st.checksum_seconds += std::chrono::duration<double>(Clock::now() - c0).count();
+    }
     sends.push_back(t_->post(wv.direct_sends.ops));
     for (const auto& op : wv.direct_sends.ops) {
       st.bytes_sent += static_cast<std::int64_t>(op.bytes);
@@ -1066,15 +1292,194 @@ void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<reque
     st.messages_sent += static_cast<std::int64_t>(wv.direct_sends.ops.size());
   }
   for (const auto& g : wv.sends) {
+    if (device_) device_copy(g.staged, true, st);
     for (std::size_t k : g.staged) {
+      if (device_) break;
       const Message& m = messages_[k];
       pack(m, staging_.get() + m.staging_offset);
-      st.packed_bytes += pairs_[m.pair].messages[m.msg].bytes;
+      const std::int64_t n = pairs_[m.pair].messages[m.msg].bytes;
+      st.packed_bytes += n;
+      if (opt_.checksum) {  // while the packed bytes are still in cache
+        const auto c0 = Clock::now();
+        crc_[k] = crc32c(staging_.get() + m.staging_offset, static_cast<std::size_t>(n));
+        st.checksum_seconds += std::chrono::duration<double>(Clock::now() - c0).count();
+        st.checksummed_bytes += n;
+      }
     }
     sends.push_back(t_->post(g.ops));
     for (const auto& op : g.ops) st.bytes_sent += static_cast<std::int64_t>(op.bytes);
     st.messages_sent += static_cast<std::int64_t>(g.ops.size());
   }
+  if (opt_.checksum && !wv.control_sends.ops.empty()) {
+    write_controls(wv, st);
+    sends.push_back(t_->post(wv.control_sends.ops));
+  }
+}
+
+template <class T>
+const std::byte* Executor<T>::direct_range(const Message& m) const {
+  const Pair& p = pairs_[m.pair];
+  const PairMessage& pm = p.messages[m.msg];
+  const SideCopy& s = p.copies[pm.segs[0].copy];
+  return side_buffer(p, s).data + (s.run_offset + pm.segs[0].first) * s.element_bytes;
+}
+
+template <class T>
+void Executor<T>::write_controls(Wave& wv, ExecutorStats& st) {
+  const auto c0 = Clock::now();
+  for (const Control& c : wv.controls) {
+    if (!pairs_[c.pair].send) continue;
+    std::byte* b = integrity_.get() + c.offset;
+    const auto count = static_cast<std::uint32_t>(c.messages.size());
+    const auto wave = static_cast<std::uint32_t>(pairs_[c.pair].messages[messages_[c.messages[0]].msg].wave);
+    std::memcpy(b, &exec_detail::kControlMagic, 4);
+    std::memcpy(b + 4, &count, 4);
+    std::memcpy(b + 8, &version_, 8);
+    std::memcpy(b + 16, &wave, 4);
+    for (std::uint32_t i = 0; i < count; ++i) std::memcpy(b + 20 + 4 * i, &crc_[c.messages[i]], 4);
+    const std::uint32_t self = crc32c(b, static_cast<std::size_t>(c.bytes - 4));
+    std::memcpy(b + c.bytes - 4, &self, 4);
+  }
+  st.checksum_seconds += std::chrono::duration<double>(Clock::now() - c0).count();
+}
+
+template <class T>
+std::string Executor<T>::tensors_of(const std::vector<std::size_t>& messages) const {
+  std::set<std::int32_t> ids;
+  for (std::size_t k : messages) {
+    const Message& m = messages_[k];
+    const Pair& p = pairs_[m.pair];
+    for (const Segment& seg : p.messages[m.msg].segs) ids.insert(copies_[p.copies[seg.copy].copy].tensor);
+  }
+  std::vector<std::string> names;
+  for (auto id : ids) names.push_back(tensor_name(id));
+  constexpr std::size_t kShown = 8;
+  std::string out = fmt::format("{}", fmt::join(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(std::min(kShown, names.size())), ", "));
+  if (names.size() > kShown) out += fmt::format(" and {} more", names.size() - kShown);
+  return names.empty() ? std::string("no tensors") : "tensors " + out;
+}
+
+template <class T>
+std::string Executor<T>::pending_of(std::size_t w, const std::vector<std::size_t>& recv_groups, bool sends) const {
+  const Wave& wv = waves_[w];
+  std::vector<std::string> parts;
+  auto add = [&](const Group& g, const char* what) {
+    std::map<std::int64_t, std::vector<std::size_t>> by_peer;
+    for (std::size_t k : g.all) by_peer[pairs_[messages_[k].pair].peer].push_back(k);
+    for (const auto& [peer, ks] : by_peer) {
+      // By tag too, so the transport's message (which names the tag) points at its tensors.
+      std::vector<std::string> tags;
+      for (std::size_t j = 0; j < ks.size() && j < 8; ++j) {
+        const Message& m = messages_[ks[j]];
+        std::string t = tensors_of({ks[j]});
+        if (t.rfind("tensors ", 0) == 0) t = t.substr(8);
+        tags.push_back(fmt::format("{:#x} {}", pairs_[m.pair].messages[m.msg].tag, t));
+      }
+      if (ks.size() > 8) tags.push_back(fmt::format("and {} more", ks.size() - 8));
+      parts.push_back(fmt::format("{} rank {} ({}; by tag: {})", what, peer, tensors_of(ks), fmt::join(tags, ", ")));
+    }
+  };
+  if (!sends) {
+    for (std::size_t gi : recv_groups) add(wv.recvs[gi], "messages from");
+  } else {
+    // Send requests in posting order: zero-copy group, packed groups, controls.
+    std::vector<const Group*> order;
+    if (!wv.direct_sends.ops.empty()) order.push_back(&wv.direct_sends);
+    for (const auto& g : wv.sends) order.push_back(&g);
+    for (std::size_t j : recv_groups) {
+      if (j < order.size()) add(*order[j], "sends to");
+      else parts.push_back("checksum control messages");
+    }
+  }
+  return fmt::format("wave {}: {}", w, parts.empty() ? std::string("nothing") : fmt::format("{}", fmt::join(parts, "; ")));
+}
+
+template <class T>
+std::string Executor<T>::check_group(std::size_t w, const Group& g, ExecutorStats& st, std::set<std::size_t>& bad_messages) const {
+  if (g.control < 0) fail_here("internal: a receive group without its checksum control message");
+  const Control& c = waves_[w].controls[static_cast<std::size_t>(g.control)];
+  const std::int64_t peer = pairs_[c.pair].peer;
+  const std::byte* b = integrity_.get() + c.offset;
+  std::uint32_t magic = 0, count = 0, wave = 0, self = 0;
+  std::uint64_t version = 0;
+  std::memcpy(&magic, b, 4);
+  std::memcpy(&count, b + 4, 4);
+  std::memcpy(&version, b + 8, 8);
+  std::memcpy(&wave, b + 16, 4);
+  std::memcpy(&self, b + c.bytes - 4, 4);
+  const auto c0 = Clock::now();
+  const std::uint32_t self_now = crc32c(b, static_cast<std::size_t>(c.bytes - 4));
+  bad_messages.insert(c.messages.begin(), c.messages.end());  // until checked
+  if (magic != exec_detail::kControlMagic || self != self_now || count != c.messages.size() || wave != w)
+    return (fmt::format("rank {}: refit version {}: the checksum control message from rank {} (wave {}) is damaged (its CRC32C "
+                                     "{:#010x}, computed {:#010x}); the {} it covers are not verified",
+                                     me_, version_, peer, w, self, self_now, tensors_of(c.messages)));
+  if (version != version_)
+    return (fmt::format("rank {}: rank {} sent wave {} of refit version {} while this rank refits version {}: a stale or "
+                                     "duplicated message ({})",
+                                     me_, peer, w, version, version_, tensors_of(c.messages)));
+  std::vector<std::string> bad;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const std::size_t k = c.messages[i];
+    const Message& m = messages_[k];
+    const PairMessage& pm = pairs_[m.pair].messages[m.msg];
+    const std::byte* data = m.staged ? staging_.get() + m.staging_offset : direct_range(m);
+    const std::uint32_t got = crc32c(data, static_cast<std::size_t>(pm.bytes)), want = [&] {
+      std::uint32_t v;
+      std::memcpy(&v, b + 20 + 4 * i, 4);
+      return v;
+    }();
+    st.checksummed_bytes += pm.bytes;
+    if (got == want) bad_messages.erase(k);
+    if (got != want)
+      bad.push_back(fmt::format("message tag {:#x} ({} bytes, {}): CRC32C {:#010x}, the sender's {:#010x}", pm.tag, pm.bytes,
+                                tensors_of({k}), got, want));
+  }
+  st.checksum_seconds += std::chrono::duration<double>(Clock::now() - c0).count();
+  if (bad.empty()) return {};
+  return fmt::format("rank {}: refit version {}: checksum mismatch in {} message(s) from rank {}: {}", me_, version_, bad.size(), peer,
+                     fmt::join(bad, "; "));
+}
+
+template <class T>
+std::vector<std::string> Executor<T>::destination_tensors() const {
+  std::set<std::int32_t> ids;
+  for (const auto& p : pairs_)
+    if (!p.send)
+      for (const auto& s : p.copies) ids.insert(copies_[s.copy].tensor);
+  for (const auto& lc : local_) ids.insert(lc.tensor);
+  std::vector<std::string> out;
+  for (auto id : ids) out.push_back(tensor_name(id));
+  return out;
+}
+
+template <class T>
+std::vector<MissingPieces> Executor<T>::missing() const {
+  std::vector<MissingPieces> out;
+  if (!broken_) return out;
+  std::map<std::int64_t, std::pair<MissingPieces, std::set<std::int32_t>>> by_peer;
+  for (std::size_t k = 0; k < messages_.size(); ++k) {
+    const Message& m = messages_[k];
+    const Pair& p = pairs_[m.pair];
+    if (p.send || arrived_[k]) continue;
+    auto& [mp, ids] = by_peer[p.peer];
+    mp.peer = p.peer;
+    ++mp.messages;
+    mp.bytes += p.messages[m.msg].bytes;
+    for (const Segment& seg : p.messages[m.msg].segs) ids.insert(copies_[p.copies[seg.copy].copy].tensor);
+  }
+  if (!local_done_)
+    for (const auto& lc : local_) {
+      auto& [mp, ids] = by_peer[me_];
+      mp.peer = me_;
+      for (const Part& part : lc.parts) mp.bytes += part.count * lc.element_bytes;
+      ids.insert(lc.tensor);
+    }
+  for (auto& [peer, e] : by_peer) {
+    for (auto id : e.second) e.first.tensors.push_back(tensor_name(id));
+    out.push_back(std::move(e.first));
+  }
+  return out;
 }
 
 template <class T>
@@ -1084,27 +1489,55 @@ void Executor<T>::finish_wave(std::size_t w, ExecutorStats& st, std::vector<requ
   while (!recvs.empty()) {
     std::vector<request*> ptrs;
     for (auto& r : recvs) ptrs.push_back(&r);
-    const std::size_t i = recvs.size() == 1 ? (t_->wait(recvs[0], deadline), 0) : t_->wait_any(ptrs, deadline);
+    std::size_t i = 0;
+    try {
+      i = recvs.size() == 1 ? (t_->wait(recvs[0], deadline), 0) : t_->wait_any(ptrs, deadline);
+    } catch (const IntegrityError&) {
+      throw;
+    } catch (const TransportError& e) {
+      throw TransportError(fmt::format("{} [rank {} was still waiting for {}]", e.what(), me_, pending_of(w, recv_groups, false)));
+    }
     const Group& g = wv.recvs[recv_groups[i]];
+    // Checked messages land (and count as arrived) even when others of the
+    // group failed: missing() then names only what is really missing.
+    std::set<std::size_t> bad;
+    const std::string integrity = opt_.checksum ? check_group(w, g, st, bad) : std::string();
+    for (std::size_t k : g.all)
+      if (!bad.count(k)) arrived_[k] = 1;
+    if (device_) device_copy(g.staged, false, st);
     for (std::size_t k : g.staged) {
+      if (device_) break;
+      if (bad.count(k)) continue;
       const Message& m = messages_[k];
       unpack(m, staging_.get() + m.staging_offset);
       st.unpacked_bytes += pairs_[m.pair].messages[m.msg].bytes;
     }
+    if (!integrity.empty()) throw IntegrityError(integrity);
     for (const auto& op : g.ops) st.bytes_received += static_cast<std::int64_t>(op.bytes);
     st.messages_received += static_cast<std::int64_t>(g.ops.size());
     recvs.erase(recvs.begin() + static_cast<std::ptrdiff_t>(i));
     recv_groups.erase(recv_groups.begin() + static_cast<std::ptrdiff_t>(i));
   }
-  for (auto& r : sends) t_->wait(r, deadline);
+  for (std::size_t j = 0; j < sends.size(); ++j) {
+    try {
+      t_->wait(sends[j], deadline);
+    } catch (const TransportError& e) {
+      std::vector<std::size_t> left(sends.size() - j);
+      std::iota(left.begin(), left.end(), j);
+      throw TransportError(fmt::format("{} [rank {} was still sending {}]", e.what(), me_, pending_of(w, left, true)));
+    }
+  }
   sends.clear();
 }
 
 template <class T>
-ExecutorStats Executor<T>::run() {
+ExecutorStats Executor<T>::run(std::uint64_t version) {
   if (!ready_) fail("executor: run() before a successful setup()");
   if (broken_) fail("rank {}: executor: an earlier run failed; the peers' state is unknown, set up again", me_);
   ExecutorStats st;
+  version_ = st.version = version;
+  std::fill(arrived_.begin(), arrived_.end(), char{0});
+  local_done_ = false;
   st.waves = static_cast<int>(waves_.size());
   st.staging_bytes = static_cast<std::int64_t>(staging_size_);
   const auto t0 = Clock::now();
@@ -1124,6 +1557,11 @@ ExecutorStats Executor<T>::run() {
       start_wave(w, st, f.sends, f.recvs, f.recv_groups);
     };
     auto local = [&] {
+      if (device_) {
+        device_local(st);
+        local_done_ = true;
+        return;
+      }
       for (const LocalCopy& lc : local_) {
         for (const Part& part : lc.parts) {
           BoxSide s{lc.src->data, part.offset[0], part.stride[0].data()};
@@ -1132,6 +1570,7 @@ ExecutorStats Executor<T>::run() {
           st.local_bytes += part.count * lc.element_bytes;
         }
       }
+      local_done_ = true;
     };
     const std::size_t W = waves_.size();
     if (W == 0) local();

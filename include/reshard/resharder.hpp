@@ -15,12 +15,43 @@
 // whose shape is not the layout's, overlapping destination memory, refit()
 // before setup(). A failed refit throws (and aborts the transport so the
 // peers fail too); it never returns a report.
+//
+// Versioned refits. Every refit carries a version (refit() takes the next
+// number, refit(v) a caller's; all ranks pass the same, increasing). refit()
+// returns only when this rank's part of that version arrived (and, with
+// ExecutorOptions::checksum, passed its checks) AND every rank of the world
+// said so: after its run each rank joins one bootstrap all-gather of verdicts
+// (rank, ok, version, error), so success is decided here, in one place, and a
+// rank that exchanged nothing with a failed peer does not report success.
+// Otherwise refit() throws RefitNotCommitted and records a StaleReport
+// (last_failure(): the version, the first error, the ranks that failed, and
+// per peer which messages and tensors did not arrive checked on this rank).
+//   state() == RefitState::current  the destination holds last_good_version(), complete
+//   state() == RefitState::stale    single-buffered: a refit wrote part of the
+//                                   destination and failed; stale_tensors() says which
+//                                   tensors lack pieces of it on this rank
+// After a failure the Resharder refuses to refit until setup() runs again
+// (with a fresh transport when the old one was aborted); versions and state
+// survive setup().
+//
+// Double-buffered mode (ResharderOptions::double_buffered): the caller also
+// binds LocalBuffers::dst_back, a second destination set of the same shapes.
+// Inference reads serving_buffers() (set serving_set(): 0 = dst, 1 =
+// dst_back) while refit() writes the other set; only when the new version is
+// complete on every rank does refit() publish it (swap the sets) and return.
+// A failed refit leaves the served set and its version untouched and current
+// (state() stays current). The two sets have an executor each, compiled once
+// (the back set's on channel | 0x8000); each gets half the staging budget, so
+// the staging held stays within it.
 #include <algorithm>
+#include <array>
 #include <concepts>
 #include <cstdint>
 #include <map>
 #include <numeric>
 #include <memory>
+#include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -75,6 +106,8 @@ BufferView strided_view(T* p, std::vector<std::int64_t> shape, std::vector<std::
 /// buffer's name, or a tensor's name when it is stored alone).
 struct LocalBuffers {
   std::map<std::string, BufferView> src, dst;
+  /// Double-buffered mode only: the second destination set (same names and shapes as dst).
+  std::map<std::string, BufferView> dst_back{};
 };
 
 struct ResharderOptions {
@@ -83,6 +116,39 @@ struct ResharderOptions {
   /// A schedule planned elsewhere (e.g. once for every thread of a process);
   /// it must hold every copy this rank sends or receives.
   std::shared_ptr<const Schedule> schedule;
+  /// Refits write LocalBuffers::dst_back / dst alternately and publish a set
+  /// only when complete on every rank (see the header comment). All ranks alike.
+  bool double_buffered = false;
+};
+
+/// A refit that did not complete on every rank. Single-buffered: this
+/// rank's destination must be treated as not updated (some pieces may hold
+/// the new version, others the old one). Double-buffered: the served set is
+/// untouched.
+class RefitNotCommitted : public TransportError {
+ public:
+  explicit RefitNotCommitted(const std::string& what) : TransportError(what) {}
+};
+
+enum class RefitState : std::uint8_t {
+  empty,    ///< no refit committed yet (the destination holds what the caller put there)
+  current,  ///< the served destination holds last_good_version(), complete on every rank
+  stale,    ///< a refit failed after writing into the served destination
+};
+
+inline const char* to_string(RefitState s) {
+  return s == RefitState::empty ? "empty" : s == RefitState::current ? "current" : "stale";
+}
+
+/// What a failed refit left behind on this rank.
+struct StaleReport {
+  std::uint64_t version = 0;            ///< the version that was not committed
+  std::uint64_t last_good_version = 0;  ///< the last committed one (0: none)
+  bool destination_touched = false;     ///< single-buffered: the served set was written into
+  std::string error;                    ///< what failed first, here or on a peer
+  std::vector<std::int64_t> failed_ranks;  ///< ranks whose verdict was a failure (when the verdicts could be exchanged)
+  std::vector<MissingPieces> missing;      ///< per peer: what did not arrive checked on this rank
+  std::vector<std::string> stale_tensors;  ///< destination tensors lacking pieces of `version` on this rank
 };
 
 /// What one refit did on this rank.
@@ -96,7 +162,54 @@ struct RefitReport {
   /// The plan's bytes for this rank (what bytes_sent/received must equal).
   std::int64_t plan_bytes_sent = 0, plan_bytes_received = 0, plan_local_bytes = 0;
   std::int64_t refit_index = 0;  ///< 0 for the first refit of this Resharder
+  std::uint64_t version = 0;     ///< the version this refit committed
+  int serving_set = 0;           ///< double-buffered: the set now served (0 = dst, 1 = dst_back)
+  std::int64_t checksummed_bytes = 0;
+  double checksum_seconds = 0;
 };
+
+namespace resharder_detail {
+/// Every rank's verdict after a refit, through the bootstrap.
+struct Verdicts {
+  std::string error;                 ///< the exchange itself failed
+  std::vector<std::int64_t> failed;  ///< ranks that failed (or refit another version)
+  std::string first;                 ///< the first failed rank's text
+};
+template <class T>
+Verdicts exchange_verdicts(T& t, const std::string& local_error, std::uint64_t version, Deadline deadline) {
+  exec_detail::Writer w;
+  w.put<std::uint8_t>(local_error.empty() ? 1 : 0);
+  w.put(version);
+  w.put_string(local_error);
+  Verdicts v;
+  std::vector<std::vector<std::byte>> blobs;
+  try {
+    blobs = t.all_gather(w.buf, deadline);
+  } catch (const std::exception& e) {
+    v.error = e.what();
+    return v;
+  }
+  const auto world = t.world_ranks();
+  for (std::size_t i = 0; i < blobs.size() && i < world.size(); ++i) {
+    try {
+      exec_detail::Reader rd(blobs[i], world[i]);
+      const bool ok = rd.get<std::uint8_t>() != 0;
+      const auto their = rd.get<std::uint64_t>();
+      const std::string msg = rd.get_string();
+      std::string why;
+      if (!ok) why = fmt::format("rank {} failed: {}", world[i], msg);
+      else if (their != version) why = fmt::format("rank {} refit version {}, this rank version {}", world[i], their, version);
+      if (why.empty()) continue;
+      v.failed.push_back(world[i]);
+      if (v.first.empty()) v.first = why;
+    } catch (const std::exception& e) {
+      v.failed.push_back(world[i]);
+      if (v.first.empty()) v.first = fmt::format("rank {} sent an unreadable verdict: {}", world[i], e.what());
+    }
+  }
+  return v;
+}
+}  // namespace resharder_detail
 
 /// Anything that is, converts to, or lowers (`.lower()` / `.to_runtime()`)
 /// to a runtime reshard::Layout.
@@ -154,6 +267,7 @@ class Resharder {
   /// every rank's setup throw.
   void setup(const LocalBuffers& buffers, TransportT& transport) {
     ready_ = false;
+    broken_ = false;
     t_ = &transport;
     me_ = transport.rank();
     std::string error;
@@ -170,22 +284,105 @@ class Resharder {
       error = e.what();
       if (!schedule_) schedule_ = std::make_shared<const Schedule>();
     }
-    std::vector<const BoundBuffer*> s, d;
+    std::vector<const BoundBuffer*> s, d, d2;
     for (const auto& b : src_bound_) s.push_back(b.data ? &b : nullptr);
     for (const auto& b : dst_bound_) d.push_back(b.data ? &b : nullptr);
+    for (const auto& b : dst_back_bound_) d2.push_back(b.data ? &b : nullptr);
     if (!error.empty()) {
       s.clear();
       d.clear();
+      d2.clear();
     }
-    executor_.setup(*schedule_, s, d, transport, opt_.executor, error);
+    std::vector<std::string> names;
+    for (const auto& t : dst_.tensors) names.push_back(t.name);
+    ExecutorOptions eo = opt_.executor;
+    if (opt_.double_buffered) eo.staging_budget = opt_.executor.staging_budget / 2;
+    executor_.set_tensor_names(names);
+    executor_.setup(*schedule_, s, d, transport, eo, error);
+    if (opt_.double_buffered) {
+      eo.channel = static_cast<std::uint16_t>(opt_.executor.channel | 0x8000u);
+      if (!back_executor_) back_executor_ = std::make_unique<Executor<TransportT>>();
+      back_executor_->set_tensor_names(std::move(names));
+      back_executor_->setup(*schedule_, s, d2, transport, eo, error);
+    }
+    serving_views_[0] = buffers.dst;
+    serving_views_[1] = buffers.dst_back;
     ready_ = true;
   }
 
-  /// Moves every weight this rank sends or receives. Collective.
-  RefitReport refit() {
+  /// Moves every weight this rank sends or receives, as the next version
+  /// (the last one attempted + 1). Collective. Returns once the version is
+  /// complete on every rank; else throws RefitNotCommitted (see last_failure()).
+  RefitReport refit() { return refit(attempted_ + 1); }
+  /// The same with a caller's version (every rank the same; above every
+  /// version attempted before).
+  RefitReport refit(std::uint64_t version) {
     if (!ready_) fail("Resharder::refit on rank {}: setup() has not completed (bind the buffers and set up first)", me_);
-    const ExecutorStats st = executor_.run();
+    if (broken_)
+      fail("rank {}: Resharder::refit: an earlier run failed (refit version {} was not committed); the peers' state is unknown, set up "
+           "again",
+           me_, attempted_);
+    if (version <= attempted_) {
+      const std::string why = fmt::format("rank {}: Resharder::refit: version {} is not above version {}, attempted before", me_, version, attempted_);
+      t_->abort(why);  // the peers would otherwise wait for this rank until their deadline
+      fail("{}", why);
+    }
+    attempted_ = version;
+    const int target = opt_.double_buffered ? 1 - serving_ : 0;
+    Executor<TransportT>& ex = target == 0 ? executor_ : *back_executor_;
+    if (!opt_.double_buffered) state_ = RefitState::stale;  // written into from here on
+    ExecutorStats st;
+    std::string local_error;
+    // The verdicts wait up to two timeouts from the start: a rank still in
+    // its run fails at one timeout and aborts, and the others then hear its
+    // reason (through the abort) instead of timing out beside it.
+    const Deadline verdict_deadline = Clock::now() + 2 * opt_.executor.timeout;
+    try {
+      st = ex.run(version);
+    } catch (const std::exception& e) {
+      local_error = e.what();
+    }
+    const auto v = resharder_detail::exchange_verdicts(*t_, local_error, version, std::max(verdict_deadline, Clock::now() + opt_.executor.timeout / 4));
+    if (!local_error.empty() || !v.error.empty() || !v.failed.empty()) {
+      broken_ = true;
+      StaleReport rep;
+      rep.version = version;
+      rep.last_good_version = version_;
+      rep.destination_touched = !opt_.double_buffered;
+      rep.error = !local_error.empty() ? local_error : !v.first.empty() ? v.first : v.error;
+      rep.failed_ranks = v.failed;
+      rep.missing = ex.missing();
+      std::set<std::string> stale;
+      for (const auto& m : rep.missing) stale.insert(m.tensors.begin(), m.tensors.end());
+      rep.stale_tensors.assign(stale.begin(), stale.end());
+      if (!opt_.double_buffered) state_ = RefitState::stale;
+      std::string text = opt_.double_buffered
+                             ? fmt::format("rank {}: refit version {} not committed; the served destination keeps version {}: {}", me_, version,
+                                           version_, rep.error)
+                             : fmt::format("rank {}: refit version {} not committed, destination not updated (stale): {}", me_, version,
+                                           rep.error);
+      if (!local_error.empty() && !v.first.empty()) text += "; then " + v.first;
+      // (The exchange failing with this rank's own abort adds nothing.)
+      if (!v.error.empty() && (!local_error.empty() || !v.first.empty()) && v.error.find(rep.error) == std::string::npos)
+        text += "; then " + v.error;
+      std::vector<std::string> miss;
+      for (const auto& m : rep.missing)
+        miss.push_back(fmt::format("{} {} ({} messages, {} bytes: {})", m.peer == me_ ? "local copies on" : "from", m.peer == me_ ? "this rank" : fmt::format("rank {}", m.peer),
+                                   m.messages, m.bytes, fmt::join(m.tensors, ", ")));
+      if (!miss.empty()) text += fmt::format(". Missing here: {}", fmt::join(miss, "; "));
+      last_failure_ = std::move(rep);
+      throw RefitNotCommitted(text);
+    }
+    version_ = version;
+    state_ = RefitState::current;
+    if (opt_.double_buffered) serving_ = target;
+    last_failure_.reset();
+    ++committed_;
     RefitReport r;
+    r.version = version;
+    r.serving_set = serving_;
+    r.checksummed_bytes = st.checksummed_bytes;
+    r.checksum_seconds = st.checksum_seconds;
     r.bytes_sent = st.bytes_sent;
     r.bytes_received = st.bytes_received;
     r.local_bytes = st.local_bytes;
@@ -199,12 +396,34 @@ class Resharder {
     r.peak_staging_bytes = st.peak_staging_bytes;
     r.staging_budget = opt_.executor.staging_budget;
     r.seconds = st.seconds;
-    r.plan_bytes_sent = executor_.planned_bytes_sent();
-    r.plan_bytes_received = executor_.planned_bytes_received();
-    r.plan_local_bytes = executor_.planned_local_bytes();
-    r.refit_index = executor_.runs() - 1;
+    r.plan_bytes_sent = ex.planned_bytes_sent();
+    r.plan_bytes_received = ex.planned_bytes_received();
+    r.plan_local_bytes = ex.planned_local_bytes();
+    r.refit_index = committed_ - 1;
     return r;
   }
+
+  /// The served destination: current (complete at last_good_version()),
+  /// stale (a failed refit wrote into it) or empty (no refit committed).
+  RefitState state() const { return state_; }
+  /// The last version committed (0: none yet). The served destination holds
+  /// it, complete, while state() is current (single-buffered: not once stale).
+  std::uint64_t last_good_version() const { return version_; }
+  /// The last version refit() started (committed or not).
+  std::uint64_t last_attempted_version() const { return attempted_; }
+  /// The last refit's failure, until a refit commits.
+  const std::optional<StaleReport>& last_failure() const { return last_failure_; }
+  /// Single-buffered, after a failure: destination tensors of this rank that
+  /// lack pieces of the failed version (empty when this rank's part arrived
+  /// but another rank's did not: state() is stale all the same).
+  std::vector<std::string> stale_tensors() const {
+    if (state_ != RefitState::stale || !last_failure_) return {};
+    return last_failure_->stale_tensors;
+  }
+  bool double_buffered() const { return opt_.double_buffered; }
+  /// The destination set inference should read: 0 = LocalBuffers::dst, 1 = dst_back.
+  int serving_set() const { return serving_; }
+  const std::map<std::string, BufferView>& serving_buffers() const { return serving_views_[static_cast<std::size_t>(serving_)]; }
 
   bool ready() const { return ready_; }
   const Layout& src_layout() const { return src_; }
@@ -220,8 +439,16 @@ class Resharder {
   void bind(const LocalBuffers& buffers) {
     src_bound_.clear();
     dst_bound_.clear();
+    dst_back_bound_.clear();
     bind_side(src_, buffers.src, "source", src_bound_);
     bind_side(dst_, buffers.dst, "destination", dst_bound_);
+    if (opt_.double_buffered) {
+      if (opt_.executor.channel >= 0x8000)
+        fail("rank {}: double-buffered refits use channel | 0x8000 for the back set; channel {} is too large", me_, opt_.executor.channel);
+      bind_side(dst_, buffers.dst_back, "back destination (dst_back)", dst_back_bound_);
+    } else if (!buffers.dst_back.empty()) {
+      fail("rank {}: back destination buffers (dst_back) were given but ResharderOptions::double_buffered is off", me_);
+    }
     // Destination memory must not overlap anything: a refit would corrupt it.
     struct Range {
       const std::byte *lo, *hi;
@@ -232,6 +459,8 @@ class Resharder {
     for (const auto& b : src_bound_)
       if (b.data) ranges.push_back({b.data, b.data + b.span_elements() * b.element_bytes, &b, false});
     for (const auto& b : dst_bound_)
+      if (b.data) ranges.push_back({b.data, b.data + b.span_elements() * b.element_bytes, &b, true});
+    for (const auto& b : dst_back_bound_)
       if (b.data) ranges.push_back({b.data, b.data + b.span_elements() * b.element_bytes, &b, true});
     std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
     for (std::size_t i = 0; i < ranges.size(); ++i)
@@ -261,7 +490,9 @@ class Resharder {
         fail("rank {}: {} buffer '{}' has {}-byte elements but the layout stores {} ({} bytes)", me_, side, lbs[b].name, v.element_bytes,
              to_string(lbs[b].dtype), eb);
       if (need > 0 && !v.data) fail("rank {}: {} buffer '{}' has a null pointer", me_, side, lbs[b].name);
-      if (v.memory != MemoryKind::host) fail("rank {}: {} buffer '{}' is device memory; this build moves host memory only", me_, side, lbs[b].name);
+      if (v.memory != MemoryKind::host && !opt_.executor.device)
+        fail("rank {}: {} buffer '{}' is device memory: set ResharderOptions::executor.device to a DeviceCopyEngine "
+             "(reshard::cuda::CudaCopyEngine, cuda/device_engine.cuh) to refit GPU memory", me_, side, lbs[b].name);
       BoundBuffer bb;
       bb.name = lbs[b].name;
       bb.data = static_cast<std::byte*>(v.data);
@@ -310,9 +541,17 @@ class Resharder {
   TransportT* t_ = nullptr;
   std::int64_t me_ = -1;
   std::shared_ptr<const Schedule> schedule_;
-  std::vector<BoundBuffer> src_bound_, dst_bound_;
-  Executor<TransportT> executor_;
-  bool ready_ = false;
+  std::vector<BoundBuffer> src_bound_, dst_bound_, dst_back_bound_;
+  Executor<TransportT> executor_;                         ///< writes LocalBuffers::dst
+  std::unique_ptr<Executor<TransportT>> back_executor_;  ///< double-buffered: writes dst_back
+  std::array<std::map<std::string, BufferView>, 2> serving_views_;
+  bool ready_ = false, broken_ = false;
+  // Versions: survive setup().
+  std::uint64_t version_ = 0, attempted_ = 0;
+  std::int64_t committed_ = 0;
+  RefitState state_ = RefitState::empty;
+  int serving_ = 0;
+  std::optional<StaleReport> last_failure_;
 };
 
 }  // namespace reshard

@@ -64,6 +64,7 @@ class LocalWorld {
     if (opt_.task_bytes == 0) opt_.task_bytes = 2u << 20;
     endpoints_.resize(ranks_.size());
     gather_slots_.resize(ranks_.size());
+    gather_seen_.assign(ranks_.size(), 0);
   }
   LocalWorld(const LocalWorld&) = delete;
   LocalWorld& operator=(const LocalWorld&) = delete;
@@ -317,6 +318,7 @@ class LocalWorld {
     if (aborted_) throw TransportError(abort_reason_);
     const std::uint64_t gen = gather_gen_;
     gather_slots_[me].assign(blob.begin(), blob.end());
+    gather_seen_[me] = gen + 1;
     if (++gather_arrived_ == ranks_.size()) {
       gather_result_ = gather_slots_;
       gather_arrived_ = 0;
@@ -329,8 +331,14 @@ class LocalWorld {
     while (gather_gen_ == gen) {
       if (aborted_) throw TransportError(abort_reason_);
       if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && gather_gen_ == gen)
-        throw TransportError(fmt::format("local transport: rank {} timed out in the bootstrap all_gather ({} of {} ranks arrived)",
-                                         ranks_[me], gather_arrived_, ranks_.size()));
+      {
+        std::vector<std::int64_t> absent;
+        for (std::size_t i = 0; i < ranks_.size(); ++i)
+          if (gather_seen_[i] != gen + 1) absent.push_back(ranks_[i]);
+        throw TransportError(fmt::format("local transport: rank {} timed out in the bootstrap all_gather ({} of {} ranks arrived; "
+                                         "missing rank{} {})",
+                                         ranks_[me], gather_arrived_, ranks_.size(), absent.size() == 1 ? "" : "s", fmt::join(absent, ", ")));
+      }
     }
     return gather_result_;
   }
@@ -348,6 +356,7 @@ class LocalWorld {
   bool aborted_ = false;
   std::string abort_reason_;
   std::vector<std::vector<std::byte>> gather_slots_, gather_result_;
+  std::vector<std::uint64_t> gather_seen_;  ///< per rank: generation + 1 of its last arrival
   std::size_t gather_arrived_ = 0;
   std::uint64_t gather_gen_ = 0;
 };

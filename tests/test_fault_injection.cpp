@@ -1,0 +1,243 @@
+// Integrity checks under injected faults (backends/fault_injection.hpp over
+// the in-process transport): every corruption (sent or arrived; zero-copy,
+// half-staged, bucketed and control messages), drop, delay past the timeout
+// and duplicate ends in RefitNotCommitted on every rank, naming the tensor
+// and the peer, with the destination reported stale; a delay within the
+// timeout still succeeds, and without checksums a corruption goes through
+// (which shows the injection really changes what arrives).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "refit_util.hpp"
+#include "reshard/json_io.hpp"
+
+using namespace reshard;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Sources 0-1, destinations 2-3; every destination hears from both sources:
+//   b  [4096]   split -> replicated: one 8 KiB zero-copy message per pair
+//   w  [64, 32] rows -> columns: 2 KiB, contiguous on the receiver only (half-staged)
+//   e  [48, 6]  columns -> rows: strided on both sides, packed into the bucket
+const Layout& src_layout() {
+  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [
+      {"name": "b", "shape": [4096], "dtype": "f32", "dims": ["tp"]},
+      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": ["tp", null]},
+      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": [null, "tp"]}]})"), "src");
+  return L;
+}
+const Layout& dst_layout() {
+  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2}, "tensors": [
+      {"name": "b", "shape": [4096], "dtype": "f32", "dims": [null]},
+      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": [null, "tp"]},
+      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": ["tp", null]}]})"), "dst");
+  return L;
+}
+
+// Deadlines: short so a drop costs under a second, long enough that on a
+// loaded 2-core machine only the injected fault times out (400 ms was not).
+ResharderOptions options(bool checksum, std::chrono::milliseconds timeout = 800ms) {
+  ResharderOptions o;
+  o.executor.checksum = checksum;
+  o.executor.zero_copy_min = 1024;
+  o.executor.timeout = timeout;
+  return o;
+}
+
+enum class Victim { zero_copy, half_staged, bucket, control };
+const char* name_of(Victim v) {
+  return v == Victim::zero_copy ? "zero-copy b" : v == Victim::half_staged ? "half-staged w" : v == Victim::bucket ? "bucket e" : "control";
+}
+/// The tensor named in the error (control: every tensor of the pair).
+const char* tensor_of(Victim v) { return v == Victim::zero_copy ? "b" : v == Victim::half_staged ? "w" : "e"; }
+bool is(Victim v, const MessageInfo& m) {
+  if (v == Victim::control) return (m.tag & kChecksumTagBit) != 0;
+  if (m.tag & kChecksumTagBit) return false;
+  return v == Victim::zero_copy ? m.bytes == 8192 : v == Victim::half_staged ? m.bytes == 2048 : m.bytes == 48 * 3 * 4 / 2 * 2 / 2;
+}
+
+/// The message from rank 1 to rank 3 of `victim`'s kind in refit `replay`.
+FaultRule rule(FaultKind k, Victim v, std::int64_t replay) {
+  return FaultRule::when(k, [v, replay](const MessageInfo& m) { return m.from == 1 && m.to == 3 && m.replay == replay && is(v, m); });
+}
+
+bool has(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+/// Refit `k` failed on every rank, each error naming the tensor and rank 1
+/// (the sender) or rank 3, every rank stale at version k.
+void check_failed_everywhere(const refit_test::FaultyOutcome& o, std::size_t k, const std::string& tensor, bool rank2_may_see_it = false) {
+  CHECK(o.committed(k) == 0);
+  for (const auto& r : o.ranks) {
+    CAPTURE(r.rank);
+    REQUIRE(r.errors.size() == k + 1);
+    const std::string& e = r.errors[k];
+    INFO(e);
+    CHECK(has(e, "not committed"));
+    CHECK(has(e, "rank 1"));
+    CHECK((has(e, "rank 3") || (rank2_may_see_it && has(e, "rank 2"))));
+    CHECK((has(e, "tensors " + tensor) || has(e, ", " + tensor)));
+    CHECK(r.state == RefitState::stale);
+    CHECK(r.last_good == k);
+    REQUIRE(r.failure.has_value());
+    CHECK(r.failure->version == k + 1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("integrity: refits with checksums are exact, checked, and versioned") {
+  const auto& L = src_layout();
+  CHECK(L.tensors.size() == 3);
+  FaultPlan none;
+  const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), none, options(true), 3);
+  for (const auto& r : o.ranks) {
+    CAPTURE(r.rank);
+    REQUIRE(r.errors.size() == 3);
+    for (std::size_t k = 0; k < 3; ++k) {
+      CHECK(r.errors[k].empty());
+      CHECK(r.wrong[k] == 0);
+      CHECK(r.reports[k].version == k + 1);
+      CHECK(r.reports[k].checksummed_bytes > 0);
+    }
+    CHECK(r.state == RefitState::current);
+    CHECK(r.last_good == 3);
+  }
+  CHECK(o.injected.empty());
+}
+
+TEST_CASE("integrity: every corruption is detected and named; no rank reports success") {
+  for (FaultKind kind : {FaultKind::corrupt_arrived, FaultKind::corrupt_sent})
+    for (Victim v : {Victim::zero_copy, Victim::half_staged, Victim::bucket, Victim::control}) {
+      const std::string kind_name = to_string(kind), victim_name = name_of(v);
+      CAPTURE(kind_name);
+      CAPTURE(victim_name);
+      FaultPlan plan;
+      plan.add(rule(kind, v, 1));
+      const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true), 3);
+      REQUIRE(o.injected.size() == 1);
+      CHECK(o.committed(0) == 4);  // the first refit was clean
+      // b is replicated: rank 1 sends the same source range to ranks 2 and
+      // 3, so a byte flipped in it while in flight may reach rank 2 as well.
+      const bool shared_source = kind == FaultKind::corrupt_sent && v == Victim::zero_copy;
+      check_failed_everywhere(o, 1, tensor_of(v), shared_source);
+      const auto own = [&](std::int64_t r) { return has(o.at(r).errors[1], fmt::format("(stale): rank {}: refit version 2: ", r)); };
+      const std::int64_t detector = shared_source && own(2) ? 2 : 3;
+      CHECK(own(detector));
+      const auto& victim = o.at(detector);
+      INFO(victim.errors[1]);
+      if (v == Victim::control) {
+        CHECK(has(victim.errors[1], "control message from rank 1 (wave 0) is damaged"));
+      } else {
+        CHECK(has(victim.errors[1], "checksum mismatch in 1 message(s) from rank 1"));
+        // From rank 1 only the corrupted message is missing (the others of
+        // its group passed and landed); rank 0's may not have been checked yet.
+        CHECK(std::count(victim.stale.begin(), victim.stale.end(), tensor_of(v)) == 1);
+        const auto& miss = victim.failure->missing;
+        const auto from1 = std::find_if(miss.begin(), miss.end(), [](const MissingPieces& m) { return m.peer == 1; });
+        REQUIRE(from1 != miss.end());
+        CHECK(from1->messages == 1);
+        CHECK(from1->tensors == std::vector<std::string>{tensor_of(v)});
+      }
+      CHECK(o.seconds < 5);
+    }
+}
+
+TEST_CASE("integrity: without checksums the same corruption goes through (the injection changes data)") {
+  FaultPlan plan;
+  plan.add(rule(FaultKind::corrupt_arrived, Victim::zero_copy, 0));
+  const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(false), 1);
+  REQUIRE(o.injected.size() == 1);
+  CHECK(o.committed(0) == 4);
+  CHECK(o.at(3).wrong[0] == 1);  // one element of b is wrong on rank 3, undetected
+  CHECK(o.at(2).wrong[0] == 0);
+}
+
+TEST_CASE("integrity: a dropped message fails the receiver at its deadline, naming peer and tensors") {
+  for (Victim v : {Victim::zero_copy, Victim::half_staged, Victim::bucket, Victim::control})
+    for (bool checksum : {true, false}) {
+      if (v == Victim::control && !checksum) continue;
+      const std::string victim_name = name_of(v);
+      CAPTURE(victim_name);
+      CAPTURE(checksum);
+      FaultPlan plan;
+      plan.add(rule(FaultKind::drop, v, 0));
+      const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(checksum, 800ms), 1);
+      REQUIRE(o.injected.size() == 1);
+      check_failed_everywhere(o, 0, tensor_of(v));
+      const auto& e = o.at(3).errors[0];
+      INFO(e);
+      CHECK(has(e, "timed out"));
+      CHECK(has(e, "rank 3 was still waiting for wave 0: messages from rank 1 (tensors"));
+      const auto& missing = o.at(3).failure->missing;
+      REQUIRE(!missing.empty());
+      CHECK(missing[0].peer == 1);
+      CHECK(o.seconds < 5);
+    }
+}
+
+TEST_CASE("integrity: a delay past the timeout fails like a drop; a delay within it succeeds") {
+  {
+    FaultPlan late;
+    auto r = rule(FaultKind::delay, Victim::half_staged, 0);
+    r.delay = 2000ms;
+    late.add(r);
+    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), late, options(true, 800ms), 1);
+    REQUIRE(o.injected.size() == 1);
+    check_failed_everywhere(o, 0, "w");
+    CHECK(has(o.at(3).errors[0], "timed out"));
+    CHECK(o.seconds < 5);
+  }
+  {
+    FaultPlan soon;
+    auto r = rule(FaultKind::delay, Victim::half_staged, 0);
+    r.delay = 150ms;
+    soon.add(r);
+    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), soon, options(true, 3000ms), 2);
+    REQUIRE(o.injected.size() == 1);
+    CHECK(o.committed(0) == 4);
+    CHECK(o.committed(1) == 4);
+    for (const auto& rr : o.ranks) CHECK(rr.wrong == std::vector<std::int64_t>{0, 0});
+  }
+}
+
+TEST_CASE("integrity: a duplicated message is caught in the next refit") {
+  SUBCASE("data, new weights: the stale copy fails its checksum") {
+    for (Victim v : {Victim::zero_copy, Victim::half_staged, Victim::bucket}) {
+      const std::string victim_name = name_of(v);
+      CAPTURE(victim_name);
+      FaultPlan plan;
+      plan.add(rule(FaultKind::duplicate, v, 0));
+      const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true), 3);
+      REQUIRE(o.injected.size() == 1);
+      CHECK(o.committed(0) == 4);
+      check_failed_everywhere(o, 1, tensor_of(v));
+      CHECK(has(o.at(3).errors[1], "checksum mismatch"));
+    }
+  }
+  SUBCASE("control: the previous refit's version is refused") {
+    FaultPlan plan;
+    plan.add(rule(FaultKind::duplicate, Victim::control, 0));
+    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true), 3);
+    REQUIRE(o.injected.size() == 1);
+    CHECK(o.committed(0) == 4);
+    check_failed_everywhere(o, 1, "b");
+    CHECK(has(o.at(3).errors[1], "rank 1 sent wave 0 of refit version 1 while this rank refits version 2: a stale or duplicated message"));
+  }
+  SUBCASE("data, unchanged weights: the displaced original is never received, so the refit is not committed") {
+    FaultPlan plan;
+    plan.add(rule(FaultKind::duplicate, Victim::zero_copy, 0));
+    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true, 800ms), 3, /*same_values=*/true);
+    REQUIRE(o.injected.size() == 1);
+    CHECK(o.committed(0) == 4);
+    check_failed_everywhere(o, 1, "b");
+    const auto& e = o.at(1).errors[1];
+    INFO(e);
+    CHECK(has(e, "rank 1 was still sending wave 0: "));
+    CHECK(has(e, "sends to rank 3 (tensors b"));
+    CHECK(o.seconds < 5);
+  }
+}
