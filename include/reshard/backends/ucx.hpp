@@ -75,6 +75,7 @@
 #include "../error.hpp"
 #include "../transport.hpp"
 #include "bootstrap.hpp"
+#include "../cuda/ucx_memory.hpp"
 
 namespace reshard {
 
@@ -226,6 +227,9 @@ class UcxTransport {
   std::span<const std::int64_t> world_ranks() const { return boot_.ranks; }
   std::string_view name() const { return "ucx"; }
 
+  /// Whether the UCX loaded at run time moves CUDA device memory (Debian's
+  /// does not; the libucx-cu13 wheel's does): asked of UCP, not of the build.
+  bool moves_device_memory() const { return cuda::ucx_memory(ctx_).cuda; }
   RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind);
   void deregister_memory(RegionHandle h);
   Blobs all_gather(std::span<const std::byte> blob, Deadline deadline);
@@ -886,13 +890,10 @@ inline bool UcxTransport::group_done(const Group& g) const {
 
 inline RegionHandle UcxTransport::register_memory(void* p, std::size_t bytes, MemoryKind kind) {
   if (!worker_) throw TransportError(fmt::format("ucx transport: rank {}: not started", me_));
-  if (kind != MemoryKind::host) {
-    ucp_context_attr_t a{};
-    a.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-    ucp_context_query(ctx_, &a);
-    if (!(a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)))
-      fail("ucx transport: rank {} registers device memory, but this UCX was built without CUDA support", me_);
-  }
+  if (kind != MemoryKind::host && !moves_device_memory())
+    fail("ucx transport: rank {} registers device memory, but {}: use a CUDA-enabled UCX (e.g. the libucx-cu13 "
+         "wheel) or the nccl transport",
+         me_, cuda::ucx_memory(ctx_).summary());
   if (!p && bytes) fail("ucx transport: rank {} registers a null pointer for {} bytes", me_, bytes);
   Region r;
   r.ptr = static_cast<std::byte*>(p);

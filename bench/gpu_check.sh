@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The device check (issue 5), for one GPU, in about 5 minutes including the
+# build: configures a fresh build of only what it needs, then runs
+#   1. test_cuda_kernels  the CUDA box copy kernels against the host reference
+#                         (element sizes, ranks, shapes, misalignment, casts)
+#   2. gpu-bandwidth      pack/unpack bandwidth against cudaMemcpy D2D (ratio)
+#   3. test_cuda_refit    full refits with device memory through the local
+#                         transport (ranks as threads sharing the GPU)
+#   4. test_cuda_nccl     NCCL on one rank (self send, errors, deadline)
+# and writes everything to OUTDIR/gpu_check.txt (build log: OUTDIR/build.log).
+#
+#   bash bench/gpu_check.sh OUTDIR          (ARCH=90 by default; BUILD=dir to reuse a build)
+set -u
+OUTDIR=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${BUILD:-$SRC/build-gpu-check}
+ARCH=${ARCH:-90}
+R="$OUTDIR/gpu_check.txt"
+JOBS=$(nproc 2>/dev/null || echo 4)
+start=$(date +%s)
+
+{
+  echo "# reshard device check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "commit: $(git -C "$SRC" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$SRC" diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+  nvcc --version 2>/dev/null | tail -1 | sed 's/^/nvcc: /'
+} > "$R"
+
+echo "## build (arch $ARCH)" >> "$R"
+if ! cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_TOOLS=OFF \
+      > "$OUTDIR/build.log" 2>&1; then
+  echo "CONFIGURE FAILED" >> "$R"; tail -40 "$OUTDIR/build.log" >> "$R"; exit 1
+fi
+grep -E "reshard: (CUDA|NCCL|nvcc)" "$OUTDIR/build.log" >> "$R"
+if ! cmake --build "$BUILD" -j"$JOBS" --target test_cuda_kernels gpu-bandwidth test_cuda_refit test_cuda_nccl >> "$OUTDIR/build.log" 2>&1; then
+  echo "BUILD FAILED" >> "$R"; grep -E "error" -A3 "$OUTDIR/build.log" | head -60 >> "$R"; exit 1
+fi
+echo "built in $(( $(date +%s) - start )) s" >> "$R"
+
+status=0
+summary=""
+run() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  echo "## $name" >> "$R"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >> "$R" 2>&1
+  local rc=$?
+  echo "-> $name: rc=$rc in $(( $(date +%s) - t0 )) s" >> "$R"
+  if [ $rc -eq 0 ]; then summary+="$name: PASS"$'\n'; else summary+="$name: FAIL (rc $rc)"$'\n'; status=1; fi
+}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# The tests skip (and pass) without a GPU; the check itself must not.
+if ! nvidia-smi -L >> "$R" 2>&1; then
+  echo "NO GPU VISIBLE: the tests below only skip; this check FAILS" >> "$R"
+  summary+="gpu: NONE VISIBLE"$'\n'
+  status=1
+fi
+run kernels 90 "$BUILD/bin/test_cuda_kernels"
+run bandwidth 90 "$BUILD/bin/gpu-bandwidth" --reps 10 --gib 1
+run device-refit 90 "$BUILD/bin/test_cuda_refit"
+run nccl-self 90 "$BUILD/bin/test_cuda_nccl"
+
+{
+  echo "## summary (total $(( $(date +%s) - start )) s)"
+  printf "%s" "$summary"
+} >> "$R"
+cat "$R"
+exit $status

@@ -1,0 +1,633 @@
+#pragma once
+// The NCCL transport: one process (or thread) per GPU, point-to-point
+// ncclSend / ncclRecv of device memory on one CUDA stream. Models
+// reshard::Transport.
+//
+//  * Bootstrap (bootstrap.hpp / mpi_bootstrap.hpp), as for UCX: the first
+//    rank of the world creates the ncclUniqueId, the bootstrap's all-gather
+//    hands it to everyone, and every rank joins a nonblocking communicator
+//    (NCCL rank = position in the bootstrap's rank list). Or the caller
+//    passes a communicator of its own, which must have exactly that size and
+//    rank order.
+//  * post() queues its ops; the next test()/wait()/wait_any() (or flush())
+//    starts everything queued as one ncclGroupStart/ncclGroupEnd on the
+//    stream and records one CUDA event. One group per flush is what keeps
+//    NCCL, whose p2p kernels block a stream until their peer arrives, from
+//    deadlocking two ranks that both post their receives before their sends:
+//    the executor posts a whole wave (receives, zero-copy sends, packed
+//    sends) before it waits, so a wave is one NCCL group. Ops between two
+//    ranks are matched by order; prepare() checks, through the bootstrap,
+//    that both sides list the same messages (tags, sizes) in the same order,
+//    so a mismatch is an error at setup instead of a hang or a truncation.
+//  * Completion: cudaEventQuery on the group's event. Waits sleep briefly
+//    between polls, check ncclCommGetAsyncError, and at the deadline abort the
+//    communicator (ncclCommAbort) and throw TransportError naming what is
+//    pending. An aborted or failed communicator fails every later call.
+//  * Memory: only device memory (cudaMalloc'd or managed). A host pointer
+//    registered as device memory, or device memory of another GPU, is a
+//    clear error. NcclOptions::register_buffers ncclCommRegister's regions
+//    (NCCL >= 2.19) for zero-copy where NCCL supports it.
+//  * abort(reason) aborts this rank's communicator; the peers notice through
+//    NCCL's own error reporting (a remote error) or at their deadline: NCCL
+//    has no side channel to carry the reason.
+//
+// Header-only, plain C++ (no nvcc needed): include <cuda_runtime.h> and
+// <nccl.h> paths and link CUDA::cudart and libnccl (reshard::nccl in CMake).
+// One thread uses a NcclTransport at a time.
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "../error.hpp"
+#include "../transport.hpp"
+#include "bootstrap.hpp"
+
+namespace reshard {
+
+struct NcclOptions {
+  /// CUDA device of this rank; -1: the calling thread's current device.
+  int device = -1;
+  /// Stream for every NCCL group; nullptr: the transport creates a non-blocking one.
+  cudaStream_t stream = nullptr;
+  /// Communicator creation (and the bootstrap around it) fails after this long.
+  std::chrono::milliseconds init_timeout{120'000};
+  /// Longest sleep between two polls of a wait.
+  std::chrono::microseconds max_sleep{200};
+  /// ncclCommRegister each registered region (zero-copy where NCCL supports it).
+  bool register_buffers = false;
+};
+
+/// Traffic this endpoint started since construction.
+struct NcclTrafficStats {
+  std::int64_t bytes_sent = 0, bytes_received = 0, messages_sent = 0, messages_received = 0, groups = 0;
+};
+
+namespace nccl_detail {
+
+constexpr std::uint32_t kMagic = 0x5253484e;  // "RSHN"
+
+inline std::string cuda_text(cudaError_t e) { return fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e)); }
+
+/// One rank's ops as prepare() shares them.
+struct OpRow {
+  std::uint8_t kind = 0;
+  std::int64_t peer = -1;
+  std::uint64_t tag = 0, bytes = 0;
+};
+
+inline std::vector<std::byte> encode_ops(std::span<const TransferOp> ops) {
+  std::vector<std::byte> b(8 + ops.size() * sizeof(OpRow));
+  const std::uint32_t magic = kMagic, n = static_cast<std::uint32_t>(ops.size());
+  std::memcpy(b.data(), &magic, 4);
+  std::memcpy(b.data() + 4, &n, 4);
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    OpRow r{static_cast<std::uint8_t>(ops[i].kind == OpKind::send ? 0 : 1), ops[i].peer, ops[i].tag, ops[i].bytes};
+    std::memcpy(b.data() + 8 + i * sizeof(OpRow), &r, sizeof(OpRow));
+  }
+  return b;
+}
+
+inline std::vector<OpRow> decode_ops(const std::vector<std::byte>& b, std::int64_t from) {
+  std::uint32_t magic = 0, n = 0;
+  if (b.size() < 8) throw TransportError(fmt::format("nccl transport: rank {} sent a truncated op table", from));
+  std::memcpy(&magic, b.data(), 4);
+  std::memcpy(&n, b.data() + 4, 4);
+  if (magic != kMagic) throw TransportError(fmt::format("nccl transport: rank {} sent an op table of another kind (a different program?)", from));
+  if (b.size() != 8 + std::size_t{n} * sizeof(OpRow)) throw TransportError(fmt::format("nccl transport: rank {} sent a truncated op table", from));
+  std::vector<OpRow> rows(n);
+  for (std::uint32_t i = 0; i < n; ++i) std::memcpy(&rows[i], b.data() + 8 + std::size_t{i} * sizeof(OpRow), sizeof(OpRow));
+  return rows;
+}
+
+/// NCCL matches the ops between two ranks by order alone: checks that, for
+/// every peer, this rank's sends are the peer's receives from it (same tags,
+/// sizes, order) and the other way round. Returns "" or the first mismatch.
+inline std::string check_op_tables(std::span<const std::int64_t> world, std::int64_t me, const std::vector<std::vector<OpRow>>& tables) {
+  std::map<std::int64_t, std::size_t> index;
+  for (std::size_t i = 0; i < world.size(); ++i) index.emplace(world[i], i);
+  const auto mine = index.find(me);
+  if (mine == index.end()) return fmt::format("rank {} is not in the world", me);
+  auto stream = [&](std::int64_t from, std::int64_t to, std::uint8_t kind) {
+    // kind 0: `from`'s sends to `to`; kind 1: `to`'s receives from `from`.
+    const auto& rows = tables[index.at(kind == 0 ? from : to)];
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> s;
+    for (const auto& r : rows)
+      if (r.kind == kind && r.peer == (kind == 0 ? to : from)) s.emplace_back(r.tag, r.bytes);
+    return s;
+  };
+  std::vector<std::int64_t> peers;
+  for (const auto& r : tables[mine->second]) {
+    if (!index.count(r.peer)) return fmt::format("rank {} has an op with rank {}, which is not in the world", me, r.peer);
+    peers.push_back(r.peer);
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  // Peers that list ops with this rank though this rank lists none with them.
+  for (std::size_t j = 0; j < tables.size(); ++j)
+    for (const auto& r : tables[j])
+      if (r.peer == me && !std::binary_search(peers.begin(), peers.end(), world[j])) peers.insert(std::upper_bound(peers.begin(), peers.end(), world[j]), world[j]);
+  for (std::int64_t p : peers) {
+    for (int dir = 0; dir < 2; ++dir) {
+      const std::int64_t from = dir == 0 ? me : p, to = dir == 0 ? p : me;
+      const auto sends = stream(from, to, 0), recvs = stream(from, to, 1);
+      if (sends == recvs) continue;
+      std::uint64_t sb = 0, rb = 0;
+      for (const auto& s : sends) sb += s.second;
+      for (const auto& r : recvs) rb += r.second;
+      std::size_t k = 0;
+      while (k < sends.size() && k < recvs.size() && sends[k] == recvs[k]) ++k;
+      std::string where;
+      if (k < sends.size() && k < recvs.size())
+        where = fmt::format("; message {} differs: a send of {} bytes with tag {:#x} against a receive of {} bytes with tag {:#x}", k,
+                            sends[k].second, sends[k].first, recvs[k].second, recvs[k].first);
+      else
+        where = fmt::format("; the first {} messages agree", k);
+      return fmt::format("nccl transport: rank {} posts {} sends ({} bytes) to rank {}, but rank {} posts {} receives ({} bytes) from it{}: "
+                         "NCCL matches by order, so both sides must list the same messages in the same order",
+                         from, sends.size(), sb, to, to, recvs.size(), rb, where);
+    }
+  }
+  return {};
+}
+
+inline void sleep_for(std::chrono::microseconds us) {
+  timespec ts{0, static_cast<long>(us.count()) * 1000};
+  nanosleep(&ts, nullptr);
+}
+
+}  // namespace nccl_detail
+
+class NcclTransport {
+  struct Launch;
+
+ public:
+  /// The ops of one post(); they start with the next flush.
+  struct Group {
+    std::int64_t rank = -1;
+    std::vector<TransferOp> ops;
+    std::shared_ptr<Launch> launch;  ///< null until flushed
+    bool done = false;
+  };
+  using request = std::shared_ptr<Group>;
+
+  /// Creates the communicator: unique id from the first rank of the
+  /// bootstrap, shared with its all-gather (collective over bootstrap.ranks).
+  explicit NcclTransport(Bootstrap bootstrap, NcclOptions opt = {}) : boot_(std::move(bootstrap)), opt_(opt) {
+    start(nullptr);
+  }
+  /// Uses the caller's communicator (not destroyed here): it must span the
+  /// bootstrap's ranks, in that order (NCCL rank i = bootstrap.ranks[i]).
+  NcclTransport(Bootstrap bootstrap, ncclComm_t comm, NcclOptions opt = {}) : boot_(std::move(bootstrap)), opt_(opt) {
+    if (!comm) fail("nccl transport: the given communicator is null");
+    start(comm);
+  }
+  NcclTransport(const NcclTransport&) = delete;
+  NcclTransport& operator=(const NcclTransport&) = delete;
+  ~NcclTransport() { close(); }
+
+  // --- reshard::Transport ---
+  std::int64_t rank() const { return me_; }
+  std::span<const std::int64_t> world_ranks() const { return boot_.ranks; }
+  std::string_view name() const { return "nccl"; }
+
+  RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind) {
+    if (!p && bytes) fail("nccl transport: rank {} registers a null pointer for {} bytes", me_, bytes);
+    if (kind != MemoryKind::device)
+      fail("nccl transport: rank {} registers {} bytes of host memory at {}; NCCL moves device memory only (bind MemoryKind::device "
+           "buffers; the executor then stages in device memory)", me_, bytes, p);
+    if (p) {
+      cudaPointerAttributes a{};
+      const cudaError_t e = cudaPointerGetAttributes(&a, p);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        fail("nccl transport: rank {}: cudaPointerGetAttributes({}) failed: {}", me_, p, nccl_detail::cuda_text(e));
+      }
+      if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+        fail("nccl transport: rank {} registers {} bytes at {} as device memory, but CUDA says it is {} memory: NCCL moves device "
+             "memory only (cudaMalloc, cudaMallocAsync or cudaMallocManaged)", me_, bytes, p,
+             a.type == cudaMemoryTypeHost ? "pinned host" : "ordinary (unregistered) host");
+      if (a.type == cudaMemoryTypeDevice && a.device != device_)
+        fail("nccl transport: rank {} registers memory of GPU {} but its communicator runs on GPU {}", me_, a.device, device_);
+    }
+    Region r{static_cast<std::byte*>(p), bytes, nullptr, true};
+    if (opt_.register_buffers && p && bytes) {
+      const ncclResult_t rc = ncclCommRegister(comm_, p, bytes, &r.nccl_handle);
+      if (rc != ncclSuccess) fail("nccl transport: rank {}: ncclCommRegister of {} bytes failed: {}", me_, bytes, nccl_text(rc));
+    }
+    regions_.push_back(r);
+    return RegionHandle{static_cast<std::uint32_t>(regions_.size() - 1)};
+  }
+  void deregister_memory(RegionHandle h) {
+    if (h.id >= regions_.size() || !regions_[h.id].live) return;
+    Region& r = regions_[h.id];
+    if (r.nccl_handle && comm_ && !broken_) (void)ncclCommDeregister(comm_, r.nccl_handle);
+    r = Region{};
+  }
+
+  Blobs all_gather(std::span<const std::byte> blob, Deadline deadline) {
+    check_usable();
+    return boot_.all_gather(blob, deadline, [this] { check_usable(); });
+  }
+
+  /// Checks the ops against the registered regions, then (collective) that
+  /// every peer lists the matching ops in the same order.
+  void prepare(std::span<const TransferOp> ops, Deadline deadline) {
+    std::string error;
+    try {
+      for (const auto& op : ops) check_op(op);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    auto blob = nccl_detail::encode_ops(error.empty() ? ops : std::span<const TransferOp>{});
+    const std::uint8_t ok = error.empty() ? 1 : 0;
+    blob.insert(blob.begin(), static_cast<std::byte>(ok));
+    const Blobs all = all_gather(blob, deadline);
+    if (!error.empty()) throw TransportError(error);
+    std::vector<std::vector<nccl_detail::OpRow>> tables(all.size());
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      if (all[i].empty()) throw TransportError(fmt::format("nccl transport: rank {} sent an empty op table", boot_.ranks[i]));
+      if (all[i][0] == std::byte{0})
+        throw TransportError(fmt::format("nccl transport: rank {}: rank {} failed to prepare its ops", me_, boot_.ranks[i]));
+      tables[i] = nccl_detail::decode_ops(std::vector<std::byte>(all[i].begin() + 1, all[i].end()), boot_.ranks[i]);
+    }
+    const std::string mismatch = nccl_detail::check_op_tables(boot_.ranks, me_, tables);
+    if (!mismatch.empty()) throw TransportError(mismatch);
+  }
+
+  request post(std::span<const TransferOp> ops) {
+    check_usable();
+    for (const auto& op : ops) check_op(op);
+    auto g = std::make_shared<Group>();
+    g->rank = me_;
+    g->ops.assign(ops.begin(), ops.end());
+    if (g->ops.empty()) {
+      g->done = true;
+      return g;
+    }
+    pending_.push_back(g);
+    return g;
+  }
+
+  /// Starts every queued op as one NCCL group (test/wait do this themselves).
+  void flush(Deadline deadline) {
+    if (pending_.empty()) return;
+    check_usable();
+    select_device();
+    auto launch = std::make_shared<Launch>();
+    cudaError_t ce = cudaEventCreateWithFlags(&launch->event, cudaEventDisableTiming);
+    if (ce != cudaSuccess) fail_comm(fmt::format("cudaEventCreate failed: {}", nccl_detail::cuda_text(ce)));
+    ncclResult_t rc = ncclGroupStart();
+    if (rc != ncclSuccess) fail_comm(fmt::format("ncclGroupStart failed: {}", nccl_text(rc)));
+    for (const auto& g : pending_) {
+      for (const auto& op : g->ops) {
+        if (op.bytes == 0) continue;
+        std::byte* p = regions_[op.region.id].ptr + op.offset;
+        const int peer = nccl_rank(op.peer);
+        rc = op.kind == OpKind::send ? ncclSend(p, op.bytes, ncclUint8, peer, comm_, stream_)
+                                     : ncclRecv(p, op.bytes, ncclUint8, peer, comm_, stream_);
+        if (rc != ncclSuccess && rc != ncclInProgress) {
+          (void)ncclGroupEnd();
+          fail_comm(fmt::format("{} failed: {}", describe(op), nccl_text(rc)));
+        }
+        (op.kind == OpKind::send ? traffic_.bytes_sent : traffic_.bytes_received) += static_cast<std::int64_t>(op.bytes);
+        ++(op.kind == OpKind::send ? traffic_.messages_sent : traffic_.messages_received);
+      }
+    }
+    rc = ncclGroupEnd();
+    if (rc == ncclInProgress) rc = settle(deadline, "starting a group of sends and receives");
+    if (rc != ncclSuccess) fail_comm(fmt::format("ncclGroupEnd failed: {}", nccl_text(rc)));
+    ce = cudaEventRecord(launch->event, stream_);
+    if (ce != cudaSuccess) fail_comm(fmt::format("cudaEventRecord failed: {}", nccl_detail::cuda_text(ce)));
+    for (auto& g : pending_) g->launch = launch;
+    pending_.clear();
+    ++traffic_.groups;
+  }
+
+  bool test(request& r) {
+    check(r);
+    if (r->done) return true;
+    if (!r->launch) flush(Clock::now() + opt_.init_timeout);
+    return poll(*r);
+  }
+  void wait(request& r, Deadline deadline) {
+    check(r);
+    if (r->done) return;
+    if (!r->launch) flush(deadline);
+    auto sleep = std::chrono::microseconds(1);
+    while (!poll(*r)) {
+      if (Clock::now() >= deadline) time_out(pending_text({r.get()}));
+      nccl_detail::sleep_for(sleep);
+      sleep = std::min(sleep * 2, opt_.max_sleep);
+    }
+  }
+  std::size_t wait_any(std::span<request* const> rs, Deadline deadline) {
+    if (rs.empty()) fail("nccl transport: wait_any on no requests (rank {})", me_);
+    for (auto* r : rs) check(*r);
+    for (auto* r : rs)
+      if (!(*r)->done && !(*r)->launch) {
+        flush(deadline);
+        break;
+      }
+    auto sleep = std::chrono::microseconds(1);
+    while (true) {
+      for (std::size_t i = 0; i < rs.size(); ++i)
+        if (poll(**rs[i])) return i;
+      if (Clock::now() >= deadline) {
+        std::vector<const Group*> gs;
+        for (auto* r : rs) gs.push_back(r->get());
+        time_out(pending_text(gs));
+      }
+      nccl_detail::sleep_for(sleep);
+      sleep = std::min(sleep * 2, opt_.max_sleep);
+    }
+  }
+
+  void abort(std::string_view why) noexcept {
+    try {
+      if (!aborted_) abort_reason_ = fmt::format("nccl transport: rank {} aborted: {}", me_, why);
+    } catch (...) {
+    }
+    aborted_ = true;
+    abort_comm();
+  }
+
+  // --- beyond the concept ---
+  cudaStream_t stream() const { return stream_; }
+  ncclComm_t comm() const { return comm_; }
+  int device() const { return device_; }
+  bool aborted() const { return aborted_ || broken_; }
+  const NcclTrafficStats& stats() const { return traffic_; }
+
+ private:
+  struct Launch {
+    cudaEvent_t event = nullptr;
+    bool done = false;
+    ~Launch() {
+      if (event) (void)cudaEventDestroy(event);
+    }
+  };
+  struct Region {
+    std::byte* ptr = nullptr;
+    std::size_t bytes = 0;
+    void* nccl_handle = nullptr;
+    bool live = false;
+  };
+
+  void start(ncclComm_t given) {
+    boot_.validate();
+    me_ = boot_.rank;
+    for (std::size_t i = 0; i < boot_.ranks.size(); ++i) index_.emplace(boot_.ranks[i], static_cast<int>(i));
+    my_index_ = index_.at(me_);
+    const Deadline deadline = Clock::now() + opt_.init_timeout;
+    std::string error;
+    ncclUniqueId id{};
+    try {
+      int n = 0;
+      const cudaError_t e = cudaGetDeviceCount(&n);
+      if (e != cudaSuccess || n == 0) {
+        (void)cudaGetLastError();
+        fail("nccl transport: rank {}: no CUDA device is visible ({})", me_, e != cudaSuccess ? nccl_detail::cuda_text(e) : "0 devices");
+      }
+      if (opt_.device >= n) fail("nccl transport: rank {} asks for GPU {} but {} are visible", me_, opt_.device, n);
+      if (opt_.device >= 0) {
+        device_ = opt_.device;
+      } else if (cudaGetDevice(&device_) != cudaSuccess) {
+        fail("nccl transport: rank {}: cudaGetDevice failed", me_);
+      }
+      select_device();
+      if (opt_.stream) {
+        stream_ = opt_.stream;
+      } else {
+        const cudaError_t se = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+        if (se != cudaSuccess) fail("nccl transport: rank {}: cudaStreamCreate failed: {}", me_, nccl_detail::cuda_text(se));
+        own_stream_ = true;
+      }
+      if (given) {
+        int count = 0, user = -1, dev = -1;
+        if (ncclCommCount(given, &count) != ncclSuccess || ncclCommUserRank(given, &user) != ncclSuccess ||
+            ncclCommCuDevice(given, &dev) != ncclSuccess)
+          fail("nccl transport: rank {}: the given communicator cannot be queried (ncclCommCount / ncclCommUserRank failed)", me_);
+        if (count != static_cast<int>(boot_.ranks.size()))
+          fail("nccl transport: rank {}: the given communicator has {} ranks but the world (the bootstrap's rank list) has {}", me_,
+               count, boot_.ranks.size());
+        if (user != my_index_)
+          fail("nccl transport: rank {} is NCCL rank {} of the given communicator, but position {} of the bootstrap's rank list: both "
+               "must use the same order", me_, user, my_index_);
+        if (dev != device_) fail("nccl transport: rank {}: the given communicator runs on GPU {}, not GPU {}", me_, dev, device_);
+        comm_ = given;
+        own_comm_ = false;
+      } else if (my_index_ == 0) {
+        const ncclResult_t rc = ncclGetUniqueId(&id);
+        if (rc != ncclSuccess) fail("nccl transport: rank {}: ncclGetUniqueId failed: {}", me_, ncclGetErrorString(rc));
+      }
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+    // Exchange: status, and the unique id of the first rank.
+    std::vector<std::byte> blob(1 + 4 + sizeof(id) + error.size());
+    blob[0] = static_cast<std::byte>(error.empty() ? 1 : 0);
+    const std::uint32_t magic = nccl_detail::kMagic;
+    std::memcpy(blob.data() + 1, &magic, 4);
+    std::memcpy(blob.data() + 5, &id, sizeof(id));
+    std::memcpy(blob.data() + 5 + sizeof(id), error.data(), error.size());
+    try {
+      const Blobs all = boot_.all_gather(blob, deadline, [] {});
+      if (all.size() != boot_.ranks.size())
+        throw TransportError(fmt::format("nccl transport: rank {}: the bootstrap returned {} blobs for {} ranks", me_, all.size(), boot_.ranks.size()));
+      if (!error.empty()) throw TransportError(error);
+      for (std::size_t i = 0; i < all.size(); ++i) {
+        std::uint32_t m = 0;
+        if (all[i].size() < 5 + sizeof(id) || (std::memcpy(&m, all[i].data() + 1, 4), m != nccl_detail::kMagic))
+          throw TransportError(fmt::format("nccl transport: rank {}: rank {} sent a bootstrap blob of another kind (the same program?)", me_,
+                                           boot_.ranks[i]));
+        if (all[i][0] == std::byte{0})
+          throw TransportError(fmt::format("nccl transport: rank {}: rank {} could not start: {}", me_, boot_.ranks[i],
+                                           std::string(reinterpret_cast<const char*>(all[i].data() + 5 + sizeof(id)), all[i].size() - 5 - sizeof(id))));
+      }
+      if (!given) {
+        std::memcpy(&id, all[0].data() + 5, sizeof(id));
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        select_device();
+        ncclResult_t rc = ncclCommInitRankConfig(&comm_, static_cast<int>(boot_.ranks.size()), id, my_index_, &config);
+        if (rc == ncclInProgress) rc = settle(deadline, "creating the communicator");
+        if (rc != ncclSuccess) throw TransportError(fmt::format("nccl transport: rank {}: ncclCommInitRankConfig failed: {}", me_, nccl_text(rc)));
+        own_comm_ = true;
+      }
+      // Everyone joined, or everyone hears who did not.
+      std::vector<std::byte> ok{std::byte{1}};
+      const Blobs joined = boot_.all_gather(ok, deadline, [] {});
+      for (std::size_t i = 0; i < joined.size(); ++i)
+        if (joined[i].empty() || joined[i][0] != std::byte{1})
+          throw TransportError(fmt::format("nccl transport: rank {}: rank {} failed to join the communicator", me_, boot_.ranks[i]));
+    } catch (...) {
+      abort_comm();
+      if (own_stream_ && stream_) (void)cudaStreamDestroy(stream_);
+      stream_ = nullptr;
+      throw;
+    }
+  }
+
+  void close() noexcept {
+    pending_.clear();
+    if (comm_ && !broken_ && !aborted_) {
+      select_device();
+      (void)cudaStreamSynchronize(stream_);
+      for (std::size_t i = 0; i < regions_.size(); ++i)
+        if (regions_[i].live) deregister_memory(RegionHandle{static_cast<std::uint32_t>(i)});
+      if (own_comm_) {
+        ncclResult_t rc = ncclCommFinalize(comm_);
+        if (rc == ncclInProgress) {
+          try {
+            rc = settle(Clock::now() + std::chrono::seconds(10), "finalizing the communicator");
+          } catch (...) {
+            rc = ncclInternalError;
+          }
+        }
+        if (rc == ncclSuccess) (void)ncclCommDestroy(comm_);
+        else (void)ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
+    }
+    abort_comm();
+    if (own_stream_ && stream_) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+
+  void abort_comm() noexcept {
+    if (comm_ && own_comm_) (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+    broken_ = true;
+  }
+
+  void select_device() const {
+    if (device_ >= 0) (void)cudaSetDevice(device_);
+  }
+
+  /// Polls a nonblocking communicator until it leaves ncclInProgress.
+  ncclResult_t settle(Deadline deadline, const char* what) {
+    auto sleep = std::chrono::microseconds(1);
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+      if (rc != ncclSuccess) return rc;
+      if (state != ncclInProgress) return state;
+      if (Clock::now() >= deadline) {
+        abort_comm();
+        throw TransportError(fmt::format("nccl transport: rank {} timed out {} (some rank of the {} did not join or stalled); the "
+                                         "communicator was aborted", me_, what, boot_.ranks.size()));
+      }
+      nccl_detail::sleep_for(sleep);
+      sleep = std::min(sleep * 2, opt_.max_sleep);
+    }
+  }
+
+  /// Has the group's launch completed? Throws on a CUDA or NCCL failure.
+  bool poll(Group& g) {
+    if (g.done) return true;
+    if (!g.launch) return false;
+    if (g.launch->done) return g.done = true;
+    check_usable();
+    const cudaError_t e = cudaEventQuery(g.launch->event);
+    if (e == cudaSuccess) {
+      g.launch->done = true;
+      return g.done = true;
+    }
+    if (e != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      fail_comm(fmt::format("waiting for {}: CUDA reports {}", pending_text({&g}), nccl_detail::cuda_text(e)));
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+    if (rc != ncclSuccess || (state != ncclSuccess && state != ncclInProgress))
+      fail_comm(fmt::format("waiting for {}: NCCL reports {}", pending_text({&g}), nccl_text(rc != ncclSuccess ? rc : state)));
+    return false;
+  }
+
+  [[noreturn]] void time_out(const std::string& pending) {
+    abort_comm();
+    throw TransportError(fmt::format("nccl transport: rank {} timed out waiting for {}; the communicator was aborted", me_, pending));
+  }
+  [[noreturn]] void fail_comm(const std::string& what) {
+    abort_comm();
+    throw TransportError(fmt::format("nccl transport: rank {}: {}; the communicator was aborted", me_, what));
+  }
+  void check_usable() const {
+    if (aborted_) throw TransportError(abort_reason_.empty() ? fmt::format("nccl transport: rank {} was aborted", me_) : abort_reason_);
+    if (broken_ || !comm_)
+      throw TransportError(fmt::format("nccl transport: rank {}: the communicator failed or was aborted earlier; make a new transport", me_));
+  }
+  void check(const request& r) const {
+    if (!r) fail("nccl transport: wait on an empty request (rank {})", me_);
+    if (r->rank != me_) fail("nccl transport: rank {} waits on a request of rank {}", me_, r->rank);
+  }
+  void check_op(const TransferOp& op) const {
+    if (!index_.count(op.peer))
+      throw TransportError(fmt::format("nccl transport: rank {} posts a {} with peer {}, which is not in this world", me_,
+                                       op.kind == OpKind::send ? "send" : "receive", op.peer));
+    if (op.region.id >= regions_.size() || !regions_[op.region.id].live)
+      throw TransportError(fmt::format("nccl transport: rank {}: {} uses region {}, which is not registered", me_, describe(op), op.region.id));
+    const Region& r = regions_[op.region.id];
+    if (op.offset > r.bytes || op.bytes > r.bytes - op.offset)
+      throw TransportError(fmt::format("nccl transport: rank {}: {} covers bytes [{}, {}) of a region of {} bytes", me_, describe(op), op.offset,
+                                       op.offset + op.bytes, r.bytes));
+  }
+  int nccl_rank(std::int64_t rank) const { return index_.at(rank); }
+  std::string describe(const TransferOp& op) const {
+    return op.kind == OpKind::send ? fmt::format("send of {} bytes from rank {} to rank {} (tag {:#x})", op.bytes, me_, op.peer, op.tag)
+                                   : fmt::format("receive of {} bytes from rank {} at rank {} (tag {:#x})", op.bytes, op.peer, me_, op.tag);
+  }
+  std::string pending_text(const std::vector<const Group*>& gs) const {
+    std::string s;
+    int shown = 0, total = 0;
+    for (const Group* g : gs) {
+      if (g->done) continue;
+      for (const auto& op : g->ops) {
+        ++total;
+        if (shown < 4) {
+          s += (shown ? "; " : "") + describe(op);
+          ++shown;
+        }
+      }
+    }
+    if (total > shown) s += fmt::format("; and {} more", total - shown);
+    return s.empty() ? std::string("nothing") : s;
+  }
+  std::string nccl_text(ncclResult_t rc) const {
+    const char* last = ncclGetLastError(comm_);
+    return last && *last ? fmt::format("{} ({})", ncclGetErrorString(rc), last) : std::string(ncclGetErrorString(rc));
+  }
+
+  Bootstrap boot_;
+  NcclOptions opt_;
+  std::int64_t me_ = -1;
+  int my_index_ = 0;
+  std::map<std::int64_t, int> index_;
+  int device_ = -1;
+  cudaStream_t stream_ = nullptr;
+  bool own_stream_ = false, own_comm_ = false;
+  ncclComm_t comm_ = nullptr;
+  std::vector<Region> regions_;
+  std::vector<request> pending_;
+  bool aborted_ = false, broken_ = false;
+  std::string abort_reason_;
+  NcclTrafficStats traffic_;
+};
+
+static_assert(check_transport<NcclTransport>());
+
+}  // namespace reshard

@@ -1,0 +1,171 @@
+// Refits with the weights in GPU memory: ranks as threads sharing one GPU
+// (cuda::LocalDeviceTransport over managed memory), the executor staging in
+// device memory and packing / unpacking / copying locally with the CUDA
+// kernels (cuda::CudaCopyEngine). Every destination element is checked
+// after every refit (tests/refit_util.hpp's tags). Without a GPU: skipped.
+//
+// Host code, compiled by g++: only the engine comes from nvcc
+// (test_cuda_refit.cu), the way an application keeps its refit code out of
+// nvcc (whose front end crashes on some of this TU's host code).
+#include <doctest/doctest.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "refit_util.hpp"
+#include "reshard/cuda/device_engine.hpp"
+#include "reshard/cuda/local_device.hpp"
+#include "reshard/cuda/runtime.hpp"
+
+using namespace reshard;
+using namespace refit_test;
+
+/// test_cuda_refit.cu (nvcc): a CudaCopyEngine with managed staging.
+std::shared_ptr<DeviceCopyEngine> make_managed_copy_engine();
+std::int64_t copy_engine_launches(const DeviceCopyEngine& e);
+
+namespace {
+
+bool have_gpu() {
+  static const int n = cuda::visible_devices();
+  if (n == 0) MESSAGE("no GPU visible (cudaGetDeviceCount failed or returned 0): skipped");
+  return n > 0;
+}
+
+Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<TensorSpec> ts) {
+  Layout L;
+  L.mesh.axes = {{axis, size}};
+  L.mesh.first_rank = first;
+  L.tensors = std::move(ts);
+  L.validate();
+  return L;
+}
+DimSpec cut(std::int64_t size) {
+  DimSpec d;
+  d.axes = {AxisRef{0, 1, size}};
+  return d;
+}
+TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims, DType dt) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.shape = std::move(shape);
+  t.dims = std::move(dims);
+  t.dtype = dt;
+  return t;
+}
+
+struct DeviceOutcome {
+  std::int64_t wrong = 0, packed = 0, zero_copy = 0, local = 0, launches = 0;
+  std::string first_wrong;
+};
+
+/// run_refits (refit_util.hpp) with every buffer copied into managed memory
+/// and bound as MemoryKind::device.
+DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits, ResharderOptions opt = {}) {
+  DeviceOutcome out;
+  const auto ranks = world_of(src, dst);
+  std::mutex m;
+  LocalWorld world(ranks);
+  world.run([&](LocalTransport& lt) {
+    cuda::LocalDeviceTransport t(lt);
+    SideMemory sm = make_side(src, t.rank(), true, 0), dm = make_side(dst, t.rank(), false, 0);
+    std::vector<std::byte*> owned;
+    auto bind = [&](const Layout& L, SideMemory& mem, std::vector<std::byte*>& ptrs) {
+      std::map<std::string, BufferView> v;
+      ptrs.assign(mem.data.size(), nullptr);
+      for (std::size_t b = 0; b < mem.data.size(); ++b) {
+        if (!mem.present[b]) continue;
+        cuda::check_cuda(cudaMallocManaged(reinterpret_cast<void**>(&ptrs[b]), std::max<std::size_t>(mem.data[b].size(), 1)), "cudaMallocManaged");
+        owned.push_back(ptrs[b]);
+        BufferView bv = bytes_view(ptrs[b], mem.data[b].size(), static_cast<std::int64_t>(mem.element_bytes[b]));
+        bv.memory = MemoryKind::device;
+        v[L.local_buffers()[b].name] = bv;
+      }
+      return v;
+    };
+    auto upload = [](SideMemory& mem, std::vector<std::byte*>& ptrs) {
+      for (std::size_t b = 0; b < ptrs.size(); ++b)
+        if (ptrs[b]) std::memcpy(ptrs[b], mem.data[b].data(), mem.data[b].size());
+    };
+    std::vector<std::byte*> sp, dp;
+    LocalBuffers bufs;
+    bufs.src = bind(src, sm, sp);
+    bufs.dst = bind(dst, dm, dp);
+    upload(sm, sp);
+    upload(dm, dp);
+    auto engine = make_managed_copy_engine();
+    ResharderOptions o = opt;
+    o.executor.device = engine;
+    {
+      Resharder<Layout, cuda::LocalDeviceTransport> r(src, dst, bufs, t, o);
+      for (int k = 0; k < refits; ++k) {
+        if (k > 0) {
+          write_side(src, sm, true, static_cast<std::uint64_t>(k));
+          write_side(dst, dm, false, static_cast<std::uint64_t>(k));
+          upload(sm, sp);
+          upload(dm, dp);
+        }
+        const RefitReport rep = r.refit();
+        for (std::size_t b = 0; b < dp.size(); ++b)
+          if (dp[b]) std::memcpy(dm.data[b].data(), dp[b], dm.data[b].size());
+        std::string first;
+        const auto wrong = count_wrong(dst, dm, t.rank(), static_cast<std::uint64_t>(k), &first);
+        std::lock_guard lk(m);
+        if (wrong && out.first_wrong.empty()) out.first_wrong = fmt::format("refit {}: {}", k, first);
+        out.wrong += wrong;
+        out.packed += rep.packed_bytes;
+        out.zero_copy += rep.zero_copy_bytes;
+        out.local += rep.local_bytes;
+      }
+    }
+    {
+      std::lock_guard lk(m);
+      out.launches += copy_engine_launches(*engine);
+    }
+    for (auto* p : owned) cudaFree(p);
+  });
+  return out;
+}
+
+std::vector<TensorSpec> model(bool split_second) {
+  return {tensor("w", {64, 96}, {cut(2), {}}, DType::f32),
+          tensor("b", {1000}, {cut(2)}, DType::bf16),
+          tensor("e", {12, 10, 8}, {{}, {}, split_second ? cut(2) : DimSpec{}}, DType::bf16),
+          tensor("big", {512, 256}, {cut(2), {}}, DType::f32),
+          tensor("emb", {300, 24}, {{}, cut(2)}, DType::u8)};
+}
+
+}  // namespace
+
+TEST_CASE("device refit tp=2 -> tp=4 (disaggregated): packed, zero-copy and half-staged pieces on the GPU") {
+  if (!have_gpu()) return;
+  auto dst_t = model(true);
+  for (auto& t : dst_t)
+    for (auto& d : t.dims)
+      if (!d.axes.empty()) d.axes[0].size = 4;
+  // Destination cuts the other dim of w and big: every piece strided on one side.
+  dst_t[0].dims = {{}, cut(4)};
+  dst_t[3].dims = {cut(4), {}};
+  const Layout src = one_axis("tp", 2, 0, model(true)), dst = one_axis("tp", 4, 2, dst_t);
+  const auto o = run_device_refits(src, dst, 3);
+  INFO(o.first_wrong);
+  CHECK(o.wrong == 0);
+  CHECK(o.packed > 0);
+  CHECK(o.zero_copy > 0);  // big: contiguous row blocks of 128 KiB
+  CHECK(o.launches > 0);
+}
+
+TEST_CASE("device refit, colocated: local copies run as one kernel batch") {
+  if (!have_gpu()) return;
+  auto dst_t = model(false);
+  dst_t[0].dims = {{}, cut(2)};
+  const Layout src = one_axis("tp", 2, 0, model(true)), dst = one_axis("tp", 2, 0, dst_t);
+  ResharderOptions opt;
+  opt.executor.staging_budget = 4096;  // many waves through small device staging
+  const auto o = run_device_refits(src, dst, 2, opt);
+  INFO(o.first_wrong);
+  CHECK(o.wrong == 0);
+  CHECK(o.local > 0);
+}

@@ -1,0 +1,162 @@
+// The NCCL transport (backends/nccl.hpp): the order check prepare() runs
+// over every rank's op table (CPU), the clear error without a GPU (CPU), and
+// on a GPU: one rank sending to itself, refusals of host memory and of a
+// communicator of the wrong size, a size mismatch caught at prepare, and a
+// deadline that aborts instead of hanging.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "reshard/backends/nccl.hpp"
+#include "reshard/cuda/runtime.hpp"
+
+using namespace reshard;
+using nccl_detail::OpRow;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+/// A bootstrap for one process that plays every rank of `ranks` (blob i = mine).
+Bootstrap solo(std::vector<std::int64_t> ranks = {0}) {
+  const std::size_t n = ranks.size();
+  const std::int64_t me = ranks.front();
+  return make_bootstrap(me, std::move(ranks), [n](std::span<const std::byte> mine) {
+    return Blobs(n, std::vector<std::byte>(mine.begin(), mine.end()));
+  });
+}
+
+bool have_gpu() {
+  static const int n = cuda::visible_devices();
+  if (n == 0) MESSAGE("no GPU visible (cudaGetDeviceCount failed or returned 0): GPU part skipped");
+  return n > 0;
+}
+
+}  // namespace
+
+TEST_CASE("prepare's order check: both sides must list the same messages in the same order") {
+  const std::vector<std::int64_t> world{0, 1, 2};
+  std::vector<std::vector<OpRow>> t(3);
+  t[0] = {{0, 1, 1, 100}, {0, 1, 2, 50}, {1, 2, 7, 8}};
+  t[1] = {{1, 0, 1, 100}, {1, 0, 2, 50}};
+  t[2] = {{0, 0, 7, 8}};
+  CHECK(nccl_detail::check_op_tables(world, 0, t).empty());
+  CHECK(nccl_detail::check_op_tables(world, 1, t).empty());
+  CHECK(nccl_detail::check_op_tables(world, 2, t).empty());
+  auto bad = t;
+  bad[1][1].bytes = 40;  // rank 1 expects 40 bytes where rank 0 sends 50
+  const std::string e = nccl_detail::check_op_tables(world, 0, bad);
+  CHECK(e.find("rank 0 posts 2 sends (150 bytes) to rank 1, but rank 1 posts 2 receives (140 bytes)") != std::string::npos);
+  CHECK(e.find("message 1 differs") != std::string::npos);
+  CHECK(nccl_detail::check_op_tables(world, 1, bad) == e);  // the receiver fails with the same words
+  auto swapped = t;
+  std::swap(swapped[1][0], swapped[1][1]);
+  CHECK(nccl_detail::check_op_tables(world, 1, swapped).find("message 0 differs") != std::string::npos);
+  auto missing = t;
+  missing[2].clear();  // rank 2 never sends what rank 0 waits for; rank 2 lists nothing, yet must fail too
+  const std::string m = "rank 2 posts 0 sends (0 bytes) to rank 0, but rank 0 posts 1 receives (8 bytes) from it";
+  CHECK(nccl_detail::check_op_tables(world, 0, missing).find(m) != std::string::npos);
+  CHECK(nccl_detail::check_op_tables(world, 2, missing).find(m) != std::string::npos);
+  CHECK(nccl_detail::check_op_tables(world, 1, missing).empty());
+  auto stranger = t;
+  stranger[0].push_back({0, 9, 1, 1});
+  CHECK(nccl_detail::check_op_tables(world, 0, stranger).find("rank 9, which is not in the world") != std::string::npos);
+}
+
+TEST_CASE("the op table survives the bootstrap encoding") {
+  std::vector<TransferOp> ops(2);
+  ops[0] = TransferOp{OpKind::send, 3, 0x10001, RegionHandle{0}, 0, 96};
+  ops[1] = TransferOp{OpKind::recv, 5, 7, RegionHandle{1}, 16, 32};
+  const auto rows = nccl_detail::decode_ops(nccl_detail::encode_ops(ops), 0);
+  REQUIRE(rows.size() == 2);
+  CHECK(rows[0].kind == 0);
+  CHECK(rows[0].peer == 3);
+  CHECK(rows[0].tag == 0x10001);
+  CHECK(rows[1].kind == 1);
+  CHECK(rows[1].bytes == 32);
+  CHECK(error_of([] { nccl_detail::decode_ops(std::vector<std::byte>(5), 4); }).find("rank 4 sent a truncated op table") != std::string::npos);
+}
+
+TEST_CASE("without a GPU the transport says so") {
+  if (cuda::visible_devices() > 0) return;
+  const std::string e = error_of([] { NcclTransport t(solo()); });
+  CHECK(e.find("no CUDA device is visible") != std::string::npos);
+  MESSAGE("no GPU: " << e);
+}
+
+TEST_CASE("one rank sends to itself through NCCL") {
+  if (!have_gpu()) return;
+  NcclTransport t(solo());
+  const std::size_t n = 3 << 20;
+  std::byte *a = nullptr, *b = nullptr;
+  cuda::check_cuda(cudaMalloc(reinterpret_cast<void**>(&a), n), "cudaMalloc");
+  cuda::check_cuda(cudaMalloc(reinterpret_cast<void**>(&b), n), "cudaMalloc");
+  std::vector<std::byte> host(n), back(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<std::byte>(i * 13 + 1);
+  cuda::check_cuda(cudaMemcpy(a, host.data(), n, cudaMemcpyHostToDevice), "cudaMemcpy");
+  cuda::check_cuda(cudaMemset(b, 0, n), "cudaMemset");
+  const RegionHandle ra = t.register_memory(a, n, MemoryKind::device), rb = t.register_memory(b, n, MemoryKind::device);
+  // Two messages each way within one group: a 1 MiB head and the rest.
+  std::vector<TransferOp> ops{{OpKind::recv, 0, 1, rb, 0, 1 << 20}, {OpKind::recv, 0, 2, rb, 1 << 20, n - (1 << 20)},
+                              {OpKind::send, 0, 1, ra, 0, 1 << 20}, {OpKind::send, 0, 2, ra, 1 << 20, n - (1 << 20)}};
+  const Deadline d = Clock::now() + std::chrono::seconds(60);
+  t.prepare(ops, d);
+  for (int rep = 0; rep < 3; ++rep) {
+    auto recv = t.post(std::span(ops).subspan(0, 2));
+    auto send = t.post(std::span(ops).subspan(2, 2));
+    std::vector<NcclTransport::request*> rs{&recv, &send};
+    const std::size_t first = t.wait_any(rs, d);
+    CHECK(first < 2);
+    t.wait(recv, d);
+    t.wait(send, d);
+    CHECK(t.test(recv));
+  }
+  cuda::check_cuda(cudaMemcpy(back.data(), b, n, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  CHECK(std::memcmp(back.data(), host.data(), n) == 0);
+  CHECK(t.stats().groups == 3);
+  // Bad input.
+  std::vector<std::byte> plain(64);
+  CHECK(error_of([&] { t.register_memory(plain.data(), 64, MemoryKind::device); }).find("CUDA says it is ordinary (unregistered) host memory") !=
+        std::string::npos);
+  CHECK(error_of([&] { t.register_memory(a, n, MemoryKind::host); }).find("NCCL moves device memory only") != std::string::npos);
+  std::vector<TransferOp> over{{OpKind::send, 0, 9, ra, n - 8, 16}};
+  CHECK(error_of([&] { t.post(over); }).find("covers bytes") != std::string::npos);
+  std::vector<TransferOp> mismatch{{OpKind::send, 0, 5, ra, 0, 100}, {OpKind::recv, 0, 5, rb, 0, 50}};
+  CHECK(error_of([&] { t.prepare(mismatch, d); }).find("rank 0 posts 1 sends (100 bytes) to rank 0, but rank 0 posts 1 receives (50 bytes)") !=
+        std::string::npos);
+  // A receive nobody sends: the deadline aborts the communicator.
+  std::vector<TransferOp> lonely{{OpKind::recv, 0, 77, rb, 0, 64}};
+  auto r = t.post(lonely);
+  const auto t0 = Clock::now();
+  CHECK(error_of([&] { t.wait(r, Clock::now() + std::chrono::milliseconds(500)); }).find("timed out waiting for receive of 64 bytes") !=
+        std::string::npos);
+  CHECK(Clock::now() - t0 < std::chrono::seconds(30));
+  CHECK(error_of([&] { t.post(ops); }).find("aborted") != std::string::npos);
+  cudaFree(a);
+  cudaFree(b);
+}
+
+TEST_CASE("a caller's communicator must match the world") {
+  if (!have_gpu()) return;
+  ncclComm_t comm = nullptr;
+  int dev = 0;
+  REQUIRE(ncclCommInitAll(&comm, 1, &dev) == ncclSuccess);
+  const std::string e = error_of([&] { NcclTransport t(solo({0, 1}), comm); });
+  CHECK(e.find("the given communicator has 1 ranks but the world (the bootstrap's rank list) has 2") != std::string::npos);
+  {
+    NcclTransport ok(solo({0}), comm);
+    CHECK(ok.comm() == comm);
+  }
+  ncclCommDestroy(comm);
+}
