@@ -3,8 +3,12 @@
 //   reshard-plan --model CONFIG.json --train SPEC --infer SPEC [--colocate]
 //                [--emit-layouts DIR] [--json | --stats] [--rank R]
 //                [--nic-gbps G] [--picture FILE.svg] [--group-experts]
+//   any of the above with a cluster topology (topology.hpp, simulate.hpp):
+//                [--topology NAME|FILE [--placement launch|separate]
+//                 [--hierarchical [--pipeline K]] [--simulate [--fp8-wire]]]
 // Exit status: 0 done, 1 invalid input (one line on stderr naming the file,
 // tensor and field; nothing on stdout), 2 usage error.
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -13,6 +17,9 @@
 #include <iostream>
 #include <map>
 #include <new>
+#include <optional>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -20,10 +27,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "reshard/hierarchical.hpp"
 #include "reshard/json_io.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/presets/presets.hpp"
+#include "reshard/simulate.hpp"
 #include "reshard/storage.hpp"
+#include "reshard/topology.hpp"
 
 namespace {
 
@@ -184,6 +194,142 @@ void write_picture(const std::string& path, const Schedule& s, const Layout& src
   if (!f) fail("reshard-plan: cannot write the picture to '{}'", path);
 }
 
+// ---------------------------------------------------------------------------
+// --topology / --hierarchical / --simulate (only when --topology is given).
+
+struct TopologyRun {
+  std::string topology, placement;
+  bool hierarchical = false, simulate = false, fp8_wire = false;
+  int pipeline = 4;
+  std::int64_t split_bytes = std::int64_t{1} << 62;
+};
+
+std::string gpu_range(const RankPlacement& place, const Mesh& m) {
+  std::int64_t lo = INT64_MAX, hi = -1;
+  std::set<std::int64_t> doms;
+  for (auto r : m.global_ranks()) {
+    lo = std::min(lo, place.gpu(r));
+    hi = std::max(hi, place.gpu(r));
+    doms.insert(place.domain(r));
+  }
+  return fmt::format("GPUs {}-{}, NVLink domains {}-{}", lo, hi, *doms.begin(), *doms.rbegin());
+}
+
+std::string describe_topology(const Topology& t, const RankPlacement& place, const Layout& src, const Layout& dst) {
+  static const char* kinds[] = {"launch", "separate", "gpus"};
+  std::string s = fmt::format("topology {}\n", t.name);
+  s += fmt::format("  cluster      {} GPUs per node, {} per NVLink domain; per GPU: NIC {} Gb/s, NVLink {} Gb/s each way\n",
+                   t.gpus_per_node, t.nvlink_domain, t.nic_gbps, t.nvlink_gbps);
+  s += fmt::format("  latency      {} us per network message, {} us per NVLink message, {} us per stage; messages <= {}\n",
+                   t.latency_us, t.nvlink_latency_us, t.stage_latency_us, human_bytes(static_cast<double>(t.message_bytes)));
+  s += fmt::format("  placement    {}: source on {}; destination on {}\n", kinds[static_cast<int>(t.placement)],
+                   gpu_range(place, src.mesh), gpu_range(place, dst.mesh));
+  return s;
+}
+
+std::string describe_simulation(const SimResult& r, const LowerBound& lb, bool fp8) {
+  std::string s = fmt::format("simulation (flows per stage and GPU pair, max-min fair over NIC and NVLink ports{})\n",
+                              fp8 ? "; FP8 on the wire for decoder linear weights" : "");
+  s += fmt::format("  predicted    {}\n", human_seconds(r.seconds));
+  s += fmt::format("  lower bound  {} ({:.2f}x): {}\n", human_seconds(lb.seconds), lb.seconds > 0 ? r.seconds / lb.seconds : 0.0,
+                   lb.what.empty() ? "nothing to move" : lb.what);
+  if (lb.skipped_domains > 0)
+    s += fmt::format("               ({} destination domains also hold source GPUs: left out of the domain term)\n",
+                     lb.skipped_domains);
+  s += fmt::format("  own bound    {} (sum over stages of the busiest port's bytes / rate)\n", human_seconds(r.bound_seconds));
+  for (std::size_t i = 0; i < r.stages.size(); ++i) {
+    const auto& st = r.stages[i];
+    s += fmt::format("  stage {:<6} {} = transfer {} + messages/barrier {}; network {}, NVLink {}, local {}\n", i,
+                     human_seconds(st.seconds), human_seconds(st.fluid_seconds), human_seconds(st.latency_seconds),
+                     human_bytes(st.bytes[0]), human_bytes(st.bytes[1]), human_bytes(st.bytes[2]));
+    if (st.bound_gpu >= 0 || st.bound_gpu == -2)
+      s += fmt::format("               busiest: {} {} {} ({}); {} flows, {} messages, {} rate updates\n",
+                       st.bound_gpu >= 0 ? fmt::format("GPU {}", st.bound_gpu) : std::string("the"), to_string(st.bound_port), human_bytes(st.bound_bytes), human_seconds(st.bound_seconds),
+                       st.flows, st.messages, st.events);
+  }
+  return s;
+}
+
+nlohmann::json simulation_json(const SimResult& r, const LowerBound& lb) {
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& st : r.stages)
+    stages.push_back({{"seconds", st.seconds}, {"transfer_seconds", st.fluid_seconds},
+                      {"latency_seconds", st.latency_seconds}, {"bound_seconds", st.bound_seconds},
+                      {"network_bytes", st.bytes[0]}, {"nvlink_bytes", st.bytes[1]}, {"local_bytes", st.bytes[2]},
+                      {"busiest_gpu", st.bound_gpu}, {"busiest_port", to_string(st.bound_port)}, {"flows", st.flows}});
+  return {{"predicted_seconds", r.seconds}, {"lower_bound_seconds", lb.seconds}, {"lower_bound", lb.what},
+          {"schedule_bound_seconds", r.bound_seconds}, {"stages", stages}};
+}
+
+/// Plans with the topology and renders the output (nothing printed yet).
+std::string run_with_topology(const TopologyRun& tr, const Layout& src, const Layout& dst, bool as_json, bool as_stats,
+                              double nic_gbps) {
+  Topology topo = load_topology(tr.topology);
+  if (tr.placement == "launch") topo.placement = PlacementKind::launch;
+  if (tr.placement == "separate") topo.placement = PlacementKind::separate;
+  const RankPlacement place(topo, src, dst);
+  StagedSchedule staged;
+  HierarchicalReport rep;
+  // Whole pieces from the planner (no slabs per replica): choose_senders()
+  // balances the senders with the topology in view, and a plan of whole
+  // pieces has copies linear in the ranks instead of ranks x replicas.
+  PlanOptions po;
+  po.split_bytes = tr.split_bytes;
+  po.threads = 0;
+  if (tr.hierarchical) {
+    HierarchicalOptions ho;
+    ho.pipeline = tr.pipeline;
+    ho.plan = po;
+    staged = plan_hierarchical(src, dst, place, ho, &rep);
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
+    staged.schedule = plan(src, dst, po);
+    rep.near_bytes = prefer_near(staged.schedule, src, dst, place);
+    staged.schedule.stats.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const Schedule& s = staged.schedule;
+  if (as_json) {
+    std::ostringstream os;
+    if (tr.hierarchical)
+      write_staged_schedule_json(os, s, staged.stage, staged.from_dst);
+    else
+      write_schedule_json(os, s);
+    return os.str();
+  }
+  std::optional<SimResult> sim;
+  LowerBound lb;
+  if (tr.simulate) {
+    const std::vector<double> wire = fp8_wire_scale(dst);
+    Traffic traffic(place);
+    add_traffic(traffic, staged, tr.fp8_wire ? &wire : nullptr);
+    sim = simulate(traffic);
+    lb = refit_lower_bound(src, dst, place, tr.fp8_wire ? &wire : nullptr);
+  }
+  if (as_stats) {
+    auto j = stats_json(s.stats, true);
+    j["topology"] = topo.name;
+    j["stages"] = staged.stages;
+    j["near_bytes"] = rep.near_bytes;
+    if (tr.hierarchical) {
+      j["fan_out_bytes"] = rep.fan_out_bytes;
+      j["fan_out_copies"] = rep.fan_out_copies;
+    }
+    if (sim) j["simulation"] = simulation_json(*sim, lb);
+    return j.dump() + "\n";
+  }
+  std::string text = describe_side("source     ", src) + describe_side("destination", dst) +
+                     describe_plan(s, -1, src, dst) + describe_nic(s, nic_gbps) + describe_topology(topo, place, src, dst);
+  text += fmt::format("  senders      {} moved to the nearest replica with the least busy port\n",
+                      human_bytes(static_cast<double>(rep.near_bytes)));
+  if (tr.hierarchical)
+    text += fmt::format("  hierarchical {} stages; {} groups of ranks sharing a piece in a domain; {} fan-out copies ({}) "
+                        "replace {} of direct copies\n",
+                        staged.stages, rep.groups, rep.fan_out_copies, human_bytes(static_cast<double>(rep.fan_out_bytes)),
+                        human_bytes(static_cast<double>(rep.dropped_bytes)));
+  if (sim) text += describe_simulation(*sim, lb, tr.fp8_wire);
+  return text;
+}
+
 /// Error messages go out as exactly one line.
 void report(const std::string& msg) {
   std::string line = msg;
@@ -223,8 +369,37 @@ int main(int argc, char** argv) {
   auto* json_flag = app.add_flag("--json", as_json, "print the schedule as JSON (reshard.schedule/1)");
   auto* stats_flag = app.add_flag("--stats", as_stats, "print only the schedule's stats object, extended");
   json_flag->excludes(stats_flag);
-  app.add_option("--rank", rank, "plan only what this global rank sends and receives")
-      ->check(CLI::NonNegativeNumber);
+  auto* rank_opt = app.add_option("--rank", rank, "plan only what this global rank sends and receives")
+                       ->check(CLI::NonNegativeNumber);
+  TopologyRun topo_run;
+  auto* topo_opt = app.add_option("--topology", topo_run.topology,
+                                  "cluster: a preset (h100-8x400g, h200-8x400g, gb200-nvl72, loopback) or a JSON file; "
+                                  "replica choice then prefers the destination's node and NVLink domain");
+  app.add_option("--placement", topo_run.placement, "ranks on GPUs: launch (GPU = rank) or separate (each side from "
+                                                     "its own NVLink domain); default: the topology's")
+      ->check(CLI::IsMember({"launch", "separate"}))
+      ->needs(topo_opt);
+  auto* hier_opt = app.add_flag("--hierarchical", topo_run.hierarchical,
+                                "two-hop staged plan: each unique byte crosses the network once per destination NVLink "
+                                "domain, then fans out over NVLink")
+                       ->needs(topo_opt);
+  app.add_option("--pipeline", topo_run.pipeline, "hierarchical: network chunks per rank (stages = K + 1), default 4")
+      ->check(CLI::Range(1, 64))
+      ->needs(hier_opt);
+  app.add_option("--split-bytes", topo_run.split_bytes,
+                 "with --topology: replicated pieces of at least this many bytes are cut into one slab per replica "
+                 "(default: never; senders are balanced by the topology-aware choice)")
+      ->check(CLI::PositiveNumber)
+      ->needs(topo_opt);
+  auto* sim_opt = app.add_flag("--simulate", topo_run.simulate,
+                               "predict the refit time on the topology, with the lower bound and a per-stage breakdown")
+                      ->needs(topo_opt);
+  app.add_flag("--fp8-wire", topo_run.fp8_wire,
+               "simulate: decoder linear weights travel as FP8 (1 byte per element + block scales), as for an FP8 "
+               "inference side")
+      ->needs(sim_opt);
+  sim_opt->excludes(json_flag);
+  topo_opt->excludes(rank_opt);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -260,8 +435,20 @@ int main(int argc, char** argv) {
       src = read_layout_file(src_path);
       dst = read_layout_file(dst_path);
     }
+    if (!topo_run.topology.empty()) {
+      if (!picture.empty()) fail("reshard-plan: --picture is not available with --topology");
+      const std::string text = run_with_topology(topo_run, src, dst, as_json, as_stats, nic_gbps);
+      std::cout << text;
+      std::cout.flush();
+      if (!std::cout) {
+        report("reshard-plan: cannot write to standard output");
+        return 1;
+      }
+      return 0;
+    }
     PlanOptions opt;
     opt.only_rank = rank;
+    opt.threads = 0;  // a full plan uses every core
     const Schedule s = plan(src, dst, opt);
     if (!picture.empty()) write_picture(picture, s, src, dst);
     if (as_json) {

@@ -1,0 +1,24 @@
+#!/bin/sh
+# Measures UCX refits on loopback for the simulator's calibration
+# (simulate.hpp, "Calibration"). Usage: bench/calibration/measure.sh BUILD_DIR REPEATS
+# Prints one JSON line per run: {"case", "np", ...reshard-refit --json fields}.
+B=${1:-build}; N=${2:-3}
+run() {
+  name=$1; np=$2; shift 2
+  i=0
+  while [ $i -lt $N ]; do
+    out=$(UCX_NET_DEVICES=lo mpirun --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl self,vader,tcp \
+      --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo -x UCX_NET_DEVICES -np $np \
+      $B/bin/reshard-refit --transport ucx "$@" --no-baseline --json 2>/dev/null | tail -1)
+    echo "{\"case\":\"$name\",\"np\":$np,\"run\":$out}"
+    i=$((i+1))
+  done
+}
+C=bench/calibration
+run large 2 --src tests/mpi/layouts/large-train.json --dst tests/mpi/layouts/large-infer.json --iterations 5
+run tiny 2 --src $C/tiny-src.json --dst $C/tiny-dst.json --iterations 21
+run many 2 --src $C/many-src.json --dst $C/many-dst.json --iterations 21
+run transpose 4 --src $C/transpose-src.json --dst $C/transpose-dst.json --iterations 5
+run gather 3 --src $C/gather-src.json --dst $C/gather-dst.json --iterations 5
+run scatter 4 --src $C/scatter-src.json --dst $C/scatter-dst.json --iterations 5
+run tiny-moe 6 --model ../shared/models/tiny-moe.json --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 11

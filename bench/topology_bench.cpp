@@ -1,0 +1,124 @@
+// topology-bench: how planning and simulating a refit grows with the cluster.
+//   topology-bench [--model CONFIG] [--topology NAME|FILE] [--sizes DP,DP,...]
+//                  [--hierarchical] [--infer-tp N] [--pp N] [--ep-per-stage N] [--split-bytes B]
+// For each training dp in --sizes: Megatron tp=1, pp=PP, dp=DP, ep=min(E, DP)
+// (E = --ep-per-stage) training ranks, and vLLM tp=T, dp=DP*PP/(2*T),
+// ep=dp*tp inference ranks (half as many, as in the Kimi-K2 anchor: 256 -> 128),
+// with grouped experts; it times building the layouts, planning (direct, or
+// hierarchical), summing the traffic and simulating it, and prints one JSON
+// line per size (ranks, tensors, copies, seconds per phase, peak RSS).
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "reshard/hierarchical.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/presets/presets.hpp"
+#include "reshard/simulate.hpp"
+#include "reshard/topology.hpp"
+
+using namespace reshard;
+
+namespace {
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+double peak_rss_gb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1e6;  // KiB -> GB (approximately)
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Times planning and simulating refits at growing cluster sizes", "topology-bench"};
+  std::string model = "examples/models/kimi-k2.json", topology = "h200-8x400g", sizes = "32,64,128";
+  bool hierarchical = false;
+  int infer_tp = 8, pp = 8, ep_stage = 32;
+  std::int64_t split_bytes = std::int64_t{1} << 62;
+  app.add_option("--model", model, "HuggingFace config.json");
+  app.add_option("--topology", topology, "topology preset or file");
+  app.add_option("--sizes", sizes, "training dp values, comma separated (training ranks = dp * pp)");
+  app.add_option("--infer-tp", infer_tp, "inference tp");
+  app.add_option("--pp", pp, "training pipeline stages");
+  app.add_option("--ep-per-stage", ep_stage, "training ep (capped at dp)");
+  app.add_option("--split-bytes", split_bytes, "planner: cut replicated pieces of at least this size into one slab per replica");
+  app.add_flag("--hierarchical", hierarchical, "plan hierarchically (else the direct plan, topology-aware)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    std::vector<int> dps;
+    std::stringstream ss(sizes);
+    for (std::string item; std::getline(ss, item, ',');) dps.push_back(std::stoi(item));
+    for (int dp : dps) {
+      const int ep = std::min(ep_stage, dp);
+      const int infer_world = dp * pp / 2;
+      const int infer_dp = infer_world / infer_tp;
+      const std::string train = fmt::format("tp=1,pp={},dp={},ep={}", pp, dp, ep);
+      const std::string infer = fmt::format("tp={},dp={},ep={}", infer_tp, infer_dp, infer_tp * infer_dp);
+      auto t0 = std::chrono::steady_clock::now();
+      presets::PresetOptions popt;
+      popt.group_experts = true;
+      auto m = presets::model_layouts(model, train, infer, popt);
+      const double layouts_s = since(t0);
+      Topology topo = load_topology(topology);
+      topo.placement = PlacementKind::separate;
+      const RankPlacement place(topo, m.train, m.infer);
+      t0 = std::chrono::steady_clock::now();
+      StagedSchedule s;
+      PlanOptions po;
+      po.split_bytes = split_bytes;
+      if (hierarchical) {
+        HierarchicalOptions ho;
+        ho.plan = po;
+        s = plan_hierarchical(m.train, m.infer, place, ho);
+      } else {
+        s.schedule = plan(m.train, m.infer, po);
+        prefer_near(s.schedule, m.train, m.infer, place);
+      }
+      const double plan_s = since(t0);
+      t0 = std::chrono::steady_clock::now();
+      Traffic tr(place);
+      add_traffic(tr, s);
+      const double traffic_s = since(t0);
+      t0 = std::chrono::steady_clock::now();
+      const SimResult r = simulate(tr);
+      const double sim_s = since(t0);
+      t0 = std::chrono::steady_clock::now();
+      const LowerBound lb = refit_lower_bound(m.train, m.infer, place);
+      const double lb_s = since(t0);
+      std::int64_t flows = 0;
+      for (const auto& st : r.stages) flows += st.flows;
+      nlohmann::json j = {{"train", train},
+                          {"hierarchical", hierarchical},
+                          {"split_bytes", split_bytes},
+                          {"infer", infer},
+                          {"ranks", m.train_world + m.infer_world},
+                          {"tensors", m.infer.tensors.size()},
+                          {"copies", s.schedule.copies.size()},
+                          {"flows", flows},
+                          {"stages", s.stages},
+                          {"layouts_seconds", layouts_s},
+                          {"plan_seconds", plan_s},
+                          {"traffic_seconds", traffic_s},
+                          {"simulate_seconds", sim_s},
+                          {"lower_bound_seconds_to_compute", lb_s},
+                          {"predicted_refit_seconds", r.seconds},
+                          {"lower_bound_refit_seconds", lb.seconds},
+                          {"peak_rss_gb", peak_rss_gb()}};
+      std::cout << j.dump() << std::endl;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "topology-bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,460 @@
+#pragma once
+// Topology-aware plans, built on plan() (plan.hpp) without changing it.
+//
+// choose_senders() / prefer_near(): replica choice that prefers a source in
+//   the destination's node, then its NVLink domain, and among the nearest
+//   the least busy sender port per stage. A copy may move to any replica of
+//   the same source part whose storage of the tensor is identical (same
+//   buffer, boxes, offsets: then it reads the same elements there). The
+//   schedule stays minimal (only the sending rank changes).
+//
+// plan_hierarchical(): a staged schedule (CONTRACT.md §2 "Staged schedules")
+//   in which each unique byte a destination NVLink domain needs crosses the
+//   network once into the domain, then fans out inside it:
+//   - the destination ranks of a domain that hold the same piece of a tensor
+//     (the same part, and for flat buffers the same range) and hold nothing
+//     of it in the source layout form a group; one of them, the owner,
+//     receives the piece (the direct plan's copies into it); the owners are
+//     chosen largest piece first onto the least loaded rank, so the domain's
+//     network ingress is spread over its ranks and NICs;
+//   - the other members copy the piece from the owner's destination buffer
+//     over NVLink ("src_layout": "dst"), in a later stage;
+//   - pipelining: each rank's network copies are cut into `pipeline` chunks
+//     (whole tensors, equal bytes, largest first); stage s holds chunk s's network copies
+//     and the fan-out of chunk s-1, so the NVLink fan-out overlaps the
+//     network (stages = pipeline + 1).
+//   Ranks not in any group (a piece only one rank of the domain holds, or a
+//   rank that holds some of the tensor in the source layout) keep their
+//   direct copies.
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <numeric>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "plan.hpp"
+#include "storage.hpp"
+#include "topology.hpp"
+
+namespace reshard {
+
+/// A schedule whose copies carry a stage and a source layout (parallel
+/// vectors, so Copy stays as plan.hpp has it). `from_dst[i]`: copy i reads
+/// its source buffer as a buffer of the destination layout on src_rank
+/// (src_buffer is then an id into the destination's local_buffers()).
+struct StagedSchedule {
+  Schedule schedule;
+  std::vector<std::int32_t> stage;     ///< per copy; empty = all stage 0
+  std::vector<std::uint8_t> from_dst;  ///< per copy; empty = none
+  std::int32_t stages = 1;
+  std::int32_t stage_of(std::size_t i) const { return stage.empty() ? 0 : stage[i]; }
+  bool reads_dst(std::size_t i) const { return !from_dst.empty() && from_dst[i] != 0; }
+};
+
+struct HierarchicalOptions {
+  PlanOptions plan;      ///< options of the direct plan underneath (whole plan: only_rank must be -1)
+  int pipeline = 4;      ///< network chunks per rank (>= 1); stages = pipeline + 1
+  bool prefer_near = true;
+};
+
+/// What the hierarchical plan did, for reports and tests.
+struct HierarchicalReport {
+  std::int64_t groups = 0;          ///< (tensor, piece, domain) groups with >= 2 ranks
+  std::int64_t fan_out_copies = 0;  ///< copies that read the destination layout
+  std::int64_t fan_out_bytes = 0;
+  std::int64_t dropped_bytes = 0;   ///< direct-plan bytes the fan-out replaced
+  std::int64_t near_bytes = 0;      ///< bytes whose sender choose_senders() changed
+};
+
+namespace hier_detail {
+
+inline bool same_storage(const TensorStorage& a, const TensorStorage& b) {
+  if (a.buffer != b.buffer || a.boxes.size() != b.boxes.size() || a.lin_lo != b.lin_lo || a.lin_hi != b.lin_hi)
+    return false;
+  for (std::size_t i = 0; i < a.boxes.size(); ++i) {
+    const HeldBox &x = a.boxes[i], &y = b.boxes[i];
+    if (x.rank != y.rank || x.base != y.base) return false;
+    for (int d = 0; d < x.rank; ++d) {
+      const auto ud = static_cast<std::size_t>(d);
+      if (x.lo[ud] != y.lo[ud] || x.hi[ud] != y.hi[ud] || x.stride[ud] != y.stride[ud]) return false;
+    }
+  }
+  return true;
+}
+
+/// Local indices of a part below the tensor extent n (real elements, not
+/// padding) form a prefix [0, m) of the local dim: m.
+inline std::int64_t real_prefix(const DimPart& p, std::int64_t n) {
+  const std::int64_t nh = p.next_held(n);
+  return nh >= p.padded ? p.local_extent : p.local(nh);
+}
+
+/// Row-major indices below x of a local array of extents e whose every
+/// coordinate j_d < m_d (the real elements).
+inline std::int64_t real_below(const std::vector<std::int64_t>& e, const std::vector<std::int64_t>& m, std::int64_t x) {
+  const std::size_t n = e.size();
+  std::vector<std::int64_t> inner(n + 1, 1);  // product of m over dims > d
+  for (std::size_t d = n; d-- > 0;) inner[d] = inner[d + 1] * m[d];
+  std::vector<std::int64_t> stride(n, 1);
+  for (std::size_t d = n; d-- > 1;) stride[d - 1] = stride[d] * e[d];
+  if (n == 0) return 0;
+  if (x >= stride[0] * e[0]) return inner[0];
+  std::int64_t count = 0;
+  for (std::size_t d = 0; d < n; ++d) {
+    const std::int64_t digit = x / stride[d];
+    x %= stride[d];
+    count += std::min(digit, m[d]) * inner[d + 1];
+    if (digit >= m[d]) return count;
+  }
+  return count;
+}
+
+/// Real elements of what a storage holds of a tensor of shape `shape`.
+inline std::int64_t real_elements(const TensorStorage& s, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> m(shape.size());
+  for (std::size_t d = 0; d < shape.size(); ++d) m[d] = real_prefix(s.parts[d], shape[d]);
+  return real_below(s.extents, m, s.lin_hi) - real_below(s.extents, m, s.lin_lo);
+}
+
+}  // namespace hier_detail
+
+/// Topology-aware sender choice over a list of copies (stage[i] and
+/// from_dst[i] optional): each copy that reads the source layout across
+/// ranks may be sent by any replica of its source part whose storage of the
+/// tensor is identical (then the same offsets read the same elements). The
+/// nearest replicas win (same node as the destination, then same NVLink
+/// domain, then any); among those, the one whose port (NIC or NVLink egress)
+/// is least busy in that stage, in seconds; copies are placed largest first.
+/// Returns the bytes whose sender changed.
+inline std::int64_t choose_senders(std::vector<Copy>& copies, const std::vector<std::int32_t>* stage,
+                                   const std::vector<std::uint8_t>* from_dst, const Layout& src, const Layout& dst,
+                                   const RankPlacement& place) {
+  const std::vector<int> src_of = match_tensors(src, dst);
+  const Topology& topo = place.topology();
+  const double inv_nic = 1 / topo.nic_bytes_per_s(), inv_nvl = 1 / topo.nvlink_bytes_per_s();
+  auto stage_of = [&](std::size_t i) { return stage && !stage->empty() ? (*stage)[i] : 0; };
+  auto reads_dst = [&](std::size_t i) { return from_dst && !from_dst->empty() && (*from_dst)[i] != 0; };
+  std::map<std::pair<std::int64_t, int>, TensorStorage> store;
+  auto storage = [&](std::int64_t pos, int st) -> const TensorStorage& {
+    auto key = std::make_pair(pos, st);
+    auto it = store.find(key);
+    if (it == store.end()) it = store.emplace(key, tensor_storage(src, pos, st)).first;
+    return it->second;
+  };
+  // (source position, source tensor) -> ranks of the identical replicas.
+  const auto T = static_cast<std::int64_t>(src.tensors.size());
+  std::unordered_map<std::int64_t, std::vector<std::int64_t>> replicas;
+  auto replicas_of = [&](std::int64_t spos, int st) -> const std::vector<std::int64_t>& {
+    const std::int64_t key = spos * T + st;
+    auto it = replicas.find(key);
+    if (it != replicas.end()) return it->second;
+    std::vector<std::int64_t> out;
+    const auto& sts = src.tensors[static_cast<std::size_t>(st)];
+    std::vector<std::int64_t> parts;
+    for (int d = 0; d < sts.rank(); ++d) parts.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src.mesh, spos));
+    const auto holders = positions_of_part(src, st, parts);
+    const bool alone = sts.buffer < 0;  // stored alone: the same part is the same storage
+    for (auto h : holders)
+      if (h == spos || alone || hier_detail::same_storage(storage(h, st), storage(spos, st)))
+        out.push_back(src.mesh.global_rank(h));
+    return replicas.emplace(key, std::move(out)).first->second;
+  };
+  auto distance = [&](std::int64_t from, std::int64_t to) {
+    if (place.node(from) == place.node(to)) return 0;
+    return place.domain(from) == place.domain(to) ? 1 : 2;
+  };
+  // Busy seconds per (stage, rank, port: 0 NIC, 1 NVLink), dense.
+  std::int32_t stages = 1;
+  std::int64_t top_rank = 0;
+  for (std::size_t i = 0; i < copies.size(); ++i) {
+    stages = std::max(stages, stage_of(i) + 1);
+    top_rank = std::max({top_rank, copies[i].src_rank, copies[i].dst_rank});
+  }
+  for (auto r : src.mesh.global_ranks()) top_rank = std::max(top_rank, r);
+  const auto R = static_cast<std::size_t>(top_rank + 1);
+  std::vector<double> busy_v(static_cast<std::size_t>(stages) * R * 2, 0);
+  auto busy = [&](std::int32_t st, std::int64_t rank, int port) -> double& {
+    return busy_v[(static_cast<std::size_t>(st) * R + static_cast<std::size_t>(rank)) * 2 + static_cast<std::size_t>(port)];
+  };
+  std::vector<std::pair<std::int64_t, std::size_t>> movable;  // (-bytes, index): largest first, stable
+  for (std::size_t i = 0; i < copies.size(); ++i) {
+    const Copy& c = copies[i];
+    if (c.is_local()) continue;
+    const int port = place.domain(c.src_rank) == place.domain(c.dst_rank) ? 1 : 0;
+    if (reads_dst(i) || !src.mesh.position_of(c.src_rank)) {
+      busy(stage_of(i), c.src_rank, port) += static_cast<double>(c.bytes()) * (port ? inv_nvl : inv_nic);
+      continue;
+    }
+    movable.emplace_back(-c.bytes(), i);
+  }
+  std::sort(movable.begin(), movable.end());
+  std::int64_t moved = 0;
+  for (auto [neg_bytes, i] : movable) {
+    Copy& c = copies[i];
+    const auto spos = *src.mesh.position_of(c.src_rank);
+    const auto& cand = replicas_of(spos, src_of[static_cast<std::size_t>(c.tensor)]);
+    int near = 3;
+    for (auto r : cand)
+      if (r != c.dst_rank) near = std::min(near, distance(r, c.dst_rank));
+    const int port = near == 2 ? 0 : 1;
+    const double cost = static_cast<double>(c.bytes()) * (port ? inv_nvl : inv_nic);
+    const std::int32_t st = stage_of(i);
+    std::int64_t best = -1;
+    double best_busy = 0;
+    for (auto r : cand) {
+      if (r == c.dst_rank || distance(r, c.dst_rank) != near) continue;
+      const double b = busy(st, r, port);
+      if (best < 0 || b < best_busy || (b == best_busy && r == c.src_rank)) {
+        best = r;
+        best_busy = b;
+      }
+    }
+    if (best < 0) best = c.src_rank;  // cannot happen: the plan's own sender is a candidate
+    busy(st, best, port) += cost;
+    if (best != c.src_rank) {
+      moved += c.bytes();
+      c.src_rank = best;
+    }
+  }
+  return moved;
+}
+
+/// The plain plan made topology-aware: choose_senders() on its copies (the
+/// schedule stays minimal: only senders change). Returns the bytes moved.
+inline std::int64_t prefer_near(Schedule& s, const Layout& src, const Layout& dst, const RankPlacement& place) {
+  const std::int64_t moved = choose_senders(s.copies, nullptr, nullptr, src, dst, place);
+  if (moved) s.compute_stats(s.stats.ranks);
+  return moved;
+}
+
+/// Turns a direct schedule (plan() of the whole refit, optionally after
+/// prefer_near) into the hierarchical staged schedule (see the top).
+inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, const Layout& dst,
+                                         const RankPlacement& place, const HierarchicalOptions& opt = {},
+                                         HierarchicalReport* report = nullptr) {
+  if (direct.only_rank >= 0) fail("plan_hierarchical: needs the whole plan, not one rank's (only_rank)");
+  if (opt.pipeline < 1) fail("plan_hierarchical: pipeline must be >= 1, not {}", opt.pipeline);
+  HierarchicalReport rep;
+  const std::vector<int> src_of = match_tensors(src, dst);
+  const auto T = static_cast<std::int64_t>(dst.tensors.size());
+  const std::int64_t D = dst.mesh.size();
+  // role[pos*T + t]: -1 direct copies, -2 owner of its group, >= 0 member
+  // fed by that owner position.
+  std::vector<std::int32_t> role(static_cast<std::size_t>(D * T), -1);
+  std::vector<double> load(static_cast<std::size_t>(D), 0);
+  struct Group {
+    int t;
+    std::int64_t bytes;
+    std::vector<std::int64_t> members;  // positions
+  };
+  std::vector<Group> groups;
+  for (int t = 0; t < T; ++t) {
+    const auto& ts = dst.tensors[static_cast<std::size_t>(t)];
+    const int st = src_of[static_cast<std::size_t>(t)];
+    const bool flat = ts.buffer >= 0 && dst.buffers[static_cast<std::size_t>(ts.buffer)].kind == BufferKind::flat;
+    std::map<std::tuple<std::int64_t, std::uint64_t, std::int64_t, std::int64_t>, std::vector<std::int64_t>> by_piece;
+    std::map<std::tuple<std::int64_t, std::uint64_t, std::int64_t, std::int64_t>, std::int64_t> piece_bytes;
+    for (std::int64_t pos = 0; pos < D; ++pos) {
+      if (!dst.holds(pos, t)) continue;
+      const std::int64_t rank = dst.mesh.global_rank(pos);
+      const auto spos = src.mesh.position_of(rank);
+      const bool holds_src = spos && src.holds(*spos, st);
+      std::uint64_t lin = 0;
+      std::vector<std::int64_t> m(static_cast<std::size_t>(ts.rank()));
+      std::int64_t real = 1;
+      for (int d = 0; d < ts.rank(); ++d) {
+        const auto ud = static_cast<std::size_t>(d);
+        lin = lin * static_cast<std::uint64_t>(ts.cuts[ud].k) +
+              static_cast<std::uint64_t>(ts.dims[ud].part_of(dst.mesh, pos));
+        real *= hier_detail::real_prefix(dst.dim_part(pos, t, d), ts.shape[ud]);
+      }
+      std::int64_t lo = 0, hi = 0;
+      if (flat) {
+        const TensorStorage s = tensor_storage(dst, pos, t);
+        if (s.empty()) continue;
+        lo = s.lin_lo;
+        hi = s.lin_hi;
+        real = hier_detail::real_elements(s, ts.shape);
+      }
+      const std::int64_t bytes = real * element_bytes(ts.dtype);
+      if (holds_src) {
+        load[static_cast<std::size_t>(pos)] += static_cast<double>(bytes);
+        continue;
+      }
+      const auto key = std::make_tuple(place.domain(rank), lin, lo, hi);
+      by_piece[key].push_back(pos);
+      piece_bytes[key] = bytes;
+    }
+    for (auto& [key, members] : by_piece) {
+      const std::int64_t bytes = piece_bytes[key];
+      if (members.size() == 1) {
+        load[static_cast<std::size_t>(members[0])] += static_cast<double>(bytes);
+        continue;
+      }
+      groups.push_back(Group{t, bytes, std::move(members)});
+    }
+  }
+  // Largest pieces first, each onto the least loaded member.
+  std::stable_sort(groups.begin(), groups.end(), [](const Group& a, const Group& b) { return a.bytes > b.bytes; });
+  for (const auto& g : groups) {
+    std::int64_t owner = g.members[0];
+    for (auto p : g.members)
+      if (load[static_cast<std::size_t>(p)] < load[static_cast<std::size_t>(owner)]) owner = p;
+    load[static_cast<std::size_t>(owner)] += static_cast<double>(g.bytes);
+    for (auto p : g.members)
+      role[static_cast<std::size_t>(p * T + g.t)] = p == owner ? -2 : static_cast<std::int32_t>(owner);
+  }
+  rep.groups = static_cast<std::int64_t>(groups.size());
+
+  // Keep the direct copies of owners and ungrouped ranks; per (rank, tensor)
+  // their bytes, for the pipeline chunks.
+  std::vector<Copy> kept;
+  kept.reserve(direct.copies.size());
+  std::unordered_map<std::int64_t, std::vector<double>> bytes_of;  // dst pos -> per tensor
+  for (const auto& c : direct.copies) {
+    const auto pos = *dst.mesh.position_of(c.dst_rank);
+    if (role[static_cast<std::size_t>(pos * T + c.tensor)] >= 0) {
+      rep.dropped_bytes += c.bytes();
+      continue;
+    }
+    kept.push_back(c);
+    auto& v = bytes_of[pos];
+    if (v.empty()) v.assign(static_cast<std::size_t>(T), 0);
+    if (!c.is_local()) v[static_cast<std::size_t>(c.tensor)] += static_cast<double>(c.bytes());
+  }
+  direct.copies.clear();
+  direct.copies.shrink_to_fit();
+  // chunk[(pos, t)]: which pipeline chunk the rank's copies of t go in.
+  const int K = opt.pipeline;
+  std::unordered_map<std::int64_t, std::vector<std::int32_t>> chunk;
+  for (auto& [pos, v] : bytes_of) {
+    // Largest tensor first into the emptiest chunk: the chunks of a rank
+    // carry equal bytes, and each mixes tensors from all over the model, so
+    // every chunk draws on every source group (pipeline stages) at once
+    // rather than one stage's ranks sending while the others wait.
+    std::vector<int> order(v.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return v[static_cast<std::size_t>(a)] > v[static_cast<std::size_t>(b)]; });
+    std::vector<double> fill(static_cast<std::size_t>(K), 0);
+    auto& ch = chunk[pos];
+    ch.assign(static_cast<std::size_t>(T), 0);
+    for (int t : order) {
+      if (v[static_cast<std::size_t>(t)] <= 0) break;
+      const auto k = static_cast<std::size_t>(std::min_element(fill.begin(), fill.end()) - fill.begin());
+      ch[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(k);
+      fill[k] += v[static_cast<std::size_t>(t)];
+    }
+  }
+  auto chunk_of = [&](std::int64_t pos, int t) -> std::int32_t {
+    auto it = chunk.find(pos);
+    return it == chunk.end() ? 0 : it->second[static_cast<std::size_t>(t)];
+  };
+
+  StagedSchedule out;
+  out.schedule.src_buffers = std::move(direct.src_buffers);
+  out.schedule.dst_buffers = std::move(direct.dst_buffers);
+  out.schedule.stats = direct.stats;
+  std::vector<std::tuple<std::int32_t, std::int64_t, std::size_t>> order;  // (stage, dst rank, index)
+  std::vector<Copy> all = std::move(kept);
+  std::vector<std::int32_t> stage(all.size());
+  std::vector<std::uint8_t> from(all.size(), 0);
+  for (std::size_t i = 0; i < all.size(); ++i)
+    stage[i] = chunk_of(*dst.mesh.position_of(all[i].dst_rank), all[i].tensor);
+
+  // Fan-out copies: member <- owner, over the real prefix of the piece.
+  for (std::int64_t pos = 0; pos < D; ++pos)
+    for (int t = 0; t < T; ++t) {
+      const std::int32_t owner = role[static_cast<std::size_t>(pos * T + t)];
+      if (owner < 0) continue;
+      const auto& ts = dst.tensors[static_cast<std::size_t>(t)];
+      const TensorStorage so = tensor_storage(dst, owner, t), sq = tensor_storage(dst, pos, t);
+      std::vector<std::int64_t> m(static_cast<std::size_t>(ts.rank()));
+      for (int d = 0; d < ts.rank(); ++d)
+        m[static_cast<std::size_t>(d)] = hier_detail::real_prefix(sq.parts[static_cast<std::size_t>(d)], ts.shape[static_cast<std::size_t>(d)]);
+      const std::int32_t st = chunk_of(owner, t) + 1;
+      std::vector<Copy> piece;
+      for (const auto& ob : so.boxes)
+        for (const auto& qb : sq.boxes) {
+          Copy c;
+          c.src_rank = dst.mesh.global_rank(owner);
+          c.dst_rank = dst.mesh.global_rank(pos);
+          c.src_buffer = c.dst_buffer = so.buffer;
+          c.tensor = t;
+          c.element_bytes = static_cast<std::int32_t>(element_bytes(ts.dtype));
+          c.src_offset = ob.base;
+          c.dst_offset = qb.base;
+          bool empty = false;
+          for (int d = 0; d < ts.rank() && !empty; ++d) {
+            const auto ud = static_cast<std::size_t>(d);
+            const std::int64_t lo = std::max(ob.lo[ud], qb.lo[ud]), hi = std::min({ob.hi[ud], qb.hi[ud], m[ud]});
+            empty = lo >= hi;
+            c.extent[ud] = hi - lo;
+            c.src_stride[ud] = ob.stride[ud];
+            c.dst_stride[ud] = qb.stride[ud];
+            c.src_offset += lo * ob.stride[ud];
+            c.dst_offset += lo * qb.stride[ud];
+          }
+          if (empty) continue;
+          c.rank = ts.rank();
+          collapse(c);
+          piece.push_back(c);
+        }
+      std::sort(piece.begin(), piece.end(), [](const Copy& a, const Copy& b) { return a.dst_offset < b.dst_offset; });
+      coalesce(piece);
+      for (auto& c : piece) {
+        rep.fan_out_bytes += c.bytes();
+        all.push_back(c);
+        stage.push_back(st);
+        from.push_back(1);
+      }
+    }
+  // Order: by stage, then destination rank (stable within).
+  std::vector<std::size_t> idx(all.size());
+  std::iota(idx.begin(), idx.end(), std::size_t{0});
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) {
+    return std::tie(stage[a], all[a].dst_rank) < std::tie(stage[b], all[b].dst_rank);
+  });
+  out.schedule.copies.reserve(all.size());
+  out.stage.reserve(all.size());
+  out.from_dst.reserve(all.size());
+  std::int32_t top = 0;
+  for (auto i : idx) {
+    out.schedule.copies.push_back(all[i]);
+    out.stage.push_back(stage[i]);
+    out.from_dst.push_back(from[i]);
+    top = std::max(top, stage[i]);
+    rep.fan_out_copies += from[i];
+  }
+  out.stages = top + 1;
+  out.schedule.compute_stats(direct.stats.ranks);
+  out.schedule.stats.plan_seconds = direct.stats.plan_seconds;
+  if (report) {
+    rep.near_bytes = report->near_bytes;
+    *report = rep;
+  }
+  return out;
+}
+
+/// The direct plan, topology-aware (prefer_near), then staged (see the top).
+inline StagedSchedule plan_hierarchical(const Layout& src, const Layout& dst, const RankPlacement& place,
+                                        const HierarchicalOptions& opt = {}, HierarchicalReport* report = nullptr) {
+  const auto t0 = std::chrono::steady_clock::now();
+  PlanOptions po = opt.plan;
+  po.only_rank = -1;
+  Schedule direct = plan(src, dst, po);
+  HierarchicalReport rep;
+  StagedSchedule s = stage_hierarchical(std::move(direct), src, dst, place, opt, &rep);
+  if (opt.prefer_near) {
+    rep.near_bytes = choose_senders(s.schedule.copies, &s.stage, &s.from_dst, src, dst, place);
+    s.schedule.compute_stats(s.schedule.stats.ranks);
+  }
+  s.schedule.stats.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (report) *report = rep;
+  return s;
+}
+
+}  // namespace reshard

@@ -1,0 +1,512 @@
+#pragma once
+// The refit simulator: how long a (plain or staged) schedule takes on a
+// topology, the lower bound no schedule can beat, and where the time goes.
+//
+// Model (flow level, max-min fair, fluid):
+// - The copies of a stage are summed per (source GPU, destination GPU) pair
+//   into flows; a pair's bytes travel as ceil(bytes / message_bytes)
+//   messages (the executor's staging waves).
+// - A flow between GPUs of different NVLink domains uses the source GPU's NIC
+//   egress and the destination GPU's NIC ingress (nic_gbps each), and the
+//   shared fabric when the topology has a fabric_gbps limit; inside a
+//   domain, the two GPUs' NVLink egress/ingress (nvlink_gbps); on one GPU,
+//   its local copy engine (memcpy_gbps; 0 = free).
+// - All flows of a stage start together and share every resource max-min
+//   fairly (progressive filling); when flows finish, the rates are
+//   recomputed (flows finishing within 1% of the stage's elapsed time are
+//   retired together, at the latest of their times: slightly pessimistic,
+//   and it keeps the event count to a few hundred per stage).
+// - Per-message cost: each GPU pays latency_us (nvlink_latency_us inside a
+//   domain) per message it sends and per message it receives, serially;
+//   a stage adds the slowest GPU's message cost and one stage_latency_us
+//   barrier (stages run one after another, CONTRACT.md §2).
+//
+// Lower bound (refit_lower_bound): the most loaded bottleneck's unavoidable
+// bytes over its bandwidth, from the layouts alone (no schedule):
+// - each destination NVLink domain with no source GPU in it must take in
+//   every unique byte its ranks need through the NICs of its GPUs:
+//   U(domain) / (GPUs of the refit in the domain x NIC);
+// - those bytes leave source GPUs through their NICs: sum of U / (source
+//   GPUs x NIC); and per group of source GPUs that alone hold some tensors
+//   (a pipeline stage), those tensors' share of U / (group GPUs x NIC);
+// - each destination-only GPU must take in what it holds through its NIC
+//   and NVLink ports together: bytes / (NIC + NVLink).
+// Domains that hold source GPUs are left out of the first two terms (what
+// they need may be there already), so the bound stays a bound; latency is
+// not in it.
+//
+// Calibration (loopback UCX on this machine): the "loopback" topology
+// (topology.hpp) has one rank per node, so every copy is a network flow; its
+// NIC rate and per-message latency are fitted from raw reshard-refit runs of
+// one large contiguous tensor between 2 processes (rate) and of a tiny
+// tensor (latency); see the README's table for predicted vs measured on
+// other layouts.
+#include <algorithm>
+#include <array>
+#include <tuple>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <queue>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "hierarchical.hpp"
+#include "layout.hpp"
+#include "schedule.hpp"
+#include "storage.hpp"
+#include "topology.hpp"
+
+namespace reshard {
+
+enum class LinkKind : std::uint8_t { network, nvlink, local };
+
+inline const char* to_string(LinkKind k) {
+  switch (k) {
+    case LinkKind::network: return "network";
+    case LinkKind::nvlink: return "nvlink";
+    case LinkKind::local: return "local";
+  }
+  return "?";
+}
+
+/// One stage's traffic between one pair of GPUs.
+struct PairTraffic {
+  std::int64_t src_gpu = 0, dst_gpu = 0;
+  double bytes = 0;
+  std::int64_t copies = 0;
+};
+
+/// A schedule summed per stage and GPU pair: all the simulator needs. It can
+/// be filled copy by copy (add()) so a schedule need not be kept whole.
+class Traffic {
+ public:
+  explicit Traffic(const RankPlacement& place) : place_(&place) {}
+  const RankPlacement& placement() const { return *place_; }
+
+  /// `bytes` of one copy (after any wire-dtype scaling) from rank to rank.
+  void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes) {
+    if (stage < 0) fail("simulate: negative stage {}", stage);
+    if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
+    const std::int64_t a = place_->gpu(src_rank), b = place_->gpu(dst_rank);
+    auto& m = stages_[static_cast<std::size_t>(stage)];
+    const std::uint64_t key = (static_cast<std::uint64_t>(a) << 32) ^ static_cast<std::uint64_t>(b);
+    auto& p = m[key];
+    p.src_gpu = a;
+    p.dst_gpu = b;
+    p.bytes += bytes;
+    ++p.copies;
+  }
+  std::size_t stages() const { return stages_.size(); }
+  /// The pairs of a stage, sorted (deterministic).
+  std::vector<PairTraffic> pairs(std::size_t stage) const {
+    std::vector<PairTraffic> v;
+    v.reserve(stages_[stage].size());
+    for (const auto& kv : stages_[stage]) v.push_back(kv.second);
+    std::sort(v.begin(), v.end(), [](const PairTraffic& x, const PairTraffic& y) {
+      return std::tie(x.src_gpu, x.dst_gpu) < std::tie(y.src_gpu, y.dst_gpu);
+    });
+    return v;
+  }
+  LinkKind kind(const PairTraffic& p) const {
+    if (p.src_gpu == p.dst_gpu) return LinkKind::local;
+    const auto& t = place_->topology();
+    return t.domain_of_gpu(p.src_gpu) == t.domain_of_gpu(p.dst_gpu) ? LinkKind::nvlink : LinkKind::network;
+  }
+
+ private:
+  const RankPlacement* place_;
+  std::vector<std::unordered_map<std::uint64_t, PairTraffic>> stages_;
+};
+
+/// Bytes on the wire per byte of each destination tensor (1 = as planned).
+/// fp8_wire_scale(): the inference side holds FP8 (e4m3, 1 byte per element
+/// plus one f32 scale per 128x128 block) for every linear weight of the
+/// decoder layers (not embeddings, lm_head, norms or the MoE router), as in
+/// DeepSeek-V3 / Kimi-K2 FP8 checkpoints; the training side quantizes before
+/// sending, so those copies move that many bytes instead. The plan itself
+/// is unchanged (dtype conversion in flight is not in the contract).
+inline std::vector<double> fp8_wire_scale(const Layout& dst) {
+  std::vector<double> s(dst.tensors.size(), 1.0);
+  auto ends_with = [](const std::string& a, const std::string& b) {
+    return a.size() >= b.size() && a.compare(a.size() - b.size(), b.size(), b) == 0;
+  };
+  for (std::size_t t = 0; t < dst.tensors.size(); ++t) {
+    const auto& ts = dst.tensors[t];
+    const auto eb = element_bytes(ts.dtype);
+    if (eb <= 1 || ts.rank() < 2 || !ends_with(ts.name, ".weight")) continue;
+    if (ts.name.find(".layers.") == std::string::npos) continue;                 // embeddings, lm_head
+    if (ends_with(ts.name, "mlp.gate.weight") || ts.name.find("norm") != std::string::npos) continue;  // router, norms
+    s[t] = (1.0 + 4.0 / (128.0 * 128.0)) / static_cast<double>(eb);
+  }
+  return s;
+}
+
+inline void add_traffic(Traffic& tr, const Schedule& s, const std::vector<double>* wire = nullptr) {
+  for (const auto& c : s.copies)
+    tr.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0));
+}
+inline void add_traffic(Traffic& tr, const StagedSchedule& s, const std::vector<double>* wire = nullptr) {
+  for (std::size_t i = 0; i < s.schedule.copies.size(); ++i) {
+    const auto& c = s.schedule.copies[i];
+    tr.add(s.stage_of(i), c.src_rank, c.dst_rank,
+           static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0));
+  }
+}
+
+enum class Port : std::uint8_t { nic_out, nic_in, nvlink_out, nvlink_in, memcpy, fabric };
+inline const char* to_string(Port p) {
+  switch (p) {
+    case Port::nic_out: return "NIC egress";
+    case Port::nic_in: return "NIC ingress";
+    case Port::nvlink_out: return "NVLink egress";
+    case Port::nvlink_in: return "NVLink ingress";
+    case Port::memcpy: return "local copy";
+    case Port::fabric: return "fabric (all network flows)";
+  }
+  return "?";
+}
+
+struct StageResult {
+  double seconds = 0;          ///< fluid + message latency + barrier
+  double fluid_seconds = 0;    ///< the max-min fair transfer time
+  double latency_seconds = 0;  ///< slowest GPU's per-message cost + barrier
+  double bound_seconds = 0;    ///< the stage's busiest port: load / rate
+  std::int64_t bound_gpu = -1;  ///< -2: the shared fabric
+  Port bound_port = Port::nic_in;
+  double bound_bytes = 0;
+  double bytes[3] = {0, 0, 0};  ///< by LinkKind
+  std::int64_t flows = 0, messages = 0, events = 0;
+};
+
+struct SimResult {
+  std::vector<StageResult> stages;
+  double seconds = 0;        ///< predicted refit time
+  double bound_seconds = 0;  ///< sum of the stages' busiest-port times (this schedule's own bound)
+};
+
+namespace sim_detail {
+
+/// Max-min fair rates for flows over ports (progressive filling). Each flow
+/// crosses up to 3 ports (-1 = none). The per-port flow lists are built once;
+/// rates() is called again whenever flows finish.
+class MaxMin {
+ public:
+  MaxMin(const std::vector<std::array<std::int32_t, 3>>& flow_ports, const std::vector<double>& cap)
+      : ports_(flow_ports), cap_(cap), on_(cap.size()) {
+    for (std::size_t f = 0; f < ports_.size(); ++f)
+      for (auto p : ports_[f])
+        if (p >= 0) on_[static_cast<std::size_t>(p)].push_back(static_cast<std::int32_t>(f));
+    left_.resize(cap.size());
+    users_.resize(cap.size());
+    fixed_.resize(ports_.size());
+  }
+  void rates(const std::vector<char>& active, std::vector<double>& rate) {
+    const std::size_t P = cap_.size();
+    left_ = cap_;
+    std::fill(users_.begin(), users_.end(), 0);
+    for (std::size_t f = 0; f < ports_.size(); ++f) {
+      fixed_[f] = !active[f];
+      if (active[f])
+        for (auto p : ports_[f])
+          if (p >= 0) ++users_[static_cast<std::size_t>(p)];
+    }
+    using Item = std::pair<double, std::int32_t>;  // (share, port)
+    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap;
+    for (std::size_t p = 0; p < P; ++p)
+      if (users_[p] > 0) heap.push({left_[p] / static_cast<double>(users_[p]), static_cast<std::int32_t>(p)});
+    while (!heap.empty()) {
+      const auto [share, p] = heap.top();
+      heap.pop();
+      const auto up = static_cast<std::size_t>(p);
+      if (users_[up] == 0) continue;
+      const double now = std::max(0.0, left_[up]) / static_cast<double>(users_[up]);
+      if (now > share * (1 + 1e-12) + 1e-300) {  // stale entry: its share grew
+        heap.push({now, p});
+        continue;
+      }
+      for (auto f : on_[up]) {
+        const auto uf = static_cast<std::size_t>(f);
+        if (fixed_[uf]) continue;
+        fixed_[uf] = 1;
+        rate[uf] = now;
+        for (auto q : ports_[uf]) {
+          if (q < 0) continue;
+          const auto uq = static_cast<std::size_t>(q);
+          left_[uq] -= now;
+          --users_[uq];
+          if (q != p && users_[uq] > 0) heap.push({std::max(0.0, left_[uq]) / static_cast<double>(users_[uq]), q});
+        }
+      }
+    }
+  }
+
+ private:
+  const std::vector<std::array<std::int32_t, 3>>& ports_;
+  const std::vector<double>& cap_;
+  std::vector<std::vector<std::int32_t>> on_;
+  std::vector<double> left_;
+  std::vector<std::int64_t> users_;
+  std::vector<char> fixed_;
+};
+
+}  // namespace sim_detail
+
+/// Simulates every stage of the traffic on its topology (see the top).
+inline SimResult simulate(const Traffic& tr) {
+  const Topology& topo = tr.placement().topology();
+  SimResult res;
+  for (std::size_t s = 0; s < tr.stages(); ++s) {
+    StageResult st;
+    const auto pairs = tr.pairs(s);
+    // Ports: dense ids per (GPU, port kind), only for the GPUs in use.
+    std::unordered_map<std::int64_t, std::int32_t> gpu_id;
+    std::vector<std::int64_t> gpus;
+    auto id_of = [&](std::int64_t g) {
+      auto [it, fresh] = gpu_id.emplace(g, static_cast<std::int32_t>(gpus.size()));
+      if (fresh) gpus.push_back(g);
+      return it->second;
+    };
+    constexpr std::int32_t kFabric = -2;  // remapped to the last port id below
+    std::vector<std::array<std::int32_t, 3>> ports;
+    std::vector<double> remaining;
+    std::vector<double> msg_cost_out, msg_cost_in;
+    for (const auto& p : pairs) {
+      const LinkKind k = tr.kind(p);
+      st.bytes[static_cast<int>(k)] += p.bytes;
+      if (p.bytes <= 0) continue;
+      const std::int32_t a = id_of(p.src_gpu), b = id_of(p.dst_gpu);
+      std::array<std::int32_t, 3> pp{-1, -1, -1};
+      switch (k) {
+        case LinkKind::network:
+          pp = {a * 5 + static_cast<int>(Port::nic_out), b * 5 + static_cast<int>(Port::nic_in), topo.fabric_gbps > 0 ? kFabric : -1};
+          break;
+        case LinkKind::nvlink: pp = {a * 5 + static_cast<int>(Port::nvlink_out), b * 5 + static_cast<int>(Port::nvlink_in), -1}; break;
+        case LinkKind::local:
+          if (topo.memcpy_gbps <= 0) continue;  // free
+          pp = {a * 5 + static_cast<int>(Port::memcpy), -1, -1};
+          break;
+      }
+      ports.push_back(pp);
+      remaining.push_back(p.bytes);
+      if (k != LinkKind::local) {
+        const auto msgs = static_cast<std::int64_t>(std::ceil(p.bytes / static_cast<double>(topo.message_bytes)));
+        const double cost = static_cast<double>(std::max<std::int64_t>(1, msgs)) *
+                            (k == LinkKind::network ? topo.latency_us : topo.nvlink_latency_us) * 1e-6;
+        st.messages += std::max<std::int64_t>(1, msgs);
+        if (msg_cost_out.size() < gpus.size()) {
+          msg_cost_out.resize(gpus.size(), 0);
+          msg_cost_in.resize(gpus.size(), 0);
+        }
+        msg_cost_out[static_cast<std::size_t>(a)] += cost;
+        msg_cost_in[static_cast<std::size_t>(b)] += cost;
+      }
+    }
+    st.flows = static_cast<std::int64_t>(ports.size());
+    const auto fabric = static_cast<std::int32_t>(gpus.size() * 5);
+    for (auto& pp : ports)
+      for (auto& p : pp)
+        if (p == kFabric) p = fabric;
+    std::vector<double> cap(gpus.size() * 5 + 1, 0), load(gpus.size() * 5 + 1, 0);
+    cap[static_cast<std::size_t>(fabric)] = topo.fabric_gbps > 0 ? topo.fabric_bytes_per_s() : 1;
+    for (std::size_t g = 0; g < gpus.size(); ++g) {
+      cap[g * 5 + static_cast<int>(Port::nic_out)] = cap[g * 5 + static_cast<int>(Port::nic_in)] = topo.nic_bytes_per_s();
+      cap[g * 5 + static_cast<int>(Port::nvlink_out)] = cap[g * 5 + static_cast<int>(Port::nvlink_in)] =
+          topo.nvlink_bytes_per_s();
+      cap[g * 5 + static_cast<int>(Port::memcpy)] = topo.memcpy_gbps > 0 ? topo.memcpy_bytes_per_s() : 1;
+    }
+    for (std::size_t f = 0; f < ports.size(); ++f)
+      for (auto p : ports[f])
+        if (p >= 0) load[static_cast<std::size_t>(p)] += remaining[f];
+    for (std::size_t p = 0; p < load.size(); ++p) {
+      const double t = load[p] / cap[p];
+      if (t > st.bound_seconds) {
+        st.bound_seconds = t;
+        st.bound_gpu = p == static_cast<std::size_t>(fabric) ? -2 : gpus[p / 5];
+        st.bound_port = p == static_cast<std::size_t>(fabric) ? Port::fabric : static_cast<Port>(p % 5);
+        st.bound_bytes = load[p];
+      }
+    }
+    // Fluid max-min fair transfer, event by event.
+    std::vector<char> active(ports.size(), 1);
+    std::vector<double> rate(ports.size(), 0);
+    std::size_t left = ports.size();
+    double now = 0;
+    sim_detail::MaxMin maxmin(ports, cap);
+    while (left > 0) {
+      maxmin.rates(active, rate);
+      ++st.events;
+      double first = std::numeric_limits<double>::infinity();
+      for (std::size_t f = 0; f < ports.size(); ++f)
+        if (active[f] && rate[f] > 0) first = std::min(first, remaining[f] / rate[f]);
+      if (!std::isfinite(first)) fail("simulate: a flow got no bandwidth (internal error)");
+      // Flows finishing within 1% of the stage's elapsed time retire
+      // together (at the latest of their times): it bounds the rate
+      // recomputations to a few hundred per stage.
+      double step = first;
+      const double window = first + 0.01 * (now + first);
+      for (std::size_t f = 0; f < ports.size(); ++f)
+        if (active[f] && remaining[f] / rate[f] <= window) step = std::max(step, remaining[f] / rate[f]);
+      for (std::size_t f = 0; f < ports.size(); ++f) {
+        if (!active[f]) continue;
+        if (remaining[f] / rate[f] <= step * (1 + 1e-12)) {
+          active[f] = 0;
+          --left;
+        } else {
+          remaining[f] -= rate[f] * step;
+        }
+      }
+      now += step;
+    }
+    st.fluid_seconds = now;
+    double msg = 0;
+    for (std::size_t g = 0; g < msg_cost_out.size(); ++g) msg = std::max({msg, msg_cost_out[g], msg_cost_in[g]});
+    st.latency_seconds = msg + topo.stage_latency_us * 1e-6;
+    st.seconds = st.fluid_seconds + st.latency_seconds;
+    res.seconds += st.seconds;
+    res.bound_seconds += st.bound_seconds;
+    res.stages.push_back(st);
+  }
+  return res;
+}
+
+/// The lower bound of any refit between two layouts on a topology (see the top).
+struct LowerBound {
+  double seconds = 0;
+  std::string what;                 ///< which term, in words
+  double domain_seconds = 0, egress_seconds = 0, group_seconds = 0, gpu_seconds = 0;
+  std::map<std::int64_t, double> unique_bytes;  ///< per destination domain without source GPUs
+  std::int64_t skipped_domains = 0;             ///< destination domains that hold source GPUs
+};
+
+inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const RankPlacement& place,
+                                    const std::vector<double>* wire = nullptr) {
+  const Topology& topo = place.topology();
+  LowerBound lb;
+  std::set<std::int64_t> src_domains, src_gpus;
+  std::map<std::int64_t, std::set<std::int64_t>> domain_gpus;  // GPUs of the refit per domain
+  for (auto r : src.mesh.global_ranks()) {
+    src_domains.insert(place.domain(r));
+    src_gpus.insert(place.gpu(r));
+    domain_gpus[place.domain(r)].insert(place.gpu(r));
+  }
+  for (auto r : dst.mesh.global_ranks()) domain_gpus[place.domain(r)].insert(place.gpu(r));
+  std::map<std::int64_t, double> gpu_need;  // destination-only GPUs
+  // Source GPUs holding a tensor -> unique bytes of such tensors the domains need.
+  std::map<std::vector<std::int64_t>, std::pair<double, std::int64_t>> group_bytes;  // (bytes, tensors)
+  const std::vector<int> src_of = match_tensors(src, dst);
+  for (std::size_t t = 0; t < dst.tensors.size(); ++t) {
+    double tensor_unique = 0;
+    const auto& ts = dst.tensors[t];
+    const double scale = (wire ? (*wire)[t] : 1.0) * static_cast<double>(element_bytes(ts.dtype));
+    const bool flat = ts.buffer >= 0 && dst.buffers[static_cast<std::size_t>(ts.buffer)].kind == BufferKind::flat;
+    // (domain, part) -> held linear intervals of the part's local array.
+    std::map<std::pair<std::int64_t, std::uint64_t>, std::vector<std::pair<std::int64_t, std::int64_t>>> held;
+    std::map<std::pair<std::int64_t, std::uint64_t>, std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> shape;
+    for (std::int64_t pos = 0; pos < dst.mesh.size(); ++pos) {
+      if (!dst.holds(pos, static_cast<int>(t))) continue;
+      const std::int64_t rank = dst.mesh.global_rank(pos);
+      std::uint64_t lin = 0;
+      std::vector<std::int64_t> e(static_cast<std::size_t>(ts.rank())), m(e.size());
+      for (int d = 0; d < ts.rank(); ++d) {
+        const auto ud = static_cast<std::size_t>(d);
+        lin = lin * static_cast<std::uint64_t>(ts.cuts[ud].k) + static_cast<std::uint64_t>(ts.dims[ud].part_of(dst.mesh, pos));
+        const DimPart part = dst.dim_part(pos, static_cast<int>(t), d);
+        e[ud] = part.local_extent;
+        m[ud] = hier_detail::real_prefix(part, ts.shape[ud]);
+      }
+      std::int64_t lo = 0, hi = 1;
+      for (auto x : e) hi *= x;
+      if (flat) {
+        const TensorStorage s = tensor_storage(dst, pos, static_cast<int>(t));
+        if (s.empty()) continue;
+        lo = s.lin_lo;
+        hi = s.lin_hi;
+      }
+      const std::int64_t dom = place.domain(rank);
+      held[{dom, lin}].push_back({lo, hi});
+      shape[{dom, lin}] = {e, m};
+      if (!src.mesh.position_of(rank))
+        gpu_need[place.gpu(rank)] +=
+            static_cast<double>(hier_detail::real_below(e, m, hi) - hier_detail::real_below(e, m, lo)) * scale;
+    }
+    for (auto& [key, iv] : held) {
+      if (src_domains.count(key.first)) continue;
+      std::sort(iv.begin(), iv.end());
+      const auto& [e, m] = shape[key];
+      std::int64_t a = -1, b = -1, real = 0;
+      for (auto [lo, hi] : iv) {
+        if (lo > b) {
+          if (a >= 0) real += hier_detail::real_below(e, m, b) - hier_detail::real_below(e, m, a);
+          a = lo;
+          b = hi;
+        } else {
+          b = std::max(b, hi);
+        }
+      }
+      if (a >= 0) real += hier_detail::real_below(e, m, b) - hier_detail::real_below(e, m, a);
+      lb.unique_bytes[key.first] += static_cast<double>(real) * scale;
+      tensor_unique += static_cast<double>(real) * scale;
+    }
+    if (tensor_unique > 0) {
+      std::vector<std::int64_t> holders;
+      const int st = src_of[t];
+      for (std::int64_t p = 0; p < src.mesh.size(); ++p)
+        if (src.holds(p, st)) holders.push_back(place.gpu(src.mesh.global_rank(p)));
+      std::sort(holders.begin(), holders.end());
+      auto& g = group_bytes[holders];
+      g.first += tensor_unique;
+      ++g.second;
+    }
+  }
+  // Bytes only a group of source GPUs holds leave through that group's NICs.
+  for (const auto& [gpus, bt] : group_bytes) {
+    if (gpus.empty()) continue;
+    const double t = bt.first / (static_cast<double>(gpus.size()) * topo.nic_bytes_per_s());
+    lb.group_seconds = std::max(lb.group_seconds, t);
+    if (t > lb.seconds) {
+      lb.seconds = t;
+      lb.what = fmt::format("source GPUs {}..{} ({} GPUs holding {} tensors, e.g. a pipeline stage): {:.3f} GB out over their NICs",
+                            gpus.front(), gpus.back(), gpus.size(), bt.second, bt.first / 1e9);
+    }
+  }
+  double total_unique = 0;
+  for (const auto& [dom, u] : lb.unique_bytes) {
+    total_unique += u;
+    const double t = u / (static_cast<double>(domain_gpus[dom].size()) * topo.nic_bytes_per_s());
+    if (t > lb.domain_seconds) {
+      lb.domain_seconds = t;
+      if (t > lb.seconds) {
+        lb.seconds = t;
+        lb.what = fmt::format("NVLink domain {}: {:.3f} GB of unique bytes in over its {} GPUs' NICs", dom, u / 1e9,
+                              domain_gpus[dom].size());
+      }
+    }
+  }
+  std::set<std::int64_t> dst_domains;
+  for (auto r : dst.mesh.global_ranks()) dst_domains.insert(place.domain(r));
+  for (auto dom : dst_domains) lb.skipped_domains += src_domains.count(dom) ? 1 : 0;
+  if (!src_gpus.empty()) {
+    lb.egress_seconds = total_unique / (static_cast<double>(src_gpus.size()) * topo.nic_bytes_per_s());
+    if (lb.egress_seconds > lb.seconds) {
+      lb.seconds = lb.egress_seconds;
+      lb.what = fmt::format("source NICs: {:.3f} GB out of {} source GPUs", total_unique / 1e9, src_gpus.size());
+    }
+  }
+  for (const auto& [g, need] : gpu_need) {
+    const double t = need / (topo.nic_bytes_per_s() + topo.nvlink_bytes_per_s());
+    if (t > lb.gpu_seconds) lb.gpu_seconds = t;
+    if (t > lb.seconds) {
+      lb.seconds = t;
+      lb.what = fmt::format("GPU {}: {:.3f} GB in over its NIC and NVLink together", g, need / 1e9);
+    }
+  }
+  return lb;
+}
+
+}  // namespace reshard

@@ -1,0 +1,217 @@
+// Topology-aware and hierarchical plans: the staged oracle on random layouts
+// under several topologies and placements, the inter-domain bytes against
+// the unique bytes per domain (by element sets), replica choice, and the
+// staged oracle catching planted faults.
+#include <doctest/doctest.h>
+
+#include "plan_test_util.hpp"
+#include "random_layouts.hpp"
+#include "reshard/hierarchical.hpp"
+#include "staged_oracle.hpp"
+
+using namespace reshard;
+using namespace plantest;
+
+namespace {
+
+Topology small_topology(std::int64_t node, std::int64_t domain, PlacementKind placement) {
+  Topology t;
+  t.name = fmt::format("test-{}x{}", node, domain);
+  t.gpus_per_node = node;
+  t.nvlink_domain = domain;
+  t.placement = placement;
+  return t;
+}
+
+bool disjoint(const Layout& a, const Layout& b) {
+  for (auto r : a.mesh.global_ranks())
+    if (b.mesh.position_of(r)) return false;
+  return true;
+}
+
+StagedSchedule plain_staged(Schedule s) {
+  StagedSchedule out;
+  out.schedule = std::move(s);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("hierarchical plans pass the staged oracle and cross into each domain once per unique byte") {
+  const std::vector<Topology> topos = {small_topology(2, 4, PlacementKind::separate),
+                                       small_topology(1, 3, PlacementKind::launch),
+                                       small_topology(4, 8, PlacementKind::separate),
+                                       small_topology(2, 2, PlacementKind::launch)};
+  int checked = 0, exact_domains = 0, cut_domains = 0;
+  double unique_total = 0, hier_total = 0, direct_total = 0;
+  for (std::uint64_t seed = 1; seed <= 120; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed);
+    const Topology& topo = topos[seed % topos.size()];
+    const RankPlacement place(topo, pair.src, pair.dst);
+    for (int pipeline : {1, 3}) {
+      HierarchicalOptions ho;
+      ho.pipeline = pipeline;
+      HierarchicalReport rep;
+      const StagedSchedule h = plan_hierarchical(pair.src, pair.dst, place, ho, &rep);
+      const auto res = staged_oracle::check_staged(pair.src, pair.dst, h);
+      REQUIRE_MESSAGE(res.ok, res.fault << "\n" << topo.name << " pipeline " << pipeline << "\n" << pair.describe());
+      CHECK(h.stages <= pipeline + 1);
+      if (pipeline != 3) continue;
+      ++checked;
+      // The direct plan, for comparison: never fewer bytes into a domain.
+      const auto direct = staged_oracle::domain_traffic(pair.src, pair.dst, plain_staged(plan(pair.src, pair.dst)), place);
+      const auto hier = staged_oracle::domain_traffic(pair.src, pair.dst, h, place);
+      bool has_flat_dst = false;
+      for (const auto& b : pair.dst.buffers) has_flat_dst |= b.kind == BufferKind::flat;
+      for (const auto& [dom, t] : hier) {
+        INFO(pair.describe() << "\ndomain " << dom << " unique " << t.unique << " incoming " << t.incoming
+                             << " direct " << direct.at(dom).incoming);
+        CHECK(t.incoming >= t.unique);  // the oracle's count is a floor
+        CHECK(t.incoming <= direct.at(dom).incoming);
+        unique_total += t.unique;
+        hier_total += t.incoming;
+        direct_total += direct.at(dom).incoming;
+        if (t.incoming < direct.at(dom).incoming) ++cut_domains;
+        // Exactly the unique bytes when the two sides are different GPUs and
+        // the destination stores tensors whole or in concat buffers (a flat
+        // destination buffer may hold a piece in ranges that differ between
+        // replicas: those ranks are fed directly).
+        if (disjoint(pair.src, pair.dst) && topo.placement == PlacementKind::separate && !has_flat_dst) {
+          CHECK(t.incoming == t.unique);
+          ++exact_domains;
+        }
+      }
+    }
+  }
+  MESSAGE("random pairs " << checked << ": bytes into destination domains, unique " << unique_total << ", hierarchical "
+                          << hier_total << ", direct " << direct_total << "; exact domains " << exact_domains
+                          << ", domains cut " << cut_domains);
+  CHECK(exact_domains > 20);
+  CHECK(cut_domains > 10);
+  CHECK(hier_total < direct_total);
+}
+
+TEST_CASE("dp replicas in one NVLink domain: the network carries each byte once, spread over the replicas") {
+  // Source: tp=2 on ranks 0-1. Destination: dp=4 x tp=2 on ranks 2-9; with
+  // 4-GPU domains and separate placement, the destination is on GPUs 4-11:
+  // domains 1 and 2, two dp replicas each.
+  Layout src = mesh_layout({{"tp", 2}});
+  add_tensor(src, "w", {64, 32}, {cut({ax(src, "tp")}), {}});
+  add_tensor(src, "b", {64}, {cut({ax(src, "tp")})});
+  add_tensor(src, "n", {32}, {{}});
+  src.validate();
+  Layout dst = mesh_layout({{"dp", 4}, {"tp", 2}}, 2);
+  add_tensor(dst, "w", {64, 32}, {{}, cut({ax(dst, "tp")})});
+  add_tensor(dst, "b", {64}, {cut({ax(dst, "tp")})});
+  add_tensor(dst, "n", {32}, {{}});
+  add_concat(dst, "wb", {"b", "n"});
+  dst.validate();
+  const Topology topo = small_topology(2, 4, PlacementKind::separate);
+  const RankPlacement place(topo, src, dst);
+  CHECK(place.gpu(2) == 4);
+  CHECK(place.domain(9) == 2);
+  HierarchicalReport rep;
+  const StagedSchedule h = plan_hierarchical(src, dst, place, {}, &rep);
+  const auto res = staged_oracle::check_staged(src, dst, h);
+  REQUIRE_MESSAGE(res.ok, res.fault);
+  const auto t = staged_oracle::domain_traffic(src, dst, h, place);
+  // Each destination domain needs all of w, b, n once: (64*32 + 64 + 32) * 2 bytes.
+  const double unique = (64.0 * 32 + 64 + 32) * 2;
+  CHECK(t.at(1).unique == unique);
+  CHECK(t.at(1).incoming == unique);
+  CHECK(t.at(2).incoming == unique);
+  const auto direct = staged_oracle::domain_traffic(src, dst, plain_staged(plan(src, dst)), place);
+  // Direct: both dp replicas take w and b; all four ranks take n.
+  CHECK(direct.at(1).incoming == (2 * (64.0 * 32 + 64) + 4 * 32) * 2);
+  CHECK(rep.groups == 2 * 5);  // per domain: w and b per tp part, and n
+  // Fan-out per domain: the other replica of each w and b piece, 3 more n.
+  CHECK(rep.fan_out_bytes == 2 * (64 * 32 + 64 + 3 * 32) * 2);
+  // The network ingress of a domain is spread over its ranks (owners).
+  std::map<std::int64_t, std::int64_t> in;
+  for (std::size_t i = 0; i < h.schedule.copies.size(); ++i) {
+    const auto& c = h.schedule.copies[i];
+    if (!h.reads_dst(i) && place.domain(c.src_rank) != place.domain(c.dst_rank)) in[c.dst_rank] += c.bytes();
+  }
+  for (std::int64_t r = 2; r < 6; ++r) CHECK(in[r] > 0);
+}
+
+TEST_CASE("prefer_near hands copies to a replica in the destination's domain, and spreads them") {
+  // Source dp=2 x tp=2: ranks 0-1 and 2-3 are replicas. Destination tp=2 on
+  // ranks 4-5. Placement: ranks 2,3,4,5 share domain 1.
+  Layout src = mesh_layout({{"dp", 2}, {"tp", 2}});
+  add_tensor(src, "w", {8, 64}, {cut({ax(src, "tp")}), {}});
+  src.validate();
+  Layout dst = mesh_layout({{"tp", 2}}, 4);
+  add_tensor(dst, "w", {8, 64}, {{}, cut({ax(dst, "tp")})});
+  dst.validate();
+  Topology topo = small_topology(2, 4, PlacementKind::explicit_gpus);
+  topo.rank_gpus = {0, 1, 4, 5, 6, 7};
+  const RankPlacement place(topo, src, dst);
+  PlanOptions po;
+  po.split_bytes = 1 << 30;  // whole pieces, by rotation: some from the far replicas
+  Schedule s = plan(src, dst, po);
+  std::int64_t far_before = 0;
+  for (const auto& c : s.copies) far_before += place.domain(c.src_rank) != place.domain(c.dst_rank) ? c.bytes() : 0;
+  REQUIRE(far_before > 0);
+  const std::int64_t moved = prefer_near(s, src, dst, place);
+  CHECK(moved >= far_before);
+  std::map<std::int64_t, std::int64_t> sent;
+  for (const auto& c : s.copies) {
+    CHECK(place.domain(c.src_rank) == place.domain(c.dst_rank));
+    sent[c.src_rank] += c.bytes();
+  }
+  CHECK(sent.size() == 2);                    // ranks 2 and 3 (one per source part)
+  CHECK(sent[2] == sent[3]);
+  const auto res = oracle::check_schedule(src, dst, s);
+  CHECK_MESSAGE(res.ok, res.fault);
+}
+
+TEST_CASE("the staged oracle catches reads before writes, wrong layouts and duplicate fan-out") {
+  Layout src = mesh_layout({{"tp", 2}});
+  add_tensor(src, "w", {16, 8}, {cut({ax(src, "tp")}), {}});
+  src.validate();
+  Layout dst = mesh_layout({{"dp", 4}, {"tp", 2}}, 2);
+  add_tensor(dst, "w", {16, 8}, {cut({ax(dst, "tp")}), {}});
+  dst.validate();
+  const RankPlacement place(small_topology(4, 4, PlacementKind::separate), src, dst);
+  HierarchicalOptions ho;
+  ho.pipeline = 1;
+  const StagedSchedule h = plan_hierarchical(src, dst, place, ho);
+  REQUIRE(staged_oracle::check_staged(src, dst, h).ok);
+  std::size_t fan = h.schedule.copies.size();
+  for (std::size_t i = 0; i < h.schedule.copies.size(); ++i)
+    if (h.reads_dst(i)) fan = i;
+  REQUIRE(fan < h.schedule.copies.size());
+  {
+    StagedSchedule bad = h;
+    bad.stage[fan] = 0;  // reads the owner's buffer in the stage that fills it
+    const auto r = staged_oracle::check_staged(src, dst, bad);
+    CHECK_FALSE(r.ok);
+    CHECK(r.fault.find("before an earlier stage wrote it") != std::string::npos);
+  }
+  {
+    StagedSchedule bad = h;
+    bad.from_dst[fan] = 0;  // the same offsets read in the source layout: wrong elements or no buffer
+    CHECK_FALSE(staged_oracle::check_staged(src, dst, bad).ok);
+  }
+  {
+    StagedSchedule bad = h;  // the fan-out copy twice
+    bad.schedule.copies.push_back(bad.schedule.copies[fan]);
+    bad.stage.push_back(bad.stage[fan]);
+    bad.from_dst.push_back(1);
+    bad.schedule.compute_stats(bad.schedule.stats.ranks);
+    const auto r = staged_oracle::check_staged(src, dst, bad);
+    CHECK_FALSE(r.ok);
+    CHECK(r.fault.find("written again") != std::string::npos);
+  }
+  {
+    StagedSchedule bad = h;  // a fan-out copy lost
+    bad.schedule.copies.erase(bad.schedule.copies.begin() + static_cast<std::ptrdiff_t>(fan));
+    bad.stage.erase(bad.stage.begin() + static_cast<std::ptrdiff_t>(fan));
+    bad.from_dst.erase(bad.from_dst.begin() + static_cast<std::ptrdiff_t>(fan));
+    bad.schedule.compute_stats(bad.schedule.stats.ranks);
+    const auto r = staged_oracle::check_staged(src, dst, bad);
+    CHECK_FALSE(r.ok);
+    CHECK(r.fault.find("never written") != std::string::npos);
+  }
+}

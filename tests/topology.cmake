@@ -1,0 +1,28 @@
+# Command-line checks of reshard-plan --topology / --hierarchical / --simulate
+# (topology.hpp, hierarchical.hpp, simulate.hpp), on tests/topology/*.json:
+# a 2-rank source and a dp=2 x tp=2 destination on 4-GPU NVLink domains.
+if(TARGET reshard-plan)
+  set(_t ${CMAKE_CURRENT_LIST_DIR}/topology)
+  set(_p $<TARGET_FILE:reshard-plan> --src ${_t}/src.json --dst ${_t}/dst.json)
+  add_test(NAME topology.cli.hierarchical_json
+           COMMAND ${_p} --topology ${_t}/four-gpu-domains.json --hierarchical --json)
+  set_tests_properties(topology.cli.hierarchical_json PROPERTIES LABELS cli
+                       PASS_REGULAR_EXPRESSION "\"stage\":[1-9][0-9]*,\"src_layout\":\"dst\"")
+  add_test(NAME topology.cli.simulate_stats
+           COMMAND ${_p} --topology ${_t}/four-gpu-domains.json --hierarchical --simulate --stats)
+  set_tests_properties(topology.cli.simulate_stats PROPERTIES LABELS cli
+                       PASS_REGULAR_EXPRESSION "\"predicted_seconds\":[0-9.e-]+.*\"stages\":[2-9]")
+  add_test(NAME topology.cli.simulate_summary COMMAND ${_p} --topology gb200-nvl72 --simulate --fp8-wire)
+  set_tests_properties(topology.cli.simulate_summary PROPERTIES LABELS cli
+                       PASS_REGULAR_EXPRESSION "lower bound .*stage 0 ")
+  add_test(NAME topology.cli.bad_field COMMAND ${_p} --topology ${_t}/bad-field.json)
+  set_tests_properties(topology.cli.bad_field PROPERTIES LABELS cli
+                       PASS_REGULAR_EXPRESSION "bad-field.json: nic_gbps: -5 must be a positive number")
+  add_test(NAME topology.cli.unknown COMMAND ${_p} --topology no-such-cluster)
+  set_tests_properties(topology.cli.unknown PROPERTIES LABELS cli
+                       PASS_REGULAR_EXPRESSION "topology 'no-such-cluster': neither a preset")
+  add_test(NAME topology.cli.needs_topology COMMAND ${_p} --hierarchical)
+  set_tests_properties(topology.cli.needs_topology PROPERTIES LABELS cli PASS_REGULAR_EXPRESSION "requires --topology")
+  add_test(NAME topology.cli.no_rank COMMAND ${_p} --topology h100-8x400g --rank 2)
+  set_tests_properties(topology.cli.no_rank PROPERTIES LABELS cli PASS_REGULAR_EXPRESSION "excludes")
+endif()
