@@ -1,6 +1,8 @@
 #pragma once
 // Umbrella header. Data flows one way:
 //   layouts (types or JSON) -> plan -> schedule -> executor over a transport.
+// Left out because they need more than a C++ compiler: backends/ucx.hpp
+// (UCX), backends/nccl.hpp (CUDA runtime + NCCL headers), cuda/*.cuh (nvcc).
 
 // Layouts
 #include "reshard/dtype.hpp"
@@ -17,12 +19,19 @@
 #include "reshard/box.hpp"
 #include "reshard/schedule.hpp"
 #include "reshard/plan.hpp"
+#include "reshard/topology.hpp"
+#include "reshard/hierarchical.hpp"
+#include "reshard/simulate.hpp"
 
 // Execution
 #include "reshard/transport.hpp"
 #include "reshard/copy_kernels.hpp"
+#include "reshard/checksum.hpp"
+#include "reshard/cuda/box_batch.hpp"
+#include "reshard/cuda/device_engine.hpp"
 #include "reshard/executor.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/backends/local.hpp"
+#include "reshard/backends/fault_injection.hpp"
 #include "reshard/traditional.hpp"
 #include "reshard/verify.hpp"
