@@ -538,11 +538,15 @@ inline nlohmann::json stats_json(const ScheduleStats& s, bool extended) {
   return o;
 }
 
-/// Writes a schedule exactly as CONTRACT.md §2, one copy per line, streamed
-/// (schedules can hold millions of copies). Everything is checked before the
-/// first byte is written, so a bad schedule never leaves a partial document;
-/// the stats are recomputed from the copies so the document is self-consistent.
-inline void write_schedule_json(std::ostream& os, const Schedule& s) {
+namespace detail {
+/// The schedule writer behind write_schedule_json and
+/// write_staged_schedule_json: `stage` and `from_dst` are null for a plain
+/// schedule, else one entry per copy (CONTRACT.md §2's optional "stage" and
+/// "src_layout" fields). Everything is checked before the first byte is
+/// written, so a bad schedule never leaves a partial document; the stats are
+/// recomputed from the copies so the document is self-consistent.
+inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const std::int32_t* stage,
+                                     const std::uint8_t* from_dst, std::string_view who) {
   auto names = [](const std::vector<std::string>& v) {
     std::vector<std::string> out;
     out.reserve(v.size());
@@ -550,21 +554,27 @@ inline void write_schedule_json(std::ostream& os, const Schedule& s) {
     return out;
   };
   const auto src_names = names(s.src_buffers), dst_names = names(s.dst_buffers);
+  // A staged copy that reads the destination layout names its source from dst_buffers.
+  auto source_names = [&](std::size_t i) -> const std::vector<std::string>& {
+    return from_dst && from_dst[i] ? dst_names : src_names;
+  };
   std::int64_t bytes = 0, local_bytes = 0;
   for (std::size_t i = 0; i < s.copies.size(); ++i) {
     const Copy& c = s.copies[i];
-    if (c.src_buffer < 0 || static_cast<std::size_t>(c.src_buffer) >= src_names.size() || c.dst_buffer < 0 ||
+    if (stage && stage[i] < 0) fail("{}: copy {} has stage {}", who, i, stage[i]);
+    const auto& from = source_names(i);
+    if (c.src_buffer < 0 || static_cast<std::size_t>(c.src_buffer) >= from.size() || c.dst_buffer < 0 ||
         static_cast<std::size_t>(c.dst_buffer) >= dst_names.size())
-      fail("write_schedule_json: copy {} names buffer ids {} -> {}, outside the schedule's {} source and {} "
+      fail("{}: copy {} names buffer ids {} -> {}, outside the schedule's {} source and {} "
            "destination buffers",
-           i, c.src_buffer, c.dst_buffer, src_names.size(), dst_names.size());
-    if (c.rank < 0 || c.rank > kMaxBoxRank) fail("write_schedule_json: copy {} has box rank {}", i, c.rank);
+           who, i, c.src_buffer, c.dst_buffer, from.size(), dst_names.size());
+    if (c.rank < 0 || c.rank > kMaxBoxRank) fail("{}: copy {} has box rank {}", who, i, c.rank);
     std::int64_t b = c.element_bytes;
     for (int d = 0; d < c.rank; ++d)
       if (__builtin_mul_overflow(b, c.extent[static_cast<std::size_t>(d)], &b))
-        fail("write_schedule_json: copy {} has a byte count that overflows 64 bits", i);
+        fail("{}: copy {} has a byte count that overflows 64 bits", who, i);
     if (__builtin_add_overflow(c.is_local() ? local_bytes : bytes, b, c.is_local() ? &local_bytes : &bytes))
-      fail("write_schedule_json: the schedule's byte count overflows 64 bits");
+      fail("{}: the schedule's byte count overflows 64 bits", who);
   }
   // Hand-rolled appends: fmt::format_int is several times faster than a
   // format string per copy, and schedules can run to gigabytes of JSON.
@@ -596,7 +606,7 @@ inline void write_schedule_json(std::ostream& os, const Schedule& s) {
     put(",\"dst_rank\":");
     num(c.dst_rank);
     put(",\"src\":");
-    put(src_names[static_cast<std::size_t>(c.src_buffer)]);
+    put(source_names(i)[static_cast<std::size_t>(c.src_buffer)]);
     put(",\"dst\":");
     put(dst_names[static_cast<std::size_t>(c.dst_buffer)]);
     put(",\"src_offset\":");
@@ -611,6 +621,11 @@ inline void write_schedule_json(std::ostream& os, const Schedule& s) {
     list(c.dst_stride, r);
     put(",\"element_bytes\":");
     num(c.element_bytes);
+    if (stage && stage[i] > 0) {
+      put(",\"stage\":");
+      num(stage[i]);
+    }
+    if (from_dst && from_dst[i]) put(",\"src_layout\":\"dst\"");
     buf.push_back('}');
     if (buf.size() > (std::size_t{1} << 20)) flush();
   }
@@ -623,10 +638,17 @@ inline void write_schedule_json(std::ostream& os, const Schedule& s) {
   put("}}\n");
   flush();
 }
+}  // namespace detail
+
+/// Writes a schedule exactly as CONTRACT.md §2, one copy per line, streamed
+/// (schedules can hold millions of copies); checked before the first byte.
+inline void write_schedule_json(std::ostream& os, const Schedule& s) {
+  detail::write_schedule_json_impl(os, s, nullptr, nullptr, "write_schedule_json");
+}
 
 // ---------------------------------------------------------------------------
 // Staged schedules (CONTRACT.md §2 "Staged schedules"; hierarchical.hpp).
-// Added for topology-aware plans; the plain writer above is unchanged. Per
+// Added for topology-aware plans; both writers share write_schedule_json_impl. Per
 // copy, `stage[i]` (>= 0) and `from_dst[i]` (1: the copy reads its source
 // buffer as a destination-layout buffer, named from dst_buffers) become the
 // optional fields "stage" (written when > 0) and "src_layout": "dst".
@@ -635,89 +657,7 @@ inline void write_staged_schedule_json(std::ostream& os, const Schedule& s, cons
   if (stage.size() != s.copies.size() || from_dst.size() != s.copies.size())
     fail("write_staged_schedule_json: {} stages and {} source-layout flags for {} copies", stage.size(),
          from_dst.size(), s.copies.size());
-  auto names = [](const std::vector<std::string>& v) {
-    std::vector<std::string> out;
-    out.reserve(v.size());
-    for (const auto& n : v) out.push_back(nlohmann::json(n).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
-    return out;
-  };
-  const auto src_names = names(s.src_buffers), dst_names = names(s.dst_buffers);
-  std::int64_t bytes = 0, local_bytes = 0;
-  for (std::size_t i = 0; i < s.copies.size(); ++i) {
-    const Copy& c = s.copies[i];
-    const auto& from_names = from_dst[i] ? dst_names : src_names;
-    if (stage[i] < 0) fail("write_staged_schedule_json: copy {} has stage {}", i, stage[i]);
-    if (c.src_buffer < 0 || static_cast<std::size_t>(c.src_buffer) >= from_names.size() || c.dst_buffer < 0 ||
-        static_cast<std::size_t>(c.dst_buffer) >= dst_names.size())
-      fail("write_staged_schedule_json: copy {} names buffer ids {} -> {}, outside the schedule's buffers", i,
-           c.src_buffer, c.dst_buffer);
-    if (c.rank < 0 || c.rank > kMaxBoxRank) fail("write_staged_schedule_json: copy {} has box rank {}", i, c.rank);
-    std::int64_t b = c.element_bytes;
-    for (int d = 0; d < c.rank; ++d)
-      if (__builtin_mul_overflow(b, c.extent[static_cast<std::size_t>(d)], &b))
-        fail("write_staged_schedule_json: copy {} has a byte count that overflows 64 bits", i);
-    if (__builtin_add_overflow(c.is_local() ? local_bytes : bytes, b, c.is_local() ? &local_bytes : &bytes))
-      fail("write_staged_schedule_json: the schedule's byte count overflows 64 bits");
-  }
-  std::string buf;
-  buf.reserve(std::size_t{1} << 21);
-  auto put = [&](std::string_view t) { buf.append(t); };
-  auto num = [&](std::int64_t v) {
-    const fmt::format_int f(v);
-    buf.append(f.data(), f.size());
-  };
-  auto list = [&](const auto& a, std::size_t r) {
-    buf.push_back('[');
-    for (std::size_t d = 0; d < r; ++d) {
-      if (d) buf.push_back(',');
-      num(a[d]);
-    }
-    buf.push_back(']');
-  };
-  auto flush = [&] {
-    os.write(buf.data(), static_cast<std::streamsize>(buf.size()));
-    buf.clear();
-  };
-  put("{\"format\":\"reshard.schedule/1\",\"copies\":[");
-  for (std::size_t i = 0; i < s.copies.size(); ++i) {
-    const Copy& c = s.copies[i];
-    const auto r = static_cast<std::size_t>(c.rank);
-    put(i ? ",\n{\"src_rank\":" : "\n{\"src_rank\":");
-    num(c.src_rank);
-    put(",\"dst_rank\":");
-    num(c.dst_rank);
-    put(",\"src\":");
-    put((from_dst[i] ? dst_names : src_names)[static_cast<std::size_t>(c.src_buffer)]);
-    put(",\"dst\":");
-    put(dst_names[static_cast<std::size_t>(c.dst_buffer)]);
-    put(",\"src_offset\":");
-    num(c.src_offset);
-    put(",\"dst_offset\":");
-    num(c.dst_offset);
-    put(",\"extent\":");
-    list(c.extent, r);
-    put(",\"src_stride\":");
-    list(c.src_stride, r);
-    put(",\"dst_stride\":");
-    list(c.dst_stride, r);
-    put(",\"element_bytes\":");
-    num(c.element_bytes);
-    if (stage[i] > 0) {
-      put(",\"stage\":");
-      num(stage[i]);
-    }
-    if (from_dst[i]) put(",\"src_layout\":\"dst\"");
-    buf.push_back('}');
-    if (buf.size() > (std::size_t{1} << 20)) flush();
-  }
-  put(s.copies.empty() ? "],\n\"stats\":{\"bytes\":" : "\n],\n\"stats\":{\"bytes\":");
-  num(bytes);
-  put(",\"local_bytes\":");
-  num(local_bytes);
-  put(",\"copies\":");
-  num(static_cast<std::int64_t>(s.copies.size()));
-  put("}}\n");
-  flush();
+  detail::write_schedule_json_impl(os, s, stage.data(), from_dst.data(), "write_staged_schedule_json");
 }
 
 }  // namespace reshard
