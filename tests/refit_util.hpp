@@ -27,6 +27,31 @@ using namespace reshard;
 
 constexpr std::byte kSrcPad{0xA5}, kDstPad{0x5A};
 
+/// A validated layout over one mesh axis of `size` ranks from `first`.
+inline Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<TensorSpec> ts) {
+  Layout L;
+  L.mesh.axes = {{axis, size}};
+  L.mesh.first_rank = first;
+  L.tensors = std::move(ts);
+  L.validate();
+  return L;
+}
+/// A dim cut evenly over the whole of mesh axis 0.
+inline DimSpec cut(std::int64_t size) {
+  DimSpec d;
+  d.axes = {AxisRef{0, 1, size}};
+  return d;
+}
+inline TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims,
+                         DType dt = DType::f32) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.shape = std::move(shape);
+  t.dims = std::move(dims);
+  t.dtype = dt;
+  return t;
+}
+
 inline std::uint64_t name_hash(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;

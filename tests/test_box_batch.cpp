@@ -438,27 +438,9 @@ class HostAsDevice {
   LocalTransport t_;
 };
 
-Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<TensorSpec> ts) {
-  Layout L;
-  L.mesh.axes = {{axis, size}};
-  L.mesh.first_rank = first;
-  L.tensors = std::move(ts);
-  L.validate();
-  return L;
-}
-DimSpec cut(std::int64_t size) {
-  DimSpec d;
-  d.axes = {AxisRef{0, 1, size}};
-  return d;
-}
-TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims, DType dt) {
-  TensorSpec t;
-  t.name = std::move(name);
-  t.shape = std::move(shape);
-  t.dims = std::move(dims);
-  t.dtype = dt;
-  return t;
-}
+using refit_test::cut;
+using refit_test::one_axis;
+using refit_test::tensor;
 std::vector<TensorSpec> model(std::int64_t tp, bool second) {
   return {tensor("w", {64, 96}, {second ? DimSpec{} : cut(tp), second ? cut(tp) : DimSpec{}}, DType::f32),
           tensor("b", {1000}, {cut(tp)}, DType::bf16),

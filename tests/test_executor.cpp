@@ -17,27 +17,9 @@ using namespace reshard;
 
 namespace {
 
-Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<TensorSpec> ts) {
-  Layout L;
-  L.mesh.axes = {{axis, size}};
-  L.mesh.first_rank = first;
-  L.tensors = std::move(ts);
-  L.validate();
-  return L;
-}
-DimSpec cut(std::int64_t size) {
-  DimSpec d;
-  d.axes = {AxisRef{0, 1, size}};
-  return d;
-}
-TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims, DType dt = DType::f32) {
-  TensorSpec t;
-  t.name = std::move(name);
-  t.shape = std::move(shape);
-  t.dims = std::move(dims);
-  t.dtype = dt;
-  return t;
-}
+using refit_test::cut;
+using refit_test::one_axis;
+using refit_test::tensor;
 
 std::string error_of(const std::function<void()>& f) {
   try {
