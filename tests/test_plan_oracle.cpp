@@ -1,6 +1,8 @@
 // Named refit layouts checked element by element by the oracle, and the
 // oracle itself checked: its reading of the contract on hand-written slots,
 // and planted faults it must catch.
+#include <mutex>
+#include <span>
 #include <doctest/doctest.h>
 
 #include "plan_test_util.hpp"
@@ -412,5 +414,33 @@ TEST_CASE("a full plan is the same for any thread count") {
     REQUIRE(a.copies.size() == b.copies.size());
     CHECK(copy_multiset(a.copies) == copy_multiset(b.copies));
     for (std::size_t i = 0; i < a.copies.size(); ++i) CHECK(copy_key(a.copies[i]) == copy_key(b.copies[i]));
+  }
+}
+
+TEST_CASE("plan_each_destination streams exactly plan()'s copies, destination by destination") {
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed);
+    PlanOptions opt;
+    opt.threads = 1;
+    const Schedule whole = plan(pair.src, pair.dst, opt);
+    std::vector<Copy> streamed;
+    std::int64_t last = -1;
+    plan_each_destination(pair.src, pair.dst, opt, [&](std::int64_t pos, std::span<const Copy> copies) {
+      CHECK(pos > last);  // one call per destination, in order with one thread
+      last = pos;
+      for (const auto& c : copies) CHECK(c.dst_rank == pair.dst.mesh.global_rank(pos));
+      streamed.insert(streamed.end(), copies.begin(), copies.end());
+    });
+    REQUIRE(streamed.size() == whole.copies.size());
+    for (std::size_t i = 0; i < streamed.size(); ++i) CHECK(copy_key(streamed[i]) == copy_key(whole.copies[i]));
+    // Several threads: the same copies per destination, whatever the call order.
+    opt.threads = 3;
+    std::mutex m;
+    std::vector<Copy> parallel;
+    plan_each_destination(pair.src, pair.dst, opt, [&](std::int64_t, std::span<const Copy> copies) {
+      std::lock_guard lk(m);
+      parallel.insert(parallel.end(), copies.begin(), copies.end());
+    });
+    CHECK(copy_multiset(parallel) == copy_multiset(whole.copies));
   }
 }

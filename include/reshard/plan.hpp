@@ -66,36 +66,61 @@ inline std::vector<int> match_tensors(const Layout& src, const Layout& dst) {
   return map;
 }
 
-/// Mesh positions that hold part `parts` (one part index per dim) of tensor t.
-inline std::vector<std::int64_t> positions_of_part(const Layout& L, int t, std::span<const std::int64_t> parts) {
+/// Scratch for positions_of_part: a plan calls it thousands of times.
+struct PartHolderScratch {
+  struct Need {  // an axis coordinate c must have digit (c / stride) % size == want
+    int axis;
+    std::int64_t stride, size, want;
+  };
+  std::vector<Need> needs;
+  std::vector<std::int64_t> allowed, next;
+};
+
+/// Mesh positions that hold part `parts` (one part index per dim) of tensor
+/// t, ascending, into `out`: per axis the coordinates whose read digits
+/// match, crossed.
+inline void positions_of_part(const Layout& L, int t, std::span<const std::int64_t> parts, std::vector<std::int64_t>& out,
+                              PartHolderScratch& s) {
   const auto& ts = L.tensors[static_cast<std::size_t>(t)];
   const auto& axes = L.mesh.axes;
-  std::vector<std::vector<std::int64_t>> allowed(axes.size());
-  for (std::size_t a = 0; a < axes.size(); ++a)
-    for (std::int64_t c = 0; c < axes[a].size; ++c) allowed[a].push_back(c);
-  auto restrict_to = [&](int axis, auto&& ok) {
-    auto& v = allowed[static_cast<std::size_t>(axis)];
-    v.erase(std::remove_if(v.begin(), v.end(), [&](std::int64_t c) { return !ok(c); }), v.end());
-  };
+  s.needs.clear();
   for (std::size_t d = 0; d < ts.dims.size(); ++d) {
     std::int64_t p = parts[d];
     const auto& refs = ts.dims[d].axes;
     for (auto r = refs.rbegin(); r != refs.rend(); ++r) {
-      const std::int64_t digit = p % r->size;
+      s.needs.push_back(PartHolderScratch::Need{r->axis, r->stride, r->size, p % r->size});
       p /= r->size;
-      restrict_to(r->axis, [&](std::int64_t c) { return (c / r->stride) % r->size == digit; });
     }
   }
-  for (const auto& s : ts.stage) restrict_to(s.axis, [&](std::int64_t c) { return c == s.coord; });
-  std::vector<std::int64_t> out{0};
+  for (const auto& st : ts.stage)
+    s.needs.push_back(PartHolderScratch::Need{st.axis, 1, axes[static_cast<std::size_t>(st.axis)].size, st.coord});
+  out.assign(1, 0);
   for (std::size_t a = 0; a < axes.size(); ++a) {
-    std::vector<std::int64_t> next;
-    next.reserve(out.size() * allowed[a].size());
+    const std::int64_t stride = L.mesh.axis_stride(static_cast<int>(a));
+    s.allowed.clear();
+    for (std::int64_t c = 0; c < axes[a].size; ++c) {
+      bool ok = true;
+      for (const auto& n : s.needs)
+        if (n.axis == static_cast<int>(a) && (c / n.stride) % n.size != n.want) ok = false;
+      if (ok) s.allowed.push_back(c * stride);
+    }
+    if (s.allowed.size() == 1) {  // common: one coordinate, shift in place
+      for (auto& base : out) base += s.allowed[0];
+      continue;
+    }
+    s.next.clear();
     for (auto base : out)
-      for (auto c : allowed[a]) next.push_back(base + c * L.mesh.axis_stride(static_cast<int>(a)));
-    out.swap(next);
+      for (auto c : s.allowed) s.next.push_back(base + c);
+    out.swap(s.next);
   }
-  std::sort(out.begin(), out.end());
+  // Row-major meshes give ascending positions already; sort only otherwise.
+  if (!std::is_sorted(out.begin(), out.end())) std::sort(out.begin(), out.end());
+}
+
+inline std::vector<std::int64_t> positions_of_part(const Layout& L, int t, std::span<const std::int64_t> parts) {
+  PartHolderScratch s;
+  std::vector<std::int64_t> out;
+  positions_of_part(L, t, parts, out, s);
   return out;
 }
 
@@ -188,6 +213,23 @@ class Planner {
     return s;
   }
 
+  /// Plans destination positions [p0, p1) one at a time and hands each one's
+  /// copies (sorted and coalesced as in run()) to sink(position, span<const
+  /// Copy>), keeping no more than one destination's copies: for consumers
+  /// that only sum them (traffic, simulation) where the whole plan would not
+  /// fit in memory. Ignores only_rank and threads.
+  template <class Sink>
+  void for_each_destination(std::int64_t p0, std::int64_t p1, Sink&& sink) {
+    std::vector<Copy> batch, done;
+    for (std::int64_t p = p0; p < p1; ++p) {
+      batch.clear();
+      for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, batch);
+      done.clear();
+      finish(batch, done);
+      sink(p, std::span<const Copy>(done.data(), done.size()));
+    }
+  }
+
  private:
   /// Every copy into destination positions [p0, p1), appended to out in
   /// destination order. One destination at a time: its copies are sorted and
@@ -224,10 +266,12 @@ class Planner {
     if (it == cache.end()) it = cache.emplace(key, concat_range(L, pos, L.buffers[static_cast<std::size_t>(b)])).first;
     return &it->second;
   }
-  /// Source storages are met by many destinations: kept for the whole plan.
+  /// Source storages are met by many destinations: kept for the whole plan,
+  /// one per storage class (replicas share theirs).
   const TensorStorage& src_storage(std::int64_t pos, int t) {
     if (src_store_index_.empty())
       src_store_index_.assign(static_cast<std::size_t>(src_.mesh.size()) * src_.tensors.size(), -1);
+    pos = src_classes_.canonical(pos, t);
     auto& i = src_store_index_[static_cast<std::size_t>(pos) * src_.tensors.size() + static_cast<std::size_t>(t)];
     if (i < 0) {
       i = static_cast<std::int32_t>(src_store_.size());
@@ -248,7 +292,10 @@ class Planner {
       lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
     const std::uint64_t key = (static_cast<std::uint64_t>(st) << 32) | lin;
     auto it = holders_.find(key);
-    if (it == holders_.end()) it = holders_.emplace(key, positions_of_part(src_, st, parts)).first;
+    if (it == holders_.end()) {
+      positions_of_part(src_, st, parts, holder_list_, holder_scratch_);
+      it = holders_.emplace(key, holder_list_).first;
+    }
     return it->second;
   }
 
@@ -273,12 +320,23 @@ class Planner {
             glo, std::min(ghi, dts.shape[static_cast<std::size_t>(d)]),
             [&](std::int64_t p) { cand[static_cast<std::size_t>(d)].push_back(p); });
       }
-      std::set<std::int64_t> dsts;
+      auto& dsts = dst_list_;
+      dsts.clear();
       for_each_combination(cand, [&](std::span<const std::int64_t> parts) {
-        for (auto p : positions_of_part(dst_, dt, parts)) dsts.insert(p);
+        positions_of_part(dst_, dt, parts, holder_list_, holder_scratch_);
+        dsts.insert(dsts.end(), holder_list_.begin(), holder_list_.end());
       });
-      for (auto p : dsts)
-        if (!dpos || p != *dpos) plan_dst_tensor(p, dt, rank, out);
+      std::sort(dsts.begin(), dsts.end());
+      dsts.erase(std::unique(dsts.begin(), dsts.end()), dsts.end());
+      // Replicas of a destination (dp, say) share one storage: computed once per class.
+      dst_class_store_.clear();
+      for (auto p : dsts) {
+        if (dpos && p == *dpos) continue;
+        const std::int64_t k = dst_classes_.canonical(p, dt);
+        auto it = dst_class_store_.find(k);
+        if (it == dst_class_store_.end()) it = dst_class_store_.emplace(k, dst_storage(p, dt)).first;
+        plan_dst_tensor(p, dt, rank, out, &it->second);
+      }
     }
   }
 
@@ -303,8 +361,10 @@ class Planner {
   }
 
   /// All copies into destination position dpos for tensor dt (only those from
-  /// global rank keep_src when keep_src >= 0).
-  void plan_dst_tensor(std::int64_t dpos, int dt, std::int64_t keep_src, std::vector<Copy>& out) {
+  /// global rank keep_src when keep_src >= 0). `known`: dpos's storage of dt
+  /// when the caller has it.
+  void plan_dst_tensor(std::int64_t dpos, int dt, std::int64_t keep_src, std::vector<Copy>& out,
+                       const TensorStorage* known = nullptr) {
     const int st = src_of_dst_[static_cast<std::size_t>(dt)];
     const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
     const int n = sts.rank();
@@ -312,17 +372,21 @@ class Planner {
     // parts need not be planned (their holders never include it).
     std::array<std::int64_t, kMaxTensorRank> own{};
     const bool only_own = keep_src >= 0;
+    std::int64_t keep_pos = -1;
     if (only_own) {
       const auto kpos = src_.mesh.position_of(keep_src);
       if (!kpos || !src_.holds(*kpos, st)) return;
+      keep_pos = *kpos;
       for (int d = 0; d < n; ++d)
         own[static_cast<std::size_t>(d)] = sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, *kpos);
     }
-    const TensorStorage ds = dst_storage(dpos, dt);
+    TensorStorage computed;
+    if (!known) computed = dst_storage(dpos, dt);
+    const TensorStorage& ds = known ? *known : computed;
     if (ds.empty()) return;
     const std::int64_t drank = dst_.mesh.global_rank(dpos);
     const auto local_pos = src_.mesh.position_of(drank);
-    Ctx c{dpos, dt, st, drank, keep_src, &ds, nullptr, &out};
+    Ctx c{dpos, dt, st, drank, keep_src, keep_pos, &ds, nullptr, &out};
     for (const auto& D : ds.boxes) {
       c.D = &D;
       auto& cand = dst_cand_;  // scratch, reused: this runs millions of times
@@ -346,7 +410,7 @@ class Planner {
   struct Ctx {
     std::int64_t dpos;
     int dt, st;
-    std::int64_t drank, keep_src;
+    std::int64_t drank, keep_src, keep_pos;  // keep_pos: keep_src's source position (-1: all)
     const TensorStorage* ds;
     const HeldBox* D;
     std::vector<Copy>* out;
@@ -431,10 +495,25 @@ class Planner {
       }
       const auto uc = static_cast<std::size_t>(cut);
       const std::int64_t T = needed.total(cut);
-      std::int64_t lo = need[2 * uc];
-      for (std::int64_t i = 0; i < R; ++i) {
-        const std::int64_t hi = i + 1 == R ? need[2 * uc + 1]
-                                           : needed.first_reaching_on(cut, lo, need[2 * uc + 1], (i + 1) * T / R);
+      // Slab i ends where the needed count first reaches (i+1)*T/R. When only
+      // one source's copies are wanted, plan only its slab.
+      auto slab_end = [&](std::int64_t i) {
+        if (i <= 0) return need[2 * uc];
+        if (i >= R) return need[2 * uc + 1];
+        return needed.first_reaching_on(cut, need[2 * uc], need[2 * uc + 1], i * T / R);
+      };
+      std::int64_t i0 = 0, i1 = R;
+      if (c.keep_pos >= 0) {
+        const auto at = std::lower_bound(holders.begin(), holders.end(), c.keep_pos);
+        if (at == holders.end() || *at != c.keep_pos) return;
+        const auto k = static_cast<std::uint64_t>(at - holders.begin());
+        const auto uR = static_cast<std::uint64_t>(R);
+        i0 = static_cast<std::int64_t>((k + uR - rot % uR) % uR);  // replica(i0, R) == k
+        i1 = i0 + 1;
+      }
+      std::int64_t lo = slab_end(i0);
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const std::int64_t hi = slab_end(i + 1);
         Window w = need;
         w[2 * uc] = lo;
         w[2 * uc + 1] = hi;
@@ -662,9 +741,13 @@ class Planner {
   std::vector<int> src_of_dst_;
   std::map<std::pair<std::int64_t, int>, FlatRange> src_flat_, dst_flat_;
   std::unordered_map<std::uint64_t, ConcatRange> src_concat_, dst_concat_;
+  StorageClasses src_classes_{src_}, dst_classes_{dst_};
+  std::unordered_map<std::int64_t, TensorStorage> dst_class_store_;  // plan_rank: one tensor's destination storages
   std::deque<TensorStorage> src_store_;        // stable references
   std::vector<std::int32_t> src_store_index_;  // (position, tensor) -> src_store_ index, -1 = not yet
   std::unordered_map<std::uint64_t, std::vector<std::int64_t>> holders_;
+  std::vector<std::int64_t> holder_list_, dst_list_;  // scratch for positions_of_part, plan_rank
+  PartHolderScratch holder_scratch_;
   std::vector<std::vector<RunGroup>> emit_groups_, part_groups_;
   std::vector<DimPart> part_dims_;
   std::vector<std::vector<std::int64_t>> dst_cand_;
@@ -679,6 +762,33 @@ class Planner {
 /// Plans the refit from `src` to `dst` (both validated).
 inline Schedule plan(const Layout& src, const Layout& dst, const PlanOptions& opt = {}) {
   return Planner(src, dst, opt).run();
+}
+
+/// The whole plan, streamed: every destination position's copies (exactly
+/// those plan() would give it, in the same order) handed to
+/// sink(position, span<const Copy>), one destination at a time and never all
+/// at once. With opt.threads != 1 the destinations are cut into contiguous
+/// ranges planned in parallel, and sink is called from several threads at
+/// once (for different positions): it must be thread-safe then.
+template <class Sink>
+void plan_each_destination(const Layout& src, const Layout& dst, const PlanOptions& opt, Sink&& sink) {
+  const std::int64_t P = dst.mesh.size();
+  int T = opt.threads > 0 ? opt.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  T = static_cast<int>(std::min<std::int64_t>(T, std::max<std::int64_t>(P, 1)));
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(T));
+  auto range = [&](int k) {
+    try {
+      Planner(src, dst, opt).for_each_destination(P * k / T, P * (k + 1) / T, sink);
+    } catch (...) {
+      errors[static_cast<std::size_t>(k)] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> workers;
+  for (int k = 1; k < T; ++k) workers.emplace_back(range, k);
+  range(0);
+  for (auto& w : workers) w.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace reshard

@@ -4,8 +4,11 @@
 // list of HeldBoxes: boxes of the tensor's local array with an affine map into
 // a buffer. Concat rounds become one box per round; a flat range becomes the
 // few boxes that tile a row-major interval.
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "layout.hpp"
@@ -217,6 +220,81 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
   }
   return s;
 }
+
+/// Positions that store a tensor alike. tensor_storage(L, pos, t) reads
+/// only the axis digits that t's buffer reads: the cuts and stages of every
+/// tensor in the buffer (they decide what each holds and at which offset) and
+/// a flat buffer's own cut. Positions that agree on those digits (replicas
+/// over dp or cp, say) hold the same boxes at the same offsets, so a plan
+/// computes one storage per class. canonical(pos, t) is the class's
+/// smallest position. Tables are built per buffer on first use.
+class StorageClasses {
+ public:
+  explicit StorageClasses(const Layout& L) : L_(L), groups_(L.buffers.size() + L.tensors.size()) {}
+
+  std::int64_t canonical(std::int64_t pos, int t) {
+    const int b = L_.tensors[static_cast<std::size_t>(t)].buffer;  // BufferSpec index, -1 = alone
+    const std::size_t g = b >= 0 ? static_cast<std::size_t>(b) : L_.buffers.size() + static_cast<std::size_t>(t);
+    auto& axis_tables = groups_[g];
+    if (axis_tables.empty()) axis_tables = build(b, t);
+    std::int64_t c = 0;
+    for (std::size_t a = 0; a < axis_tables.size(); ++a)
+      c += (*axis_tables[a])[static_cast<std::size_t>(L_.mesh.coord(pos, static_cast<int>(a)))] *
+           L_.mesh.axis_stride(static_cast<int>(a));
+    return c;
+  }
+
+ private:
+  using Table = std::vector<std::int64_t>;  // coordinate -> smallest coordinate with the same read digits
+
+  std::vector<const Table*> build(int b, int t) {
+    const auto& axes = L_.mesh.axes;
+    std::vector<std::vector<AxisRef>> reads(axes.size());
+    auto read_tensor = [&](int u) {
+      const auto& ts = L_.tensors[static_cast<std::size_t>(u)];
+      for (const auto& d : ts.dims)
+        for (const auto& r : d.axes) reads[static_cast<std::size_t>(r.axis)].push_back(r);
+      for (const auto& s : ts.stage)
+        reads[static_cast<std::size_t>(s.axis)].push_back(AxisRef{s.axis, 1, axes[static_cast<std::size_t>(s.axis)].size});
+    };
+    if (b < 0) {
+      read_tensor(t);
+    } else {
+      const auto& bs = L_.buffers[static_cast<std::size_t>(b)];
+      for (int u : bs.part_ids) read_tensor(u);
+      if (bs.kind == BufferKind::flat)
+        for (const auto& r : bs.flat.axes) reads[static_cast<std::size_t>(r.axis)].push_back(r);
+    }
+    std::vector<const Table*> out(axes.size());
+    for (std::size_t a = 0; a < axes.size(); ++a) {
+      auto& rs = reads[a];
+      std::sort(rs.begin(), rs.end(), [](const AxisRef& x, const AxisRef& y) {
+        return std::pair(x.stride, x.size) < std::pair(y.stride, y.size);
+      });
+      rs.erase(std::unique(rs.begin(), rs.end()), rs.end());
+      auto key = std::make_pair(static_cast<int>(a), std::vector<std::pair<std::int64_t, std::int64_t>>{});
+      for (const auto& r : rs) key.second.emplace_back(r.stride, r.size);
+      auto it = tables_.find(key);
+      if (it == tables_.end()) {
+        const std::int64_t n = axes[a].size;
+        Table tab(static_cast<std::size_t>(n));
+        std::map<std::vector<std::int64_t>, std::int64_t> first;  // read digits -> first coordinate
+        std::vector<std::int64_t> digits(rs.size());
+        for (std::int64_t c = 0; c < n; ++c) {
+          for (std::size_t k = 0; k < rs.size(); ++k) digits[k] = (c / rs[k].stride) % rs[k].size;
+          tab[static_cast<std::size_t>(c)] = first.emplace(digits, c).first->second;
+        }
+        it = tables_.emplace(std::move(key), std::move(tab)).first;
+      }
+      out[a] = &it->second;
+    }
+    return out;
+  }
+
+  const Layout& L_;
+  std::vector<std::vector<const Table*>> groups_;  // per buffer, then per lone tensor
+  std::map<std::pair<int, std::vector<std::pair<std::int64_t, std::int64_t>>>, Table> tables_;  // node-stable
+};
 
 /// Shape of local buffer `buf` on a position: empty when the rank has no such
 /// buffer; a flat buffer is 1-D (possibly of extent 0).
