@@ -767,7 +767,8 @@ inline Schedule plan(const Layout& src, const Layout& dst, const PlanOptions& op
 /// The whole plan, streamed: every destination position's copies (exactly
 /// those plan() would give it, in the same order) handed to
 /// sink(position, span<const Copy>), one destination at a time and never all
-/// at once. With opt.threads != 1 the destinations are cut into contiguous
+/// at once, in position order (plan() lists them by global rank, which is
+/// the same order unless the mesh lists its ranks out of order). With opt.threads != 1 the destinations are cut into contiguous
 /// ranges planned in parallel, and sink is called from several threads at
 /// once (for different positions): it must be thread-safe then.
 template <class Sink>

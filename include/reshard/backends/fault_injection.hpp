@@ -174,6 +174,8 @@ class FaultInjectingTransport {
   FaultInjectingTransport(const FaultInjectingTransport&) = delete;
   FaultInjectingTransport& operator=(const FaultInjectingTransport&) = delete;
   ~FaultInjectingTransport() {
+    // Flips still pending lie in regions still registered (deregistering a
+    // region restores its own first), so this memory is alive.
     for (auto& f : pending_restore_) *f.at ^= std::byte{f.mask};
     for (auto& s : copies_)
       if (s.region.valid()) in_->deregister_memory(s.region);
@@ -190,7 +192,17 @@ class FaultInjectingTransport {
     return h;
   }
   void deregister_memory(RegionHandle h) {
-    regions_.erase(h.id);
+    // A sent-corruption whose send never completed (a failed refit) is undone
+    // now: after deregistering, the owner may free the memory.
+    if (auto it = regions_.find(h.id); it != regions_.end()) {
+      const std::byte *lo = it->second.ptr, *hi = lo + it->second.bytes;
+      std::erase_if(pending_restore_, [&](const Flip& f) {
+        if (f.at < lo || f.at >= hi) return false;
+        *f.at ^= std::byte{f.mask};
+        return true;
+      });
+      regions_.erase(it);
+    }
     in_->deregister_memory(h);
   }
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
@@ -400,9 +412,11 @@ class FaultInjectingTransport {
     r.seen_done = true;
     for (const Flip& f : r.on_arrival) *f.at ^= std::byte{f.mask};
     for (const Flip& f : r.restore) {
-      *f.at ^= std::byte{f.mask};
+      // Only once: a flip already undone (its region deregistered) is not pending.
       auto it = std::find_if(pending_restore_.begin(), pending_restore_.end(), [&](const Flip& p) { return p.at == f.at; });
-      if (it != pending_restore_.end()) pending_restore_.erase(it);
+      if (it == pending_restore_.end()) continue;
+      *f.at ^= std::byte{f.mask};
+      pending_restore_.erase(it);
     }
   }
 
