@@ -5,7 +5,14 @@
 #include <doctest/doctest.h>
 
 #include "plan_test_util.hpp"
+#include "random_layouts.hpp"
 #include "reshard/simulate.hpp"
+#include "reshard/presets/presets.hpp"
+#include "reshard/stream_traffic.hpp"
+
+#include <map>
+#include <random>
+#include <string>
 
 using namespace reshard;
 using namespace plantest;
@@ -201,4 +208,267 @@ TEST_CASE("FP8 on the inference side: decoder linear weights at 1 byte per eleme
   const auto s = fp8_wire_scale(L);
   const double q = (1 + 4.0 / 16384) / 2;
   CHECK(s == std::vector<double>{1, q, 1, 1, q, 1});
+}
+
+// ---------------------------------------------------------------------------
+// The simulator runs on classes of alike flows (simulate.hpp): against a
+// plain reference in which every flow is separate.
+
+namespace {
+
+/// The reference fluid time of one stage: every flow on its own, progressive
+/// filling from scratch at every event (O(flows x ports) each), the same 1%
+/// retirement rule.
+double reference_fluid(const Traffic& tr, std::size_t stage) {
+  const Topology& topo = tr.placement().topology();
+  std::vector<std::vector<std::string>> ports;  // port names per flow
+  std::vector<double> left;
+  std::map<std::string, double> cap;
+  for (const auto& p : tr.pairs(stage)) {
+    if (p.bytes <= 0) continue;
+    const auto a = std::to_string(p.src_gpu), b = std::to_string(p.dst_gpu);
+    switch (tr.kind(p)) {
+      case LinkKind::network:
+        ports.push_back({"nic_out" + a, "nic_in" + b});
+        cap[ports.back()[0]] = cap[ports.back()[1]] = topo.nic_bytes_per_s();
+        if (topo.fabric_gbps > 0) {
+          ports.back().push_back("fabric");
+          cap["fabric"] = topo.fabric_bytes_per_s();
+        }
+        break;
+      case LinkKind::nvlink:
+        ports.push_back({"nvl_out" + a, "nvl_in" + b});
+        cap[ports.back()[0]] = cap[ports.back()[1]] = topo.nvlink_bytes_per_s();
+        break;
+      case LinkKind::local:
+        if (topo.memcpy_gbps <= 0) continue;
+        ports.push_back({"copy" + a});
+        cap[ports.back()[0]] = topo.memcpy_bytes_per_s();
+        break;
+    }
+    left.push_back(p.bytes);
+  }
+  const std::size_t F = ports.size();
+  std::vector<char> done(F, 0);
+  double now = 0;
+  for (std::size_t alive = F; alive > 0;) {
+    // Progressive filling: the port with the smallest fair share fixes its
+    // flows at that share; repeat.
+    std::vector<double> rate(F, -1);
+    std::map<std::string, double> room = cap;
+    for (;;) {
+      std::map<std::string, int> users;
+      for (std::size_t f = 0; f < F; ++f)
+        if (!done[f] && rate[f] < 0)
+          for (const auto& q : ports[f]) ++users[q];
+      if (users.empty()) break;
+      std::string best;
+      double share = 0;
+      for (const auto& [q, n] : users)
+        if (best.empty() || room[q] / n < share) {
+          best = q;
+          share = room[q] / n;
+        }
+      for (std::size_t f = 0; f < F; ++f)
+        if (!done[f] && rate[f] < 0 && std::find(ports[f].begin(), ports[f].end(), best) != ports[f].end()) {
+          rate[f] = share;
+          for (const auto& q : ports[f]) room[q] -= share;
+        }
+    }
+    double first = 1e300;
+    for (std::size_t f = 0; f < F; ++f)
+      if (!done[f]) first = std::min(first, left[f] / rate[f]);
+    double step = first;
+    for (std::size_t f = 0; f < F; ++f)
+      if (!done[f] && left[f] / rate[f] <= first + 0.01 * (now + first)) step = std::max(step, left[f] / rate[f]);
+    for (std::size_t f = 0; f < F; ++f) {
+      if (done[f]) continue;
+      if (left[f] / rate[f] <= step * (1 + 1e-12)) {
+        done[f] = 1;
+        --alive;
+      } else {
+        left[f] -= rate[f] * step;
+      }
+    }
+    now += step;
+  }
+  return now;
+}
+
+}  // namespace
+
+TEST_CASE("classes of alike flows: the same times as every flow simulated on its own (random traffic)") {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 60; ++trial) {
+    World w(16, 2, 4);
+    if (trial % 3 == 1) w.topo.fabric_gbps = 400 * 6;  // a fabric tighter than the NICs together
+    if (trial % 4 == 2) w.topo.memcpy_gbps = 8 * 100;
+    w.place = RankPlacement(w.topo, w.a, w.b);
+    Traffic tr(w.place);
+    const int n = 1 + static_cast<int>(rng() % 60);
+    // Bytes from a small set (so alike flows exist) or arbitrary.
+    const bool round_bytes = trial % 2 == 0;
+    for (int i = 0; i < n; ++i) {
+      const auto stage = static_cast<std::int32_t>(rng() % 2);
+      const auto s = static_cast<std::int64_t>(rng() % 16), d = static_cast<std::int64_t>(rng() % 16);
+      const double bytes = round_bytes ? static_cast<double>(1 + rng() % 3) * 0.25 * GB
+                                       : std::uniform_real_distribution<double>(0.01, 2)(rng) * GB;
+      tr.add(stage, s, d, bytes);
+    }
+    const auto r = simulate(tr);
+    REQUIRE(r.stages.size() == tr.stages());
+    for (std::size_t s = 0; s < tr.stages(); ++s) {
+      const double ref = reference_fluid(tr, s);
+      CAPTURE(trial);
+      CAPTURE(s);
+      CHECK(r.stages[s].fluid_seconds == doctest::Approx(ref).epsilon(1e-9));
+      CHECK(r.stages[s].classes <= r.stages[s].flows);
+    }
+  }
+}
+
+TEST_CASE("many identical flows collapse to one class with the exact time") {
+  // 64 source GPUs (one per domain) each send 0.1 GB to each of 32
+  // destination GPUs: every NIC egress carries 3.2 GB (64 ms), every
+  // ingress 6.4 GB: 128 ms. All 2048 flows are alike: one class.
+  World w(96, 1, 1);
+  Traffic tr(w.place);
+  for (std::int64_t s = 0; s < 64; ++s)
+    for (std::int64_t d = 64; d < 96; ++d) tr.add(0, s, d, 0.1 * GB);
+  const auto r = simulate(tr);
+  CHECK(r.stages[0].flows == 64 * 32);
+  CHECK(r.stages[0].classes == 1);
+  CHECK(r.stages[0].port_classes == 2);
+  CHECK(r.stages[0].fluid_seconds == doctest::Approx(0.128).epsilon(1e-12));
+  CHECK(r.stages[0].fluid_seconds == doctest::Approx(reference_fluid(tr, 0)).epsilon(1e-12));
+  // Two kinds of destinations: 16 take 0.1 GB from each source, 16 take
+  // 0.3 GB. The egress of a source (6.4 GB: 128 ms) is shared by 32 flows;
+  // ingress of the small ones 6.4 GB, big ones 19.2 GB (384 ms): the big
+  // flows are held by their ingress at 50/64 GB/s each, the small ones get
+  // the rest of the egress: (50 - 16 x 50/64) / 16 each, and finish first;
+  // then the big flows are still ingress-bound. Total: 384 ms.
+  Traffic t2(w.place);
+  for (std::int64_t s = 0; s < 64; ++s)
+    for (std::int64_t d = 64; d < 96; ++d) t2.add(0, s, d, (d < 80 ? 0.1 : 0.3) * GB);
+  const auto r2 = simulate(t2);
+  CHECK(r2.stages[0].classes == 2);
+  CHECK(r2.stages[0].port_classes == 3);
+  CHECK(r2.stages[0].fluid_seconds == doctest::Approx(0.384).epsilon(1e-12));
+  CHECK(r2.stages[0].fluid_seconds == doctest::Approx(reference_fluid(t2, 0)).epsilon(1e-12));
+  // One odd flow breaks the symmetry only around itself: more classes, the
+  // same time as the reference.
+  t2.add(0, 0, 64, 0.05 * GB);
+  const auto r3 = simulate(t2);
+  CHECK(r3.stages[0].classes > 2);
+  CHECK(r3.stages[0].classes < 64 * 32 / 4);
+  CHECK(r3.stages[0].fluid_seconds == doctest::Approx(reference_fluid(t2, 0)).epsilon(1e-12));
+}
+
+TEST_CASE("Traffic::merge sums the pairs of two halves") {
+  World w(8, 2, 4);
+  Traffic a(w.place), b(w.place), whole(w.place);
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 40; ++i) {
+    const auto s = static_cast<std::int64_t>(rng() % 8), d = static_cast<std::int64_t>(rng() % 8);
+    const double bytes = static_cast<double>(1 + rng() % 1000);
+    const auto stage = static_cast<std::int32_t>(rng() % 3);
+    (i % 2 ? a : b).add(stage, s, d, bytes);
+    whole.add(stage, s, d, bytes);
+  }
+  a.merge(b);
+  REQUIRE(a.stages() == whole.stages());
+  for (std::size_t s = 0; s < a.stages(); ++s) {
+    const auto x = a.pairs(s), y = whole.pairs(s);
+    REQUIRE(x.size() == y.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      CHECK(x[i].src_gpu == y[i].src_gpu);
+      CHECK(x[i].dst_gpu == y[i].dst_gpu);
+      CHECK(x[i].bytes == y[i].bytes);
+      CHECK(x[i].copies == y[i].copies);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The streamed traffic (stream_traffic.hpp) equals the traffic of the
+// materialized plan, with and without the near sender choice.
+
+namespace {
+
+void check_same_traffic(const Traffic& x, const Traffic& y) {
+  REQUIRE(x.stages() == y.stages());
+  for (std::size_t s = 0; s < x.stages(); ++s) {
+    const auto a = x.pairs(s), b = y.pairs(s);
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      CHECK(a[i].src_gpu == b[i].src_gpu);
+      CHECK(a[i].dst_gpu == b[i].dst_gpu);
+      CHECK(a[i].bytes == b[i].bytes);
+      CHECK(a[i].copies == b[i].copies);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("streamed traffic equals the traffic of plan() and of plan() + prefer_near()") {
+  std::vector<Topology> topos(3);
+  topos[0].gpus_per_node = 2, topos[0].nvlink_domain = 4, topos[0].placement = PlacementKind::separate;
+  topos[1].gpus_per_node = 1, topos[1].nvlink_domain = 3, topos[1].placement = PlacementKind::launch;
+  topos[2].gpus_per_node = 4, topos[2].nvlink_domain = 8, topos[2].placement = PlacementKind::separate;
+  std::int64_t moved_total = 0, copies_total = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed);
+    const RankPlacement place(topos[seed % topos.size()], pair.src, pair.dst);
+    CAPTURE(seed);
+    PlanOptions po;
+    po.split_bytes = seed % 2 ? 64 : (std::int64_t{1} << 40);
+    Schedule s = plan(pair.src, pair.dst, po);
+    Traffic plain(place);
+    add_traffic(plain, s);
+    Schedule near = s;
+    const std::int64_t moved = prefer_near(near, pair.src, pair.dst, place);
+    Traffic with_near(place);
+    add_traffic(with_near, near);
+    for (int threads : {1, 3}) {
+      po.threads = threads;
+      CAPTURE(threads);
+      StreamReport rep;
+      INFO("without the near choice");
+      check_same_traffic(streamed_traffic(pair.src, pair.dst, place, po, false, nullptr, &rep), plain);
+      CHECK(rep.copies == static_cast<std::int64_t>(s.copies.size()));
+      INFO("with the near choice");
+      check_same_traffic(streamed_traffic(pair.src, pair.dst, place, po, true, nullptr, &rep), with_near);
+      CHECK(rep.copies == static_cast<std::int64_t>(s.copies.size()));
+      CHECK(rep.near_bytes == moved);
+    }
+    moved_total += moved;
+    copies_total += static_cast<std::int64_t>(s.copies.size());
+  }
+  CHECK(moved_total > 0);  // the near choice did change senders somewhere
+  CHECK(copies_total > 0);
+}
+
+TEST_CASE("streamed traffic with the near choice equals prefer_near() on Kimi-K2 (96 GPUs)") {
+  // Thousands of copies choosing among replica groups of 8 (dense layers)
+  // and 1 (experts): the tournament trees against prefer_near's scan.
+  const std::string dir = std::string(__FILE__).substr(0, std::string(__FILE__).rfind('/'));
+  presets::PresetOptions popt;
+  const auto m = presets::model_layouts(dir + "/../examples/models/kimi-k2.json", "tp=1,pp=8,dp=8,ep=8",
+                                        "tp=8,dp=4,ep=32", popt);
+  Topology topo = load_topology("h200-8x400g");
+  topo.placement = PlacementKind::separate;
+  const RankPlacement place(topo, m.train, m.infer);
+  PlanOptions po;
+  Schedule s = plan(m.train, m.infer, po);
+  const std::int64_t moved = prefer_near(s, m.train, m.infer, place);
+  Traffic want(place);
+  add_traffic(want, s);
+  po.threads = 2;
+  StreamReport rep;
+  const Traffic got = streamed_traffic(m.train, m.infer, place, po, true, nullptr, &rep);
+  check_same_traffic(got, want);
+  CHECK(rep.near_bytes == moved);
+  CHECK(moved > 0);
+  CHECK(rep.copies == static_cast<std::int64_t>(s.copies.size()));
 }

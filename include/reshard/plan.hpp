@@ -8,10 +8,12 @@
 // Every choice is a pure function of (destination rank, tensor, piece), so a
 // process that plans only its own rank (`only_rank`) computes exactly the
 // copies a full plan gives it.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <set>
 #include <span>
@@ -142,6 +144,17 @@ void prefault(std::vector<T>& v, std::size_t n) {
   (void)n;
 #endif
 }
+/// Doubles v's capacity and prefaults the new part: a plan's copy vectors
+/// grow to megabytes, and on virtual machines one page fault per 4 KiB costs
+/// as much as planning the copies in it.
+template <class T>
+void grow_prefaulted(std::vector<T>& v) {
+  std::vector<T> bigger;
+  bigger.reserve(std::max<std::size_t>(64, 2 * v.capacity()));
+  prefault(bigger, bigger.capacity());  // before the copy touches it page by page
+  bigger.insert(bigger.end(), std::make_move_iterator(v.begin()), std::make_move_iterator(v.end()));
+  v.swap(bigger);
+}
 }  // namespace detail
 
 class Planner {
@@ -202,8 +215,8 @@ class Planner {
                          [](const Copy& a, const Copy& b) { return a.dst_rank < b.dst_rank; });
     } else {
       plan_rank(opt_.only_rank, batch);
-      s.copies.reserve(batch.size());  // coalescing only shrinks
-      finish(batch, s.copies);
+      finish_in_place(batch);
+      s.copies = std::move(batch);
     }
     std::set<std::int64_t> ranks;
     for (auto r : src_.mesh.global_ranks()) ranks.insert(r);
@@ -626,6 +639,7 @@ class Planner {
         cp.src_offset += i[uk] * sst[uk];
         cp.dst_offset += i[uk] * dst[uk];
       }
+      if (out.size() == out.capacity()) detail::grow_prefaulted(out);
       out.push_back(cp);
       int k = outer - 1;
       for (; k >= 0; --k) {
@@ -706,6 +720,50 @@ class Planner {
   /// coalesce()) and appends the result to `out`. Sorts small keys, not the
   /// large Copy structs.
   void finish(std::vector<Copy>& copies, std::vector<Copy>& out) {
+    sort_keys(copies);
+    const std::size_t start = out.size();
+    for (const FinishKey& k : keys_) {
+      // emit() made every copy collapsed already (what coalesce() would do first).
+      out.push_back(copies[k.idx]);
+      if (!opt_.coalesce) continue;
+      while (out.size() - start >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
+             detail::merge_into(out[out.size() - 2], out.back()))
+        out.pop_back();
+    }
+  }
+  /// finish() in place: the same order and merges, without a second array of
+  /// copies (a one-rank plan's copies are megabytes of fresh pages).
+  void finish_in_place(std::vector<Copy>& copies) {
+    sort_keys(copies);
+    // Gather permutation: position k takes copies[keys_[k].idx]. Follow each
+    // cycle once, marking a finished position with idx = k.
+    for (std::size_t k = 0; k < keys_.size(); ++k) {
+      if (keys_[k].idx == k) continue;
+      Copy hold = copies[k];
+      std::size_t at = k;
+      while (true) {
+        const std::size_t from = keys_[at].idx;
+        keys_[at].idx = static_cast<std::uint32_t>(at);
+        if (from == k) {
+          copies[at] = hold;
+          break;
+        }
+        copies[at] = copies[from];
+        at = from;
+      }
+    }
+    if (!opt_.coalesce) return;
+    std::size_t w = 0;
+    for (std::size_t r = 0; r < copies.size(); ++r) {
+      if (w != r) copies[w] = copies[r];
+      ++w;
+      while (w >= 2 && detail::same_route(copies[w - 2], copies[w - 1]) && detail::merge_into(copies[w - 2], copies[w - 1])) --w;
+    }
+    copies.resize(w);
+  }
+  /// keys_ = the copies' sort keys, sorted by (destination rank, destination
+  /// buffer, source rank, source buffer, tensor, destination offset).
+  void sort_keys(const std::vector<Copy>& copies) {
     using Key = FinishKey;
     keys_.clear();
     keys_.reserve(copies.size());
@@ -724,15 +782,6 @@ class Planner {
       if (a.dst_offset != b.dst_offset) return a.dst_offset < b.dst_offset;
       return a.idx < b.idx;
     });
-    const std::size_t start = out.size();
-    for (const Key& k : keys_) {
-      // emit() made every copy collapsed already (what coalesce() would do first).
-      out.push_back(copies[k.idx]);
-      if (!opt_.coalesce) continue;
-      while (out.size() - start >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
-             detail::merge_into(out[out.size() - 2], out.back()))
-        out.pop_back();
-    }
   }
 
   const Layout& src_;

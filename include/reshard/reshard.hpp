@@ -22,6 +22,7 @@
 #include "reshard/topology.hpp"
 #include "reshard/hierarchical.hpp"
 #include "reshard/simulate.hpp"
+#include "reshard/stream_traffic.hpp"
 
 // Execution
 #include "reshard/transport.hpp"

@@ -16,6 +16,10 @@
 //   recomputed (flows finishing within 1% of the stage's elapsed time are
 //   retired together, at the latest of their times: slightly pessimistic,
 //   and it keeps the event count to a few hundred per stage).
+// - Flows the fair sharing cannot tell apart (same bytes, ports alike by
+//   color refinement: sim_detail::refine) run as one class with a count:
+//   exact, and it makes a stage of millions of flows between thousands of
+//   alike GPUs cost as much as its few hundred classes.
 // - Per-message cost: each GPU pays latency_us (nvlink_latency_us inside a
 //   domain) per message it sends and per message it receives, serially;
 //   a stage adds the slowest GPU's message cost and one stage_latency_us
@@ -46,6 +50,7 @@
 #include <tuple>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <queue>
@@ -101,6 +106,19 @@ class Traffic {
     p.dst_gpu = b;
     p.bytes += bytes;
     ++p.copies;
+  }
+  /// Adds another Traffic's pairs (same placement): per-thread Traffics of
+  /// a streamed plan are summed this way.
+  void merge(const Traffic& o) {
+    if (o.stages_.size() > stages_.size()) stages_.resize(o.stages_.size());
+    for (std::size_t s = 0; s < o.stages_.size(); ++s)
+      for (const auto& [key, q] : o.stages_[s]) {
+        auto& p = stages_[s][key];
+        p.src_gpu = q.src_gpu;
+        p.dst_gpu = q.dst_gpu;
+        p.bytes += q.bytes;
+        p.copies += q.copies;
+      }
   }
   std::size_t stages() const { return stages_.size(); }
   /// The pairs of a stage, sorted (deterministic).
@@ -182,6 +200,8 @@ struct StageResult {
   double bound_bytes = 0;
   double bytes[3] = {0, 0, 0};  ///< by LinkKind
   std::int64_t flows = 0, messages = 0, events = 0;
+  std::int64_t classes = 0;       ///< classes of alike flows the fluid model ran on (<= flows)
+  std::int64_t port_classes = 0;  ///< classes of alike ports
 };
 
 struct SimResult {
@@ -192,68 +212,261 @@ struct SimResult {
 
 namespace sim_detail {
 
-/// Max-min fair rates for flows over ports (progressive filling). Each flow
-/// crosses up to 3 ports (-1 = none). The per-port flow lists are built once;
-/// rates() is called again whenever flows finish.
-class MaxMin {
- public:
-  MaxMin(const std::vector<std::array<std::int32_t, 3>>& flow_ports, const std::vector<double>& cap)
-      : ports_(flow_ports), cap_(cap), on_(cap.size()) {
-    for (std::size_t f = 0; f < ports_.size(); ++f)
-      for (auto p : ports_[f])
-        if (p >= 0) on_[static_cast<std::size_t>(p)].push_back(static_cast<std::int32_t>(f));
-    left_.resize(cap.size());
-    users_.resize(cap.size());
-    fixed_.resize(ports_.size());
+/// A flow crosses up to 3 ports (-1 = none): source egress, destination
+/// ingress, the shared fabric. Each slot is a different kind of port.
+using FlowPorts = std::array<std::int32_t, 3>;
+
+/// An equitable partition of a stage's flows and ports (color refinement):
+/// flows of one class have the same bytes and their ports in the same port
+/// classes; every port of a class carries the same number of flows of each
+/// flow class. Max-min fair sharing cannot tell such flows apart (progressive
+/// filling treats the ports of a class alike at every step), so they get
+/// equal rates, finish together, and the stage can be simulated on the
+/// classes with multiplicities: exact, and a cluster of thousands of alike
+/// GPUs collapses to a few hundred classes.
+struct Classes {
+  std::vector<std::int32_t> of_flow, of_port;  // class ids; of_port is -1 for unused ports
+  std::int32_t flows = 0, ports = 0;
+  std::int32_t rounds = 0;
+};
+
+inline std::uint64_t mix(std::uint64_t h, std::uint64_t x) {
+  // splitmix64 of the combination: a good spread for hash keys.
+  std::uint64_t z = h ^ (x + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+struct Key4Hash {
+  std::size_t operator()(const std::array<std::int32_t, 4>& k) const {
+    std::uint64_t h = 0;
+    for (auto x : k) h = mix(h, static_cast<std::uint32_t>(x));
+    return static_cast<std::size_t>(h);
   }
-  void rates(const std::vector<char>& active, std::vector<double>& rate) {
-    const std::size_t P = cap_.size();
-    left_ = cap_;
-    std::fill(users_.begin(), users_.end(), 0);
-    for (std::size_t f = 0; f < ports_.size(); ++f) {
-      fixed_[f] = !active[f];
-      if (active[f])
-        for (auto p : ports_[f])
-          if (p >= 0) ++users_[static_cast<std::size_t>(p)];
-    }
-    using Item = std::pair<double, std::int32_t>;  // (share, port)
-    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap;
+};
+
+/// Color refinement from the initial colors (flows: bytes; ports: kind and
+/// capacity) until no class splits. Exact (signatures are compared, not only
+/// hashed). Ports of different kinds never share a class, so a flow class
+/// meets a port class in one slot at most.
+inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<double>& bytes, const std::vector<double>& cap,
+                      const std::vector<std::uint8_t>& kind) {
+  const std::size_t F = ports.size(), P = cap.size();
+  Classes c;
+  c.of_flow.assign(F, 0);
+  c.of_port.assign(P, -1);
+  // Flows per port (CSR).
+  std::vector<std::int64_t> off(P + 1, 0);
+  for (const auto& pp : ports)
+    for (auto p : pp)
+      if (p >= 0) ++off[static_cast<std::size_t>(p) + 1];
+  for (std::size_t p = 0; p < P; ++p) off[p + 1] += off[p];
+  std::vector<std::int32_t> on(static_cast<std::size_t>(off[P]));
+  {
+    std::vector<std::int64_t> fill(off.begin(), off.end() - 1);
+    for (std::size_t f = 0; f < F; ++f)
+      for (auto p : ports[f])
+        if (p >= 0) on[static_cast<std::size_t>(fill[static_cast<std::size_t>(p)]++)] = static_cast<std::int32_t>(f);
+  }
+  {
+    std::map<std::pair<std::uint8_t, std::uint64_t>, std::int32_t> by_cap;
+    std::unordered_map<std::uint64_t, std::int32_t> by_bytes;
     for (std::size_t p = 0; p < P; ++p)
-      if (users_[p] > 0) heap.push({left_[p] / static_cast<double>(users_[p]), static_cast<std::int32_t>(p)});
-    while (!heap.empty()) {
-      const auto [share, p] = heap.top();
-      heap.pop();
-      const auto up = static_cast<std::size_t>(p);
-      if (users_[up] == 0) continue;
-      const double now = std::max(0.0, left_[up]) / static_cast<double>(users_[up]);
-      if (now > share * (1 + 1e-12) + 1e-300) {  // stale entry: its share grew
-        heap.push({now, p});
-        continue;
+      if (off[p + 1] > off[p]) {
+        std::uint64_t bits;
+        std::memcpy(&bits, &cap[p], sizeof bits);
+        c.of_port[p] = by_cap.emplace(std::make_pair(kind[p], bits), static_cast<std::int32_t>(by_cap.size())).first->second;
       }
-      for (auto f : on_[up]) {
-        const auto uf = static_cast<std::size_t>(f);
-        if (fixed_[uf]) continue;
-        fixed_[uf] = 1;
-        rate[uf] = now;
-        for (auto q : ports_[uf]) {
-          if (q < 0) continue;
-          const auto uq = static_cast<std::size_t>(q);
-          left_[uq] -= now;
-          --users_[uq];
-          if (q != p && users_[uq] > 0) heap.push({std::max(0.0, left_[uq]) / static_cast<double>(users_[uq]), q});
+    for (std::size_t f = 0; f < F; ++f) {
+      std::uint64_t bits;
+      std::memcpy(&bits, &bytes[f], sizeof bits);
+      c.of_flow[f] = by_bytes.emplace(bits, static_cast<std::int32_t>(by_bytes.size())).first->second;
+    }
+    c.ports = static_cast<std::int32_t>(by_cap.size());
+    c.flows = static_cast<std::int32_t>(by_bytes.size());
+  }
+  std::vector<std::int32_t> seq(on.size());  // per port: its flows' classes, sorted
+  std::vector<std::int32_t> next_port(P, -1), rep;
+  for (;;) {
+    ++c.rounds;
+    // Flows: (own class, the classes of its ports).
+    std::unordered_map<std::array<std::int32_t, 4>, std::int32_t, Key4Hash> fkeys;
+    fkeys.reserve(static_cast<std::size_t>(c.flows) * 2 + 16);
+    for (std::size_t f = 0; f < F; ++f) {
+      std::array<std::int32_t, 4> k{c.of_flow[f], -1, -1, -1};
+      for (int s = 0; s < 3; ++s)
+        if (ports[f][static_cast<std::size_t>(s)] >= 0)
+          k[static_cast<std::size_t>(s) + 1] = c.of_port[static_cast<std::size_t>(ports[f][static_cast<std::size_t>(s)])];
+      c.of_flow[f] = fkeys.emplace(k, static_cast<std::int32_t>(fkeys.size())).first->second;
+    }
+    const auto flow_classes = static_cast<std::int32_t>(fkeys.size());
+    // Ports: (own class, the multiset of its flows' classes).
+    std::unordered_map<std::uint64_t, std::vector<std::int32_t>> pkeys;  // hash -> class ids
+    rep.clear();
+    for (std::size_t p = 0; p < P; ++p) {
+      if (c.of_port[p] < 0) continue;
+      const auto b = static_cast<std::size_t>(off[p]), e = static_cast<std::size_t>(off[p + 1]);
+      for (std::size_t i = b; i < e; ++i) seq[i] = c.of_flow[static_cast<std::size_t>(on[i])];
+      std::sort(seq.begin() + static_cast<std::ptrdiff_t>(b), seq.begin() + static_cast<std::ptrdiff_t>(e));
+      std::uint64_t h = mix(static_cast<std::uint64_t>(c.of_port[p]), e - b);
+      for (std::size_t i = b; i < e; ++i) h = mix(h, static_cast<std::uint32_t>(seq[i]));
+      auto& ids = pkeys[h];
+      std::int32_t id = -1;
+      for (auto cand : ids) {
+        const auto r = static_cast<std::size_t>(rep[static_cast<std::size_t>(cand)]);
+        const auto rb = static_cast<std::size_t>(off[r]), re = static_cast<std::size_t>(off[r + 1]);
+        if (c.of_port[r] == c.of_port[p] && re - rb == e - b &&
+            std::equal(seq.begin() + static_cast<std::ptrdiff_t>(b), seq.begin() + static_cast<std::ptrdiff_t>(e),
+                       seq.begin() + static_cast<std::ptrdiff_t>(rb))) {
+          id = cand;
+          break;
         }
       }
+      if (id < 0) {
+        id = static_cast<std::int32_t>(rep.size());
+        rep.push_back(static_cast<std::int32_t>(p));
+        ids.push_back(id);
+      }
+      next_port[p] = id;
     }
+    const auto port_classes = static_cast<std::int32_t>(rep.size());
+    // The old colors are part of the new keys, so the partitions only
+    // refine: equal counts mean nothing split.
+    const bool stable = flow_classes == c.flows && port_classes == c.ports;
+    c.flows = flow_classes;
+    c.ports = port_classes;
+    for (std::size_t p = 0; p < P; ++p)
+      if (c.of_port[p] >= 0) c.of_port[p] = next_port[p];
+    if (stable) break;
   }
+  return c;
+}
 
- private:
-  const std::vector<std::array<std::int32_t, 3>>& ports_;
-  const std::vector<double>& cap_;
-  std::vector<std::vector<std::int32_t>> on_;
-  std::vector<double> left_;
-  std::vector<std::int64_t> users_;
-  std::vector<char> fixed_;
-};
+/// The fluid transfer of flows (`remaining` bytes each) sharing ports
+/// max-min fairly, event by event; flow k stands for `weight[k][s]` alike
+/// flows on each port of its slot-s port (a plain flow: weight 1). Returns
+/// the time the last flow ends and counts the rate recomputations in
+/// `events`.
+///
+/// Each event recomputes the max-min fair rates by progressive filling: the
+/// port with the smallest fair share (room left / unfrozen flows) freezes its
+/// flows at that share. A port's share only grows as flows elsewhere freeze
+/// (they freeze at a level no higher than its share), so the heap holds
+/// stale shares as lower bounds and a port is re-queued only when it comes
+/// up stale: the cost of an event is one pass over the live flows plus a
+/// heap of ports, with no per-flow heap traffic.
+inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<std::array<double, 3>>& weight,
+                         std::vector<double> remaining, const std::vector<double>& cap, std::int64_t& events) {
+  const std::size_t K = ports.size(), P = cap.size();
+  // Flows per port (CSR); retired flows are dropped from a port's list as
+  // it is scanned.
+  std::vector<std::int64_t> off(P + 1, 0), end(P);
+  for (const auto& pp : ports)
+    for (auto p : pp)
+      if (p >= 0) ++off[static_cast<std::size_t>(p) + 1];
+  for (std::size_t p = 0; p < P; ++p) off[p + 1] += off[p];
+  std::vector<std::int32_t> on(static_cast<std::size_t>(off[P]));
+  for (std::size_t p = 0; p < P; ++p) end[p] = off[p];
+  for (std::size_t k = 0; k < K; ++k)
+    for (auto p : ports[k])
+      if (p >= 0) on[static_cast<std::size_t>(end[static_cast<std::size_t>(p)]++)] = static_cast<std::int32_t>(k);
+  std::vector<double> users(P, 0);  // live flows per port, weighted (whole numbers: exact)
+  for (std::size_t k = 0; k < K; ++k)
+    for (int s = 0; s < 3; ++s)
+      if (ports[k][static_cast<std::size_t>(s)] >= 0) users[static_cast<std::size_t>(ports[k][static_cast<std::size_t>(s)])] += weight[k][static_cast<std::size_t>(s)];
+  // What progressive filling touches of a flow, in one cache line: the
+  // ports' lists visit flows in no useful order.
+  struct alignas(64) Hot {
+    FlowPorts port;
+    std::uint32_t frozen;  // the event that froze the flow
+    std::array<double, 3> w;
+    double rate;
+    bool live;
+  };
+  std::vector<Hot> hot(K);
+  for (std::size_t k = 0; k < K; ++k) hot[k] = Hot{ports[k], 0, weight[k], 0.0, true};
+  std::vector<double> finish(K, 0), left(P), unfrozen(P);
+  std::vector<std::size_t> alive(K);
+  for (std::size_t k = 0; k < K; ++k) alive[k] = k;
+  using Item = std::pair<double, std::int32_t>;  // (share, port)
+  std::vector<Item> heap;
+  const auto later = std::greater<Item>();
+  double now = 0;
+  std::uint32_t epoch = 0;
+  while (!alive.empty()) {
+    ++epoch;
+    ++events;
+    left = cap;
+    unfrozen = users;
+    heap.clear();
+    for (std::size_t p = 0; p < P; ++p)
+      if (users[p] > 0) heap.push_back({left[p] / users[p], static_cast<std::int32_t>(p)});
+    std::make_heap(heap.begin(), heap.end(), later);
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      const auto [share, p] = heap.back();
+      heap.pop_back();
+      const auto up = static_cast<std::size_t>(p);
+      if (unfrozen[up] <= 0) continue;
+      const double level = std::max(0.0, left[up]) / unfrozen[up];
+      if (level > share * (1 + 1e-12) + 1e-300) {  // stale: its share grew
+        heap.push_back({level, p});
+        std::push_heap(heap.begin(), heap.end(), later);
+        continue;
+      }
+      auto w_end = static_cast<std::size_t>(off[up]);
+      const auto list_end = static_cast<std::size_t>(end[up]);
+      for (auto i = static_cast<std::size_t>(off[up]); i < list_end; ++i) {
+        // The list's flows lie all over memory: fetch a few ahead.
+        if (i + 8 < list_end) __builtin_prefetch(&hot[static_cast<std::size_t>(on[i + 8])], 1);
+        Hot& h = hot[static_cast<std::size_t>(on[i])];
+        if (!h.live) continue;
+        on[w_end++] = on[i];
+        if (h.frozen == epoch) continue;
+        h.frozen = epoch;
+        h.rate = level;
+        for (int s = 0; s < 3; ++s) {
+          const std::int32_t q = h.port[static_cast<std::size_t>(s)];
+          if (q < 0) continue;
+          const double w = h.w[static_cast<std::size_t>(s)];
+          left[static_cast<std::size_t>(q)] -= level * w;
+          unfrozen[static_cast<std::size_t>(q)] -= w;
+        }
+      }
+      end[up] = static_cast<std::int64_t>(w_end);
+    }
+    double first = std::numeric_limits<double>::infinity();
+    for (auto k : alive) {
+      const double r = hot[k].rate;
+      finish[k] = r > 0 ? remaining[k] / r : std::numeric_limits<double>::infinity();
+      first = std::min(first, finish[k]);
+    }
+    if (!std::isfinite(first)) fail("simulate: a flow got no bandwidth (internal error)");
+    // Flows finishing within 1% of the stage's elapsed time retire together
+    // (at the latest of their times): it bounds the rate recomputations to
+    // a few hundred per stage.
+    double step = first;
+    const double window = first + 0.01 * (now + first);
+    for (auto k : alive)
+      if (finish[k] <= window) step = std::max(step, finish[k]);
+    std::size_t n = 0;
+    for (auto k : alive) {
+      if (finish[k] <= step * (1 + 1e-12)) {
+        hot[k].live = false;
+        for (int s = 0; s < 3; ++s)
+          if (ports[k][static_cast<std::size_t>(s)] >= 0)
+            users[static_cast<std::size_t>(ports[k][static_cast<std::size_t>(s)])] -= weight[k][static_cast<std::size_t>(s)];
+      } else {
+        remaining[k] -= hot[k].rate * step;
+        alive[n++] = k;
+      }
+    }
+    alive.resize(n);
+    now += step;
+  }
+  return now;
+}
 
 }  // namespace sim_detail
 
@@ -273,7 +486,7 @@ inline SimResult simulate(const Traffic& tr) {
       return it->second;
     };
     constexpr std::int32_t kFabric = -2;  // remapped to the last port id below
-    std::vector<std::array<std::int32_t, 3>> ports;
+    std::vector<sim_detail::FlowPorts> ports;
     std::vector<double> remaining;
     std::vector<double> msg_cost_out, msg_cost_in;
     for (const auto& p : pairs) {
@@ -281,7 +494,7 @@ inline SimResult simulate(const Traffic& tr) {
       st.bytes[static_cast<int>(k)] += p.bytes;
       if (p.bytes <= 0) continue;
       const std::int32_t a = id_of(p.src_gpu), b = id_of(p.dst_gpu);
-      std::array<std::int32_t, 3> pp{-1, -1, -1};
+      sim_detail::FlowPorts pp{-1, -1, -1};
       switch (k) {
         case LinkKind::network:
           pp = {a * 5 + static_cast<int>(Port::nic_out), b * 5 + static_cast<int>(Port::nic_in), topo.fabric_gbps > 0 ? kFabric : -1};
@@ -332,38 +545,41 @@ inline SimResult simulate(const Traffic& tr) {
         st.bound_bytes = load[p];
       }
     }
-    // Fluid max-min fair transfer, event by event.
-    std::vector<char> active(ports.size(), 1);
-    std::vector<double> rate(ports.size(), 0);
-    std::size_t left = ports.size();
-    double now = 0;
-    sim_detail::MaxMin maxmin(ports, cap);
-    while (left > 0) {
-      maxmin.rates(active, rate);
-      ++st.events;
-      double first = std::numeric_limits<double>::infinity();
-      for (std::size_t f = 0; f < ports.size(); ++f)
-        if (active[f] && rate[f] > 0) first = std::min(first, remaining[f] / rate[f]);
-      if (!std::isfinite(first)) fail("simulate: a flow got no bandwidth (internal error)");
-      // Flows finishing within 1% of the stage's elapsed time retire
-      // together (at the latest of their times): it bounds the rate
-      // recomputations to a few hundred per stage.
-      double step = first;
-      const double window = first + 0.01 * (now + first);
-      for (std::size_t f = 0; f < ports.size(); ++f)
-        if (active[f] && remaining[f] / rate[f] <= window) step = std::max(step, remaining[f] / rate[f]);
-      for (std::size_t f = 0; f < ports.size(); ++f) {
-        if (!active[f]) continue;
-        if (remaining[f] / rate[f] <= step * (1 + 1e-12)) {
-          active[f] = 0;
-          --left;
-        } else {
-          remaining[f] -= rate[f] * step;
-        }
+    // Fluid max-min fair transfer on the classes of alike flows and ports.
+    std::vector<std::uint8_t> kind(cap.size());
+    for (std::size_t p = 0; p < cap.size(); ++p)
+      kind[p] = static_cast<std::uint8_t>(p == static_cast<std::size_t>(fabric) ? static_cast<int>(Port::fabric) : static_cast<int>(p % 5));
+    const sim_detail::Classes cls = sim_detail::refine(ports, remaining, cap, kind);
+    st.classes = cls.flows;
+    st.port_classes = cls.ports;
+    std::vector<sim_detail::FlowPorts> cports(static_cast<std::size_t>(cls.flows), sim_detail::FlowPorts{-1, -1, -1});
+    std::vector<double> cbytes(static_cast<std::size_t>(cls.flows), 0), ccap(static_cast<std::size_t>(cls.ports), 0);
+    std::vector<double> members(static_cast<std::size_t>(cls.flows), 0), port_members(static_cast<std::size_t>(cls.ports), 0);
+    for (std::size_t f = 0; f < ports.size(); ++f) {
+      const auto k = static_cast<std::size_t>(cls.of_flow[f]);
+      members[k] += 1;
+      cbytes[k] = remaining[f];
+      for (int sl = 0; sl < 3; ++sl) {
+        const std::int32_t p = ports[f][static_cast<std::size_t>(sl)];
+        cports[k][static_cast<std::size_t>(sl)] = p < 0 ? -1 : cls.of_port[static_cast<std::size_t>(p)];
       }
-      now += step;
     }
-    st.fluid_seconds = now;
+    for (std::size_t p = 0; p < cap.size(); ++p)
+      if (cls.of_port[p] >= 0) {
+        port_members[static_cast<std::size_t>(cls.of_port[p])] += 1;
+        ccap[static_cast<std::size_t>(cls.of_port[p])] = cap[p];
+      }
+    // Each port of class j carries members(k) / members(j) flows of class k.
+    std::vector<std::array<double, 3>> weight(static_cast<std::size_t>(cls.flows), {0, 0, 0});
+    for (std::size_t k = 0; k < weight.size(); ++k)
+      for (int sl = 0; sl < 3; ++sl) {
+        const std::int32_t j = cports[k][static_cast<std::size_t>(sl)];
+        if (j < 0) continue;
+        const double w = members[k] / port_members[static_cast<std::size_t>(j)];
+        if (w != std::floor(w)) fail("simulate: flow classes are not equitable (internal error)");
+        weight[k][static_cast<std::size_t>(sl)] = w;
+      }
+    st.fluid_seconds = sim_detail::fluid_time(cports, weight, std::move(cbytes), ccap, st.events);
     double msg = 0;
     for (std::size_t g = 0; g < msg_cost_out.size(); ++g) msg = std::max({msg, msg_cost_out[g], msg_cost_in[g]});
     st.latency_seconds = msg + topo.stage_latency_us * 1e-6;
