@@ -6,7 +6,6 @@
 //     --train tp=1,pp=4,dp=32,ep=16 --infer tp=8,dp=16 --rank 0 --rank 256
 #include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <string>
 #include <vector>
 
@@ -15,18 +14,10 @@
 
 #include "reshard/plan.hpp"
 #include "reshard/presets/presets.hpp"
+#include "bench_clock.hpp"
 
-namespace {
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-// Process CPU time: on a shared, loaded machine wall time overstates the work.
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
-}  // namespace
+using bench::cpu_seconds;
+using bench::seconds_since;
 
 int main(int argc, char** argv) {
   CLI::App app{"Time presets + plan() on a whole model"};

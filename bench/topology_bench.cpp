@@ -14,8 +14,6 @@
 // still applies, over 24-byte records. --hierarchical needs the whole plan.
 // --per-expert: one tensor per expert (3 x 384 per MoE layer for Kimi-K2)
 // instead of grouped experts, to see how the cost grows with tensors.
-#include <sys/resource.h>
-
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -33,19 +31,12 @@
 #include "reshard/simulate.hpp"
 #include "reshard/stream_traffic.hpp"
 #include "reshard/topology.hpp"
+#include "bench_clock.hpp"
 
 using namespace reshard;
 
-namespace {
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-double peak_rss_gb() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1e6;  // KiB -> GB (approximately)
-}
-}  // namespace
+using bench::peak_rss_gb;
+using bench::seconds_since;
 
 int main(int argc, char** argv) {
   CLI::App app{"Times planning and simulating refits at growing cluster sizes", "topology-bench"};
@@ -82,7 +73,7 @@ int main(int argc, char** argv) {
       presets::PresetOptions popt;
       popt.group_experts = !per_expert;
       auto m = presets::model_layouts(model, train, infer, popt);
-      const double layouts_s = since(t0);
+      const double layouts_s = seconds_since(t0);
       Topology topo = load_topology(topology);
       topo.placement = PlacementKind::separate;
       const RankPlacement place(topo, m.train, m.infer);
@@ -110,26 +101,26 @@ int main(int argc, char** argv) {
           HierarchicalOptions ho;
           ho.plan = po;
           s = plan_hierarchical(m.train, m.infer, place, ho);
-          plan_s = since(t0);
+          plan_s = seconds_since(t0);
         } else {
           s.schedule = plan(m.train, m.infer, po);
-          plan_s = since(t0);
+          plan_s = seconds_since(t0);
           t0 = std::chrono::steady_clock::now();
           prefer_near(s.schedule, m.train, m.infer, place);
-          near_s = since(t0);
+          near_s = seconds_since(t0);
         }
         copies = static_cast<std::int64_t>(s.schedule.copies.size());
         stages = s.stages;
         t0 = std::chrono::steady_clock::now();
         add_traffic(tr, s);
-        traffic_s = since(t0);
+        traffic_s = seconds_since(t0);
       }
       t0 = std::chrono::steady_clock::now();
       const SimResult r = simulate(tr);
-      const double sim_s = since(t0);
+      const double sim_s = seconds_since(t0);
       t0 = std::chrono::steady_clock::now();
       const LowerBound lb = refit_lower_bound(m.train, m.infer, place);
-      const double lb_s = since(t0);
+      const double lb_s = seconds_since(t0);
       std::int64_t flows = 0, classes = 0, port_classes = 0, events = 0;
       for (const auto& st : r.stages) {
         flows += st.flows;
