@@ -106,8 +106,21 @@ test_targets() {
   done
   # `help` also lists per-file targets (tools/x.o, .i, .s): keep plain names.
   cmake --build "$dir" --target help | sed -n 's/^\.\.\. \([^ /]*\)$/\1/p; s/^\.\.\. \([^ /]*\) .*/\1/p' |
-    grep -v -x -E 'all|clean|depend|edit_cache|rebuild_cache|install|install/local|install/strip|list_install_components|test|reshard_test_main' |
+    grep -v -x -E 'all|clean|depend|edit_cache|rebuild_cache|install|install/local|install/strip|list_install_components|test|reshard_test_main|reshard-group' |
     grep -v -x -F -f <(printf '%s\n' "${benches[@]}" "__none__")
+}
+
+# Builds targets of a configured folder at -j$jobs. Not `--target a b c`:
+# the Makefile generator builds those one after another, one file at a time
+# (each is one source file); the group target (RESHARD_TARGET_GROUP in
+# CMakeLists.txt) depends on all of them, so make runs their files in parallel.
+build_group() {
+  local dir=$1
+  shift
+  local list
+  list=$(IFS=';'; echo "$*")
+  cmake -S . -B "$dir" -DRESHARD_TARGET_GROUP="$list" >> "$dir/configure.log"
+  cmake --build "$dir" -j"$jobs" --target reshard-group
 }
 
 # ------------------------------------------------------------------- ASan
@@ -115,7 +128,7 @@ if want asan; then
   stamp "asan: configure and build (build-asan, g++, address,undefined)"
   cmake -S . -B build-asan -DRESHARD_SANITIZE=address,undefined -DRESHARD_WITH_CUDA=OFF > build-asan/configure.log
   mapfile -t targets < <(test_targets build-asan)
-  cmake --build build-asan -j"$jobs" --target "${targets[@]}"
+  build_group build-asan "${targets[@]}"
   stamp "asan: ctest"
   RESHARD_SEEDS=${RESHARD_SAN_SEEDS:-1:600} ctest --test-dir build-asan --output-on-failure -j"$jobs" -E '^(static_fail|ucx\.mpi)\.'
   # The mpirun tests' leaks come from inside Open MPI (its op and component
@@ -143,7 +156,7 @@ if want tsan; then
     tsan_tests+='|test_ucx_fork'
   fi
   tsan_tests+=')$'
-  cmake --build build-tsan -j"$jobs" --target "${targets[@]}"
+  build_group build-tsan "${targets[@]}"
   stamp "tsan: ctest"
   # TSan needs the address space layout it expects (no ASLR surprises on new kernels).
   setarch "$(uname -m)" -R true 2>/dev/null && tsan_prefix=(setarch "$(uname -m)" -R) || tsan_prefix=()
@@ -158,7 +171,9 @@ if want fuzz; then
   cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DRESHARD_SANITIZE=address,undefined \
     -DRESHARD_BUILD_FUZZERS=ON -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_TOOLS=OFF > build-fuzz/configure.log
   fuzzers=(layout_json plan schedule_replay)
-  cmake --build build-fuzz -j"$jobs" --target $(printf 'fuzz-%s ' "${fuzzers[@]//_/-}")
+  fuzz_targets=()
+  for t in "${fuzzers[@]}"; do fuzz_targets+=("fuzz-${t//_/-}"); done
+  build_group build-fuzz "${fuzz_targets[@]}"
   failed=0
   for t in "${fuzzers[@]}"; do
     exe="build-fuzz/bin/fuzz-${t//_/-}"

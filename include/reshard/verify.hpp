@@ -71,10 +71,10 @@ void for_each_slot_run(const Layout& L, std::int64_t pos, int buf, F&& f) {
   if (lb.spec >= 0 && L.buffers[static_cast<std::size_t>(lb.spec)].kind == BufferKind::flat) {
     // A padded flat sequence: the rank's range may run past the real elements.
     const FlatRange fr = flat_range(L, pos, L.buffers[static_cast<std::size_t>(lb.spec)]);
-    if (fr.any && fr.hi > fr.length) {
-      const std::int64_t a = std::max(fr.lo, fr.length);
-      f(a - fr.lo, fr.hi - a, -1, std::int64_t{-1});
-    }
+    // (Ranks whose range lies wholly in the padding past the end may hold
+    // nothing at all: no empty run, their buffer may have no storage.)
+    const std::int64_t a = std::max(fr.lo, fr.length);
+    if (fr.any && fr.hi > a) f(a - fr.lo, fr.hi - a, -1, std::int64_t{-1});
   }
   for (int t : lb.tensors) {
     const TensorStorage st = tensor_storage(L, pos, t);
