@@ -4,6 +4,9 @@
 // staged oracle catching planted faults.
 #include <doctest/doctest.h>
 
+#include <map>
+#include <tuple>
+
 #include "plan_test_util.hpp"
 #include "random_layouts.hpp"
 #include "reshard/hierarchical.hpp"
@@ -164,6 +167,109 @@ TEST_CASE("prefer_near hands copies to a replica in the destination's domain, an
   CHECK(sent[2] == sent[3]);
   const auto res = oracle::check_schedule(src, dst, s);
   CHECK_MESSAGE(res.ok, res.fault);
+}
+
+// The contract of SenderChoice, against a plain reference: every replica
+// found by scanning all source positions (same part, identical storage),
+// then the nearest, least busy one per stage, the current sender on a tie,
+// copies taken largest first. (The library finds replicas by part digits,
+// shares lists between replicas and answers far copies from a tree.)
+namespace {
+std::vector<std::int64_t> reference_senders(const std::vector<Copy>& copies, const std::vector<std::int32_t>& stage,
+                                            const std::vector<std::uint8_t>& from_dst, const Layout& src, const Layout& dst,
+                                            const RankPlacement& place) {
+  const auto src_of = match_tensors(src, dst);
+  const double inv[2] = {1 / place.topology().nic_bytes_per_s(), 1 / place.topology().nvlink_bytes_per_s()};
+  std::map<std::tuple<std::int32_t, std::int64_t, int>, double> busy;  // (stage, rank, port)
+  auto stage_of = [&](std::size_t i) { return stage.empty() ? 0 : stage[i]; };
+  auto distance = [&](std::int64_t a, std::int64_t b) {
+    return place.node(a) == place.node(b) ? 0 : place.domain(a) == place.domain(b) ? 1 : 2;
+  };
+  std::vector<std::int64_t> sender(copies.size());
+  std::vector<std::pair<std::int64_t, std::size_t>> movable;
+  for (std::size_t i = 0; i < copies.size(); ++i) {
+    const Copy& c = copies[i];
+    sender[i] = c.src_rank;
+    if (c.is_local()) continue;
+    if ((!from_dst.empty() && from_dst[i]) || !src.mesh.position_of(c.src_rank)) {
+      const int port = place.domain(c.src_rank) == place.domain(c.dst_rank) ? 1 : 0;
+      busy[{stage_of(i), c.src_rank, port}] += static_cast<double>(c.bytes()) * inv[port];
+    } else {
+      movable.emplace_back(-c.bytes(), i);
+    }
+  }
+  std::stable_sort(movable.begin(), movable.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  for (auto [nb, i] : movable) {
+    const Copy& c = copies[i];
+    const int st = src_of[static_cast<std::size_t>(c.tensor)];
+    const auto& ts = src.tensors[static_cast<std::size_t>(st)];
+    const std::int64_t spos = *src.mesh.position_of(c.src_rank);
+    const TensorStorage mine = tensor_storage(src, spos, st);
+    std::vector<std::int64_t> cand;
+    for (std::int64_t h = 0; h < src.mesh.size(); ++h) {
+      if (!src.holds(h, st)) continue;
+      bool same_part = true;
+      for (int d = 0; d < ts.rank(); ++d)
+        same_part &= ts.dims[static_cast<std::size_t>(d)].part_of(src.mesh, h) == ts.dims[static_cast<std::size_t>(d)].part_of(src.mesh, spos);
+      if (same_part && (h == spos || ts.buffer < 0 || hier_detail::same_storage(tensor_storage(src, h, st), mine)))
+        cand.push_back(src.mesh.global_rank(h));
+    }
+    int near = 3;
+    for (auto r : cand)
+      if (r != c.dst_rank) near = std::min(near, distance(r, c.dst_rank));
+    const int port = near == 2 ? 0 : 1;
+    std::int64_t best = -1;
+    double best_busy = 0;
+    for (auto r : cand) {
+      if (r == c.dst_rank || distance(r, c.dst_rank) != near) continue;
+      const double b = busy[{stage_of(i), r, port}];
+      if (best < 0 || b < best_busy || (b == best_busy && r == c.src_rank)) {
+        best = r;
+        best_busy = b;
+      }
+    }
+    REQUIRE(best >= 0);
+    busy[{stage_of(i), best, port}] += static_cast<double>(c.bytes()) * inv[port];
+    sender[i] = best;
+  }
+  return sender;
+}
+}  // namespace
+
+TEST_CASE("choose_senders picks the senders of a plain scan over all replicas (plain and staged plans)") {
+  const std::vector<Topology> topos = {small_topology(2, 4, PlacementKind::separate), small_topology(1, 3, PlacementKind::launch),
+                                       small_topology(4, 8, PlacementKind::separate), small_topology(2, 2, PlacementKind::launch)};
+  int changed = 0, far_choices = 0;
+  for (std::uint64_t seed = 1; seed <= 80; ++seed) {
+    const auto pair = testgen::random_layout_pair(seed + 500);
+    const Topology& topo = topos[seed % topos.size()];
+    const RankPlacement place(topo, pair.src, pair.dst);
+    PlanOptions po;
+    po.split_bytes = seed % 2 ? std::int64_t{1} << 30 : 64;  // whole pieces, or slabs over the replicas
+    StagedSchedule plans[2] = {plain_staged(plan(pair.src, pair.dst, po)), {}};
+    HierarchicalOptions ho;
+    ho.plan = po;
+    ho.pipeline = 2;
+    ho.prefer_near = false;
+    plans[1] = plan_hierarchical(pair.src, pair.dst, place, ho);
+    for (auto& h : plans) {
+      const auto want = reference_senders(h.schedule.copies, h.stage, h.from_dst, pair.src, pair.dst, place);
+      auto copies = h.schedule.copies;
+      const std::int64_t moved = choose_senders(copies, &h.stage, &h.from_dst, pair.src, pair.dst, place);
+      std::int64_t want_moved = 0;
+      for (std::size_t i = 0; i < copies.size(); ++i) {
+        REQUIRE_MESSAGE(copies[i].src_rank == want[i], "copy " << i << " of " << copies.size() << ", staged " << (&h == &plans[1])
+                                                               << "\n" << topo.name << "\n" << pair.describe());
+        if (want[i] != h.schedule.copies[i].src_rank) want_moved += copies[i].bytes();
+        if (!copies[i].is_local() && place.domain(want[i]) != place.domain(copies[i].dst_rank)) ++far_choices;
+      }
+      CHECK(moved == want_moved);
+      changed += moved > 0;
+    }
+  }
+  MESSAGE("plans whose senders changed: " << changed << "; copies sent across domains: " << far_choices);
+  CHECK(changed > 10);
+  CHECK(far_choices > 100);
 }
 
 TEST_CASE("the staged oracle catches reads before writes, wrong layouts and duplicate fan-out") {

@@ -27,8 +27,10 @@
 //   rank that holds some of the tensor in the source layout) keep their
 //   direct copies.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <set>
@@ -122,99 +124,216 @@ inline std::int64_t real_elements(const TensorStorage& s, const std::vector<std:
 
 }  // namespace hier_detail
 
-/// Topology-aware sender choice over a list of copies (stage[i] and
-/// from_dst[i] optional): each copy that reads the source layout across
-/// ranks may be sent by any replica of its source part whose storage of the
-/// tensor is identical (then the same offsets read the same elements). The
-/// nearest replicas win (same node as the destination, then same NVLink
-/// domain, then any); among those, the one whose port (NIC or NVLink egress)
-/// is least busy in that stage, in seconds; copies are placed largest first.
+/// Topology-aware sender choice, one copy at a time (choose_senders() below
+/// runs it over a schedule, streamed_traffic() over records). A copy that
+/// reads the source layout across ranks may be sent by any replica of its
+/// source part whose storage of the tensor is identical (then the same
+/// offsets read the same elements). The nearest replicas win (same node as
+/// the destination, then same NVLink domain, then any); among those, the one
+/// whose port (NIC or NVLink egress) is least busy in that stage, in
+/// seconds, the current sender on a tie. Callers hand it the copies whose
+/// sender is fixed first (load), then the movable ones largest first
+/// (choose): a greedy pass with every port's busy time shared by all copies.
+class SenderChoice {
+ public:
+  /// top_rank: the largest rank any copy names; stages: how many there are.
+  SenderChoice(const Layout& src, const Layout& dst, const RankPlacement& place, std::int64_t top_rank, std::int32_t stages)
+      : src_(src), place_(place), src_of_(match_tensors(src, dst)), stages_(std::max(stages, 1)) {
+    for (auto r : src.mesh.global_ranks()) top_rank = std::max(top_rank, r);
+    R_ = static_cast<std::size_t>(top_rank + 1);
+    inv_[0] = 1 / place.topology().nic_bytes_per_s();
+    inv_[1] = 1 / place.topology().nvlink_bytes_per_s();
+    busy_.assign(static_cast<std::size_t>(stages_) * R_ * 2, 0);
+    member_of_.resize(static_cast<std::size_t>(stages_) * R_);
+  }
+
+  /// A copy whose sender stays (it reads the destination layout, or comes
+  /// from a rank outside the source mesh): its port's load only.
+  void load(std::int32_t stage, std::int64_t from, std::int64_t to, std::int64_t bytes) {
+    const int port = place_.domain(from) == place_.domain(to) ? 1 : 0;
+    add_busy(stage, from, port, static_cast<double>(bytes) * inv_[port]);
+  }
+
+  /// The sender for a copy of destination tensor dt that `from` (a source
+  /// rank) would send to `to`; its port is loaded.
+  std::int64_t choose(std::int32_t stage, std::int64_t from, std::int64_t to, int dt, std::int64_t bytes) {
+    const auto spos = src_.mesh.position_of(from);
+    if (!spos) fail("choose_senders: rank {} is not in the source mesh", from);
+    const std::int32_t l = replicas_of(*spos, src_of_[static_cast<std::size_t>(dt)]);
+    const auto& cand = lists_[static_cast<std::size_t>(l)].ranks;
+    std::int64_t best = -1;
+    int port = 0;
+    if (!lists_[static_cast<std::size_t>(l)].near(place_.node(to), place_.domain(to))) {
+      // No replica near the destination (nor the destination itself: the
+      // common case of separate training and inference GPUs): the least busy
+      // NIC, found by the list's tree, the current sender on a tie.
+      const Tree& t = tree_of(stage, l);
+      best = cand[static_cast<std::size_t>(t.win[1])];
+      if (busy(stage, from, 0) == busy(stage, best, 0)) best = from;
+    } else {
+      int near = 3;
+      for (auto r : cand)
+        if (r != to) near = std::min(near, distance(r, to));
+      port = near == 2 ? 0 : 1;
+      double best_busy = 0;
+      for (auto r : cand) {
+        if (r == to || distance(r, to) != near) continue;
+        const double b = busy(stage, r, port);
+        if (best < 0 || b < best_busy || (b == best_busy && r == from)) {
+          best = r;
+          best_busy = b;
+        }
+      }
+      if (best < 0) best = from;  // cannot happen: the sender is its own replica
+    }
+    add_busy(stage, best, port, static_cast<double>(bytes) * inv_[port]);
+    return best;
+  }
+
+ private:
+  /// The ranks of identical replicas, with their nodes and domains sorted.
+  struct Replicas {
+    std::vector<std::int64_t> ranks;
+    std::vector<std::int64_t> nodes, domains;
+    bool near(std::int64_t node, std::int64_t domain) const {
+      return std::binary_search(nodes.begin(), nodes.end(), node) || std::binary_search(domains.begin(), domains.end(), domain);
+    }
+  };
+  /// A tournament tree over a list's NIC busy time in one stage: the first
+  /// minimum in list order (as a scan finds it) in O(log n) per update.
+  struct Tree {
+    std::int32_t stage = 0, list = 0;
+    std::size_t leaves = 0;
+    std::vector<std::int32_t> win;  ///< per node: the list position of its minimum
+  };
+
+  double& busy(std::int32_t stage, std::int64_t rank, int port) {
+    return busy_[(static_cast<std::size_t>(stage) * R_ + static_cast<std::size_t>(rank)) * 2 + static_cast<std::size_t>(port)];
+  }
+  int distance(std::int64_t from, std::int64_t to) const {
+    if (place_.node(from) == place_.node(to)) return 0;
+    return place_.domain(from) == place_.domain(to) ? 1 : 2;
+  }
+
+  /// (source position, source tensor) -> its replica list. Identical
+  /// storage is an equivalence: a list is found once per replica group and
+  /// shared by its members, and tensors held by the same replicas share one
+  /// list (a 10,000-GPU refit has thousands of replicas per part: one list
+  /// per position would cost gigabytes).
+  std::int32_t replicas_of(std::int64_t spos, int st) {
+    const auto T = static_cast<std::int64_t>(src_.tensors.size());
+    auto it = replica_list_.find(spos * T + st);
+    if (it != replica_list_.end()) return it->second;
+    const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
+    std::vector<std::int64_t> parts;
+    for (int d = 0; d < sts.rank(); ++d) parts.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, spos));
+    const bool alone = sts.buffer < 0;  // stored alone: the same part is the same storage
+    TensorStorage mine;
+    if (!alone) mine = tensor_storage(src_, spos, st);
+    std::vector<std::int64_t> ranks, members;
+    for (auto h : positions_of_part(src_, st, parts))
+      if (h == spos || alone || hier_detail::same_storage(tensor_storage(src_, h, st), mine)) {
+        ranks.push_back(src_.mesh.global_rank(h));
+        members.push_back(h);
+      }
+    auto [known, fresh] = by_content_.emplace(ranks, static_cast<std::int32_t>(lists_.size()));
+    if (fresh) {
+      Replicas rep;
+      for (auto r : ranks) {
+        rep.nodes.push_back(place_.node(r));
+        rep.domains.push_back(place_.domain(r));
+      }
+      std::sort(rep.nodes.begin(), rep.nodes.end());
+      std::sort(rep.domains.begin(), rep.domains.end());
+      rep.ranks = std::move(ranks);
+      lists_.push_back(std::move(rep));
+    }
+    for (auto h : members) replica_list_.emplace(h * T + st, known->second);
+    return known->second;
+  }
+
+  double nic_busy(const Tree& t, std::int32_t pos) {
+    const auto& L = lists_[static_cast<std::size_t>(t.list)].ranks;
+    return pos < static_cast<std::int32_t>(L.size()) ? busy(t.stage, L[static_cast<std::size_t>(pos)], 0)
+                                                       : std::numeric_limits<double>::infinity();
+  }
+  std::int32_t winner(Tree& t, std::size_t node) {  // of its two children: smaller busy, then earlier
+    const std::int32_t a = t.win[2 * node], b = t.win[2 * node + 1];
+    const double x = nic_busy(t, a), y = nic_busy(t, b);
+    return x < y || (x == y && a < b) ? a : b;
+  }
+  Tree& tree_of(std::int32_t stage, std::int32_t l) {
+    const auto key = (static_cast<std::uint64_t>(stage) << 32) | static_cast<std::uint32_t>(l);
+    auto [it, fresh] = tree_index_.emplace(key, static_cast<std::int32_t>(trees_.size()));
+    if (!fresh) return trees_[static_cast<std::size_t>(it->second)];
+    const auto& L = lists_[static_cast<std::size_t>(l)].ranks;
+    Tree t;
+    t.stage = stage;
+    t.list = l;
+    t.leaves = 1;
+    while (t.leaves < L.size()) t.leaves *= 2;
+    t.win.assign(2 * t.leaves, 0);
+    for (std::size_t i = 0; i < t.leaves; ++i) t.win[t.leaves + i] = static_cast<std::int32_t>(i);
+    for (std::size_t n = t.leaves - 1; n >= 1; --n) t.win[n] = winner(t, n);
+    for (std::size_t i = 0; i < L.size(); ++i)
+      member_of_[static_cast<std::size_t>(stage) * R_ + static_cast<std::size_t>(L[i])].emplace_back(it->second,
+                                                                                                static_cast<std::int32_t>(i));
+    trees_.push_back(std::move(t));
+    return trees_.back();
+  }
+  void add_busy(std::int32_t stage, std::int64_t rank, int port, double seconds) {
+    busy(stage, rank, port) += seconds;
+    if (port != 0) return;
+    // A rank is in a few lists only: keeping their trees current is cheap.
+    for (auto [tree, pos] : member_of_[static_cast<std::size_t>(stage) * R_ + static_cast<std::size_t>(rank)]) {
+      Tree& t = trees_[static_cast<std::size_t>(tree)];
+      for (std::size_t node = (t.leaves + static_cast<std::size_t>(pos)) / 2; node >= 1; node /= 2) t.win[node] = winner(t, node);
+    }
+  }
+
+  const Layout& src_;
+  const RankPlacement& place_;
+  std::vector<int> src_of_;
+  std::int32_t stages_;
+  std::size_t R_ = 0;
+  std::array<double, 2> inv_{};  ///< seconds per byte: NIC, NVLink
+  std::vector<double> busy_;     ///< (stage, rank, port: 0 NIC, 1 NVLink) seconds
+  std::unordered_map<std::int64_t, std::int32_t> replica_list_;
+  std::vector<Replicas> lists_;
+  std::map<std::vector<std::int64_t>, std::int32_t> by_content_;
+  std::vector<Tree> trees_;
+  std::unordered_map<std::uint64_t, std::int32_t> tree_index_;
+  std::vector<std::vector<std::pair<std::int32_t, std::int32_t>>> member_of_;  ///< (stage, rank) -> (tree, position)
+};
+
+/// SenderChoice over a list of copies (stage[i] and from_dst[i] optional).
 /// Returns the bytes whose sender changed.
 inline std::int64_t choose_senders(std::vector<Copy>& copies, const std::vector<std::int32_t>* stage,
                                    const std::vector<std::uint8_t>* from_dst, const Layout& src, const Layout& dst,
                                    const RankPlacement& place) {
-  const std::vector<int> src_of = match_tensors(src, dst);
-  const Topology& topo = place.topology();
-  const double inv_nic = 1 / topo.nic_bytes_per_s(), inv_nvl = 1 / topo.nvlink_bytes_per_s();
   auto stage_of = [&](std::size_t i) { return stage && !stage->empty() ? (*stage)[i] : 0; };
   auto reads_dst = [&](std::size_t i) { return from_dst && !from_dst->empty() && (*from_dst)[i] != 0; };
-  std::map<std::pair<std::int64_t, int>, TensorStorage> store;
-  auto storage = [&](std::int64_t pos, int st) -> const TensorStorage& {
-    auto key = std::make_pair(pos, st);
-    auto it = store.find(key);
-    if (it == store.end()) it = store.emplace(key, tensor_storage(src, pos, st)).first;
-    return it->second;
-  };
-  // (source position, source tensor) -> ranks of the identical replicas.
-  const auto T = static_cast<std::int64_t>(src.tensors.size());
-  std::unordered_map<std::int64_t, std::vector<std::int64_t>> replicas;
-  auto replicas_of = [&](std::int64_t spos, int st) -> const std::vector<std::int64_t>& {
-    const std::int64_t key = spos * T + st;
-    auto it = replicas.find(key);
-    if (it != replicas.end()) return it->second;
-    std::vector<std::int64_t> out;
-    const auto& sts = src.tensors[static_cast<std::size_t>(st)];
-    std::vector<std::int64_t> parts;
-    for (int d = 0; d < sts.rank(); ++d) parts.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src.mesh, spos));
-    const auto holders = positions_of_part(src, st, parts);
-    const bool alone = sts.buffer < 0;  // stored alone: the same part is the same storage
-    for (auto h : holders)
-      if (h == spos || alone || hier_detail::same_storage(storage(h, st), storage(spos, st)))
-        out.push_back(src.mesh.global_rank(h));
-    return replicas.emplace(key, std::move(out)).first->second;
-  };
-  auto distance = [&](std::int64_t from, std::int64_t to) {
-    if (place.node(from) == place.node(to)) return 0;
-    return place.domain(from) == place.domain(to) ? 1 : 2;
-  };
-  // Busy seconds per (stage, rank, port: 0 NIC, 1 NVLink), dense.
   std::int32_t stages = 1;
   std::int64_t top_rank = 0;
   for (std::size_t i = 0; i < copies.size(); ++i) {
     stages = std::max(stages, stage_of(i) + 1);
     top_rank = std::max({top_rank, copies[i].src_rank, copies[i].dst_rank});
   }
-  for (auto r : src.mesh.global_ranks()) top_rank = std::max(top_rank, r);
-  const auto R = static_cast<std::size_t>(top_rank + 1);
-  std::vector<double> busy_v(static_cast<std::size_t>(stages) * R * 2, 0);
-  auto busy = [&](std::int32_t st, std::int64_t rank, int port) -> double& {
-    return busy_v[(static_cast<std::size_t>(st) * R + static_cast<std::size_t>(rank)) * 2 + static_cast<std::size_t>(port)];
-  };
+  SenderChoice choice(src, dst, place, top_rank, stages);
   std::vector<std::pair<std::int64_t, std::size_t>> movable;  // (-bytes, index): largest first, stable
   for (std::size_t i = 0; i < copies.size(); ++i) {
     const Copy& c = copies[i];
     if (c.is_local()) continue;
-    const int port = place.domain(c.src_rank) == place.domain(c.dst_rank) ? 1 : 0;
-    if (reads_dst(i) || !src.mesh.position_of(c.src_rank)) {
-      busy(stage_of(i), c.src_rank, port) += static_cast<double>(c.bytes()) * (port ? inv_nvl : inv_nic);
-      continue;
-    }
-    movable.emplace_back(-c.bytes(), i);
+    if (reads_dst(i) || !src.mesh.position_of(c.src_rank))
+      choice.load(stage_of(i), c.src_rank, c.dst_rank, c.bytes());
+    else
+      movable.emplace_back(-c.bytes(), i);
   }
   std::sort(movable.begin(), movable.end());
   std::int64_t moved = 0;
   for (auto [neg_bytes, i] : movable) {
     Copy& c = copies[i];
-    const auto spos = *src.mesh.position_of(c.src_rank);
-    const auto& cand = replicas_of(spos, src_of[static_cast<std::size_t>(c.tensor)]);
-    int near = 3;
-    for (auto r : cand)
-      if (r != c.dst_rank) near = std::min(near, distance(r, c.dst_rank));
-    const int port = near == 2 ? 0 : 1;
-    const double cost = static_cast<double>(c.bytes()) * (port ? inv_nvl : inv_nic);
-    const std::int32_t st = stage_of(i);
-    std::int64_t best = -1;
-    double best_busy = 0;
-    for (auto r : cand) {
-      if (r == c.dst_rank || distance(r, c.dst_rank) != near) continue;
-      const double b = busy(st, r, port);
-      if (best < 0 || b < best_busy || (b == best_busy && r == c.src_rank)) {
-        best = r;
-        best_busy = b;
-      }
-    }
-    if (best < 0) best = c.src_rank;  // cannot happen: the plan's own sender is a candidate
-    busy(st, best, port) += cost;
+    const std::int64_t best = choice.choose(stage_of(i), c.src_rank, c.dst_rank, c.tensor, c.bytes());
     if (best != c.src_rank) {
       moved += c.bytes();
       c.src_rank = best;
