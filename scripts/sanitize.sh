@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sanitizer and fuzzing runs (meant to follow ctest in the test command; not
-# in CI yet, as it has not run to the end on a 2-core machine):
+# Sanitizer and fuzzing runs (the last step of the README's test command,
+# which .ci/run runs):
 #
 #   bash scripts/sanitize.sh [asan] [tsan] [fuzz]      (no argument: all three)
 #
