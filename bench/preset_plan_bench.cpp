@@ -4,6 +4,8 @@
 //
 //   preset-plan-bench --model ../shared/models/deepseek-v3.json
 //     --train tp=1,pp=4,dp=32,ep=16 --infer tp=8,dp=16 --rank 0 --rank 256
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -18,6 +20,15 @@
 
 using bench::cpu_seconds;
 using bench::seconds_since;
+
+// Minor page faults of this process so far: a one-rank plan's cost is much
+// in the memory it touches for the first time, and unlike time on a shared
+// machine this count is the same from run to run.
+static long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
 
 int main(int argc, char** argv) {
   CLI::App app{"Time presets + plan() on a whole model"};
@@ -66,12 +77,14 @@ int main(int argc, char** argv) {
     for (auto r : ranks) {
       reshard::PlanOptions po;
       po.only_rank = r;
+      const long f0 = minor_faults();
       t0 = std::chrono::steady_clock::now();
       const double c0 = cpu_seconds();
       const auto s = reshard::plan(m.train, m.infer, po);
       const double t = seconds_since(t0), cpu = cpu_seconds() - c0;
-      fmt::print("plan rank {}: {:.4f} s ({:.4f} s CPU), {} copies, {:.3f} GiB\n", r, t, cpu, s.copies.size(),
-                 s.stats.bytes / double(1ull << 30));
+      const long faults = minor_faults() - f0;
+      fmt::print("plan rank {}: {:.4f} s ({:.4f} s CPU), {} copies, {:.3f} GiB, {} page faults\n", r, t, cpu,
+                 s.copies.size(), s.stats.bytes / double(1ull << 30), faults);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());

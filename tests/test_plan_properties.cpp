@@ -113,7 +113,7 @@ TEST_CASE("random layout pairs: coalescing on and off move the same elements") {
                          << " copies uncoalesced, " << merged << " coalesced");
 }
 
-TEST_CASE("random layout pairs: only_rank plans are exactly the full plan's copies of that rank") {
+TEST_CASE("random layout pairs: only_rank plans are exactly the full plan's copies of that rank, in its order") {
   const auto [first, count] = seed_range(200001, 1000);
   std::int64_t plans = 0;
   for (std::uint64_t seed = first; seed < first + count; ++seed) {
@@ -138,6 +138,12 @@ TEST_CASE("random layout pairs: only_rank plans are exactly the full plan's copi
         FAIL("only_rank " << rank << ": " << part.copies.size() << " copies, the full plan has " << want.size()
                           << " involving it (coalesce " << opt.coalesce << ")\n"
                           << pair.describe());
+      // In the same order too: a rank's copies sorted as the full plan sorts them.
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (copy_key(part.copies[i]) != copy_key(want[i]))
+          FAIL("only_rank " << rank << ": copy " << i << " differs from the full plan's order (coalesce " << opt.coalesce
+                            << ")\n"
+                            << pair.describe());
       oracle::CheckOptions co;
       co.only_rank = rank;
       const auto r = oracle::check_schedule(pair.src, pair.dst, part, co);

@@ -1,6 +1,10 @@
 // Hand-checked plans: the copies a few small layout pairs must produce.
+#include <map>
+#include <random>
+
 #include <doctest/doctest.h>
 
+#include "plan_test_util.hpp"
 #include "reshard/reshard.hpp"
 
 using namespace reshard;
@@ -48,4 +52,81 @@ TEST_CASE("colocated identical layouts copy locally only") {
   auto s = plan(src, dst);
   CHECK(s.stats.bytes == 0);
   CHECK(s.stats.local_bytes == 8 * 4 * 2);
+}
+
+TEST_CASE("CopyLog gives back every copy as pushed, in push order, across blocks") {
+  std::mt19937_64 rng(7);
+  auto any = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  std::vector<Copy> pushed;
+  detail::CopyLog log;
+  for (int i = 0; i < 5000; ++i) {  // ~50 words each: several 8192-word blocks
+    Copy c;
+    c.src_rank = any(0, std::int64_t{1} << 40);
+    c.dst_rank = any(-1, 1000);
+    c.src_buffer = static_cast<std::int32_t>(any(0, INT32_MAX));
+    c.dst_buffer = static_cast<std::int32_t>(any(0, 100));
+    c.tensor = static_cast<std::int32_t>(any(0, 5000));
+    c.element_bytes = static_cast<std::int32_t>(any(1, 8));
+    c.src_offset = any(0, INT64_MAX);
+    c.dst_offset = any(0, 1 << 30);
+    c.rank = static_cast<std::int32_t>(any(1, kMaxBoxRank));
+    for (int d = 0; d < c.rank; ++d) {
+      c.extent[static_cast<std::size_t>(d)] = any(1, 1 << 20);
+      c.src_stride[static_cast<std::size_t>(d)] = any(-5, INT64_MAX / 2);
+      c.dst_stride[static_cast<std::size_t>(d)] = any(1, 1 << 20);
+    }
+    log.push(c);
+    pushed.push_back(c);
+  }
+  REQUIRE(log.size() == pushed.size());
+  std::vector<detail::CopyLog::Handle> handles;
+  std::size_t at = 0;
+  log.for_each_header([&](detail::CopyLog::Handle h, const Copy& c) {
+    REQUIRE(at < pushed.size());
+    CHECK(c.dst_rank == pushed[at].dst_rank);
+    CHECK(c.src_offset == pushed[at].src_offset);
+    CHECK(c.rank == pushed[at].rank);
+    if (!handles.empty()) CHECK(h > handles.back());  // handles ascend: they break sort ties
+    handles.push_back(h);
+    ++at;
+  });
+  REQUIRE(handles.size() == pushed.size());
+  Copy back;  // reused, as finish does: dims past a shorter rank must read 0 again
+  for (std::size_t i = pushed.size(); i-- > 0;) {
+    log.read(handles[i], back);
+    CHECK(plantest::copy_key(back) == plantest::copy_key(pushed[i]));
+    for (auto d = static_cast<std::size_t>(back.rank); d < static_cast<std::size_t>(kMaxBoxRank); ++d) {
+      CHECK(back.extent[d] == 0);
+      CHECK(back.src_stride[d] == 0);
+      CHECK(back.dst_stride[d] == 0);
+    }
+  }
+}
+
+TEST_CASE("FlatIndex keeps every key's value through growth, with keys alike in their low bits") {
+  detail::FlatIndex index;
+  std::map<std::uint64_t, std::uint32_t> want;
+  std::uint32_t next = 0;
+  auto put = [&](std::uint64_t key) {
+    auto& v = index.slot(key);
+    if (want.count(key)) {
+      CHECK(v == want[key]);
+      return;
+    }
+    CHECK(v == detail::FlatIndex::kNone);
+    v = next;
+    want[key] = next++;
+  };
+  // The planner's two key forms: tensor << 32 | part, and position * tensors + tensor.
+  for (std::uint64_t t = 0; t < 300; ++t)
+    for (std::uint64_t part = 0; part < 40; part += 3) put(t << 32 | part);
+  for (std::uint64_t pos = 0; pos < 256; pos += 5)
+    for (std::uint64_t t = 0; t < 1035; t += 7) put(pos * 1035 + t);
+  put(0);
+  put(UINT64_MAX - 1);
+  for (const auto& [key, value] : want) CHECK(index.slot(key) == value);
+  index.clear();  // every key gone, and usable again
+  for (std::uint64_t t = 0; t < 300; ++t) CHECK(index.slot(t << 32) == detail::FlatIndex::kNone);
+  index.slot(7 << 3) = 5;
+  CHECK(index.slot(7 << 3) == 5);
 }

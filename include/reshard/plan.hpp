@@ -9,16 +9,20 @@
 // process that plans only its own rank (`only_rank`) computes exactly the
 // copies a full plan gives it.
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <exception>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <set>
 #include <span>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -96,16 +100,25 @@ inline void positions_of_part(const Layout& L, int t, std::span<const std::int64
   }
   for (const auto& st : ts.stage)
     s.needs.push_back(PartHolderScratch::Need{st.axis, 1, axes[static_cast<std::size_t>(st.axis)].size, st.coord});
+  // By axis, so each axis checks only its own needs.
+  std::sort(s.needs.begin(), s.needs.end(),
+            [](const PartHolderScratch::Need& x, const PartHolderScratch::Need& y) { return x.axis < y.axis; });
   out.assign(1, 0);
+  std::size_t k0 = 0;
   for (std::size_t a = 0; a < axes.size(); ++a) {
     const std::int64_t stride = L.mesh.axis_stride(static_cast<int>(a));
+    std::size_t k1 = k0;
+    while (k1 < s.needs.size() && s.needs[k1].axis == static_cast<int>(a)) ++k1;
     s.allowed.clear();
     for (std::int64_t c = 0; c < axes[a].size; ++c) {
       bool ok = true;
-      for (const auto& n : s.needs)
-        if (n.axis == static_cast<int>(a) && (c / n.stride) % n.size != n.want) ok = false;
+      for (std::size_t k = k0; k < k1 && ok; ++k) {
+        const auto& n = s.needs[k];
+        ok = (c / n.stride) % n.size == n.want;
+      }
       if (ok) s.allowed.push_back(c * stride);
     }
+    k0 = k1;
     if (s.allowed.size() == 1) {  // common: one coordinate, shift in place
       for (auto& base : out) base += s.allowed[0];
       continue;
@@ -155,6 +168,174 @@ void grow_prefaulted(std::vector<T>& v) {
   bigger.insert(bigger.end(), std::make_move_iterator(v.begin()), std::make_move_iterator(v.end()));
   v.swap(bigger);
 }
+
+/// A one-rank plan's copies as emitted, before sorting: each copy's route,
+/// offsets and only its `rank` dims, as 64-bit words in fixed blocks. A copy
+/// takes 56 + 24 * rank bytes here instead of sizeof(Copy), and growing
+/// moves nothing: a one-rank plan is one process's whole job, so the pages it
+/// touches for the first time are most of its cost.
+class CopyLog {
+ public:
+  using Handle = std::uint32_t;  ///< word position of a copy
+  static constexpr std::size_t kBlockWords = 8192;  // 64 KiB
+  static constexpr std::size_t kHeaderWords = 7;
+  static constexpr std::size_t kMaxWords = kHeaderWords + 3 * static_cast<std::size_t>(kMaxBoxRank);
+
+  std::size_t size() const { return count_; }
+  bool empty() const { return count_ == 0; }
+
+  void push(const Copy& c) {
+    const auto r = static_cast<std::size_t>(c.rank);
+    const std::size_t words = kHeaderWords + 3 * r;
+    if (blocks_.empty() || used_ + words > kBlockWords) {
+      if (blocks_.size() >= (std::size_t{1} << 32) / kBlockWords)
+        fail("plan: one rank's copies exceed {} words of planning memory", std::size_t{1} << 32);
+      blocks_.emplace_back(new std::int64_t[kBlockWords]);  // uninitialized: written before read
+      ends_.push_back(0);
+      used_ = 0;
+    }
+    std::int64_t* w = blocks_.back().get() + used_;
+    w[0] = c.src_rank;
+    w[1] = c.dst_rank;
+    w[2] = c.src_offset;
+    w[3] = c.dst_offset;
+    w[4] = pack(c.src_buffer, c.dst_buffer);
+    w[5] = pack(c.tensor, c.element_bytes);
+    w[6] = c.rank;
+    for (std::size_t d = 0; d < r; ++d) {
+      w[kHeaderWords + 3 * d] = c.extent[d];
+      w[kHeaderWords + 3 * d + 1] = c.src_stride[d];
+      w[kHeaderWords + 3 * d + 2] = c.dst_stride[d];
+    }
+    used_ += words;
+    ends_.back() = static_cast<std::uint32_t>(used_);
+    ++count_;
+  }
+
+  /// Calls f(handle, copy) for every copy in push order; the Copy is a view
+  /// of the header only (dims are not read): route, offsets and rank.
+  template <class F>
+  void for_each_header(F&& f) const {
+    Copy c;
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      const std::int64_t* base = blocks_[b].get();
+      for (std::size_t at = 0; at < ends_[b];) {
+        read_header(base + at, c);
+        f(static_cast<Handle>(b * kBlockWords + at), c);
+        at += kHeaderWords + 3 * static_cast<std::size_t>(c.rank);
+      }
+    }
+  }
+
+  /// The copy at h, exactly as pushed (dims past its rank read 0).
+  void read(Handle h, Copy& c) const {
+    const std::int64_t* w = blocks_[h / kBlockWords].get() + h % kBlockWords;
+    const int old = c.rank;
+    read_header(w, c);
+    const auto r = static_cast<std::size_t>(c.rank);
+    for (std::size_t d = 0; d < r; ++d) {
+      c.extent[d] = w[kHeaderWords + 3 * d];
+      c.src_stride[d] = w[kHeaderWords + 3 * d + 1];
+      c.dst_stride[d] = w[kHeaderWords + 3 * d + 2];
+    }
+    for (std::size_t d = r; d < static_cast<std::size_t>(old); ++d) c.extent[d] = c.src_stride[d] = c.dst_stride[d] = 0;
+  }
+
+ private:
+  static std::int64_t pack(std::int32_t hi, std::int32_t lo) {
+    return static_cast<std::int64_t>((static_cast<std::uint64_t>(static_cast<std::uint32_t>(hi)) << 32) |
+                                     static_cast<std::uint32_t>(lo));
+  }
+  static std::int32_t high(std::int64_t w) { return static_cast<std::int32_t>(static_cast<std::uint64_t>(w) >> 32); }
+  static std::int32_t low(std::int64_t w) { return static_cast<std::int32_t>(static_cast<std::uint32_t>(w)); }
+  static void read_header(const std::int64_t* w, Copy& c) {
+    c.src_rank = w[0];
+    c.dst_rank = w[1];
+    c.src_offset = w[2];
+    c.dst_offset = w[3];
+    c.src_buffer = high(w[4]);
+    c.dst_buffer = low(w[4]);
+    c.tensor = high(w[5]);
+    c.element_bytes = low(w[5]);
+    c.rank = static_cast<std::int32_t>(w[6]);
+  }
+
+  std::vector<std::unique_ptr<std::int64_t[]>> blocks_;
+  std::vector<std::uint32_t> ends_;  // words used per block
+  std::size_t used_ = 0, count_ = 0;
+};
+
+/// uint64 key -> uint32 value by open addressing: the planner's caches hold
+/// thousands of entries and are read millions of times, and a node per entry
+/// (std::unordered_map) costs an allocation and a cache miss each.
+class FlatIndex {
+ public:
+  static constexpr std::uint32_t kNone = UINT32_MAX;
+  /// Forgets every key, keeping the slots.
+  void clear() {
+    if (used_ == 0) return;
+    std::fill(keys_.begin(), keys_.end(), 0);
+    used_ = 0;
+  }
+  /// The value slot of key (< UINT64_MAX), kNone when it was absent (the
+  /// caller fills it). Valid until the next call.
+  std::uint32_t& slot(std::uint64_t key) {
+    if (2 * (used_ + 1) > keys_.size()) grow();
+    const std::uint64_t stored = key + 1;  // 0 marks an empty slot
+    const std::size_t mask = keys_.size() - 1;
+    for (std::size_t i = hash(key, shift_);; i = (i + 1) & mask) {
+      if (keys_[i] == stored) return values_[i];
+      if (keys_[i] == 0) {
+        keys_[i] = stored;
+        ++used_;
+        values_[i] = kNone;
+        return values_[i];
+      }
+    }
+  }
+
+ private:
+  // Fibonacci hashing: the product's top bits depend on all of the key's
+  // (keys differ in both halves: tensor << 32 | part, position * tensors + tensor).
+  static std::size_t hash(std::uint64_t k, int shift) {
+    return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> shift);
+  }
+  void grow() {
+    const int shift = keys_.empty() ? 58 : shift_ - 1;  // 64 slots, then doubling
+    std::vector<std::uint64_t> keys(std::size_t{1} << (64 - shift), 0);
+    std::vector<std::uint32_t> values(keys.size());
+    const std::size_t mask = keys.size() - 1;
+    for (std::size_t j = 0; j < keys_.size(); ++j) {
+      if (keys_[j] == 0) continue;
+      std::size_t i = hash(keys_[j] - 1, shift);
+      while (keys[i] != 0) i = (i + 1) & mask;
+      keys[i] = keys_[j];
+      values[i] = values_[j];
+    }
+    keys_.swap(keys);
+    values_.swap(values);
+    shift_ = shift;
+  }
+  std::vector<std::uint64_t> keys_;
+  std::vector<std::uint32_t> values_;
+  std::size_t used_ = 0;
+  int shift_ = 64;  // 64 - log2(slots)
+};
+
+/// Where emit() puts copies: a vector (a full plan: one destination's batch
+/// at a time) or, for a one-rank plan, a CopyLog.
+struct CopySink {
+  std::vector<Copy>* copies = nullptr;
+  CopyLog* log = nullptr;
+  void push(const Copy& c) {
+    if (log) {
+      log->push(c);
+      return;
+    }
+    if (copies->size() == copies->capacity()) grow_prefaulted(*copies);
+    copies->push_back(c);
+  }
+};
 }  // namespace detail
 
 class Planner {
@@ -170,7 +351,6 @@ class Planner {
     for (const auto& b : src_.local_buffers()) s.src_buffers.push_back(b.name);
     for (const auto& b : dst_.local_buffers()) s.dst_buffers.push_back(b.name);
     s.only_rank = opt_.only_rank;
-    std::vector<Copy> batch;
     if (opt_.only_rank < 0) {
       const std::int64_t P = dst_.mesh.size();
       int T = opt_.threads > 0 ? opt_.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -214,9 +394,10 @@ class Planner {
         std::stable_sort(s.copies.begin(), s.copies.end(),
                          [](const Copy& a, const Copy& b) { return a.dst_rank < b.dst_rank; });
     } else {
-      plan_rank(opt_.only_rank, batch);
-      finish_in_place(batch);
-      s.copies = std::move(batch);
+      detail::CopyLog log;
+      detail::CopySink sink{nullptr, &log};
+      plan_rank(opt_.only_rank, sink);
+      finish_log(log, s.copies);
     }
     std::set<std::int64_t> ranks;
     for (auto r : src_.mesh.global_ranks()) ranks.insert(r);
@@ -236,7 +417,8 @@ class Planner {
     std::vector<Copy> batch, done;
     for (std::int64_t p = p0; p < p1; ++p) {
       batch.clear();
-      for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, batch);
+      detail::CopySink into{&batch, nullptr};
+      for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, into);
       done.clear();
       finish(batch, done);
       sink(p, std::span<const Copy>(done.data(), done.size()));
@@ -252,7 +434,8 @@ class Planner {
     std::vector<Copy> batch;
     for (std::int64_t p = p0; p < p1; ++p) {
       batch.clear();
-      for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, batch);
+      detail::CopySink into{&batch, nullptr};
+      for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, into);
       if (out.capacity() == 0 && !batch.empty())
         out.reserve(batch.size() * static_cast<std::size_t>(p1 - p0) * 5 / 4 + 16);
       detail::prefault(out, batch.size());
@@ -279,42 +462,81 @@ class Planner {
     if (it == cache.end()) it = cache.emplace(key, concat_range(L, pos, L.buffers[static_cast<std::size_t>(b)])).first;
     return &it->second;
   }
+  /// A held box of a source storage as the planner keeps it: only its
+  /// tensor's n dims, as words [base, (lo, hi, stride) per dim] (a HeldBox
+  /// has room for kMaxTensorRank dims, and thousands are kept).
+  struct HeldWords {
+    const std::int64_t* w;
+    std::int64_t base() const { return w[0]; }
+    std::int64_t lo(std::size_t d) const { return w[1 + 3 * d]; }
+    std::int64_t hi(std::size_t d) const { return w[2 + 3 * d]; }
+    std::int64_t stride(std::size_t d) const { return w[3 + 3 * d]; }
+  };
+  /// What a source position holds of a tensor, as emit() reads it: its
+  /// boxes and held interval. Valid until the next src_storage call.
+  struct HeldView {
+    const std::int64_t* first;
+    std::size_t count, words;  // boxes, words per box
+    std::int64_t lin_lo, lin_hi;
+    HeldWords box(std::size_t i) const { return HeldWords{first + i * words}; }
+  };
   /// Source storages are met by many destinations: kept for the whole plan,
-  /// one per storage class (replicas share theirs).
-  const TensorStorage& src_storage(std::int64_t pos, int t) {
-    if (src_store_index_.empty())
-      src_store_index_.assign(static_cast<std::size_t>(src_.mesh.size()) * src_.tensors.size(), -1);
+  /// one per storage class (replicas share theirs), their boxes in one pool.
+  HeldView src_storage(std::int64_t pos, int t) {
     pos = src_classes_.canonical(pos, t);
-    auto& i = src_store_index_[static_cast<std::size_t>(pos) * src_.tensors.size() + static_cast<std::size_t>(t)];
-    if (i < 0) {
-      i = static_cast<std::int32_t>(src_store_.size());
-      src_store_.push_back(
-          tensor_storage(src_, pos, t, flat_of(src_, pos, t, src_flat_), concat_of(src_, pos, t, src_concat_)));
+    auto& i = src_store_index_.slot(static_cast<std::uint64_t>(pos) * src_.tensors.size() + static_cast<std::uint64_t>(t));
+    if (i == detail::FlatIndex::kNone) {
+      i = static_cast<std::uint32_t>(src_store_.size());
+      tensor_storage_into(src_, pos, t, flat_of(src_, pos, t, src_flat_), concat_of(src_, pos, t, src_concat_),
+                          storage_scratch_);
+      src_store_.push_back(SrcStorage{src_words_.size(), storage_scratch_.boxes.size(), storage_scratch_.lin_lo,
+                                      storage_scratch_.lin_hi});
+      for (const HeldBox& b : storage_scratch_.boxes) {
+        src_words_.push_back(b.base);
+        for (std::size_t d = 0; d < static_cast<std::size_t>(b.rank); ++d) {
+          src_words_.push_back(b.lo[d]);
+          src_words_.push_back(b.hi[d]);
+          src_words_.push_back(b.stride[d]);
+        }
+      }
     }
-    return src_store_[static_cast<std::size_t>(i)];
+    const SrcStorage& k = src_store_[i];
+    const auto n = static_cast<std::size_t>(src_.tensors[static_cast<std::size_t>(t)].rank());
+    return HeldView{src_words_.data() + k.first, k.count, 1 + 3 * n, k.lin_lo, k.lin_hi};
   }
-  TensorStorage dst_storage(std::int64_t pos, int t) {
-    if (!dst_.holds(pos, t)) return TensorStorage{};
-    return tensor_storage(dst_, pos, t, flat_of(dst_, pos, t, dst_flat_), concat_of(dst_, pos, t, dst_concat_));
+  /// Destination storage of (pos, t) into s (its vectors reused).
+  void dst_storage(std::int64_t pos, int t, TensorStorage& s) {
+    if (!dst_.holds(pos, t)) {
+      s.parts.clear();
+      s.extents.clear();
+      s.boxes.clear();
+      s.buffer = dst_.buffer_of(t);
+      s.lin_lo = s.lin_hi = 0;
+      return;
+    }
+    tensor_storage_into(dst_, pos, t, flat_of(dst_, pos, t, dst_flat_), concat_of(dst_, pos, t, dst_concat_), s);
   }
   /// positions_of_part(src_, st, parts), computed once per part in a plan.
-  const std::vector<std::int64_t>& src_holders(int st, std::span<const std::int64_t> parts) {
+  /// Valid until the next src_holders call.
+  std::span<const std::int64_t> src_holders(int st, std::span<const std::int64_t> parts) {
     const auto& cuts = src_.tensors[static_cast<std::size_t>(st)].cuts;
     std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
     for (std::size_t d = 0; d < parts.size(); ++d)
       lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
-    const std::uint64_t key = (static_cast<std::uint64_t>(st) << 32) | lin;
-    auto it = holders_.find(key);
-    if (it == holders_.end()) {
+    auto& i = holders_.slot((static_cast<std::uint64_t>(st) << 32) | lin);
+    if (i == detail::FlatIndex::kNone) {
       positions_of_part(src_, st, parts, holder_list_, holder_scratch_);
-      it = holders_.emplace(key, holder_list_).first;
+      i = static_cast<std::uint32_t>(holder_spans_.size());
+      holder_spans_.emplace_back(holder_pool_.size(), holder_list_.size());
+      holder_pool_.insert(holder_pool_.end(), holder_list_.begin(), holder_list_.end());
     }
-    return it->second;
+    const auto [first, count] = holder_spans_[i];
+    return std::span<const std::int64_t>(holder_pool_.data() + first, count);
   }
 
   /// What one rank sends or receives: its own receives in full, plus, for each
   /// destination whose pieces meet what the rank holds, the copies from it.
-  void plan_rank(std::int64_t rank, std::vector<Copy>& out) {
+  void plan_rank(std::int64_t rank, detail::CopySink& out) {
     const auto dpos = dst_.mesh.position_of(rank);
     if (dpos)
       for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(*dpos, t, -1, out);
@@ -342,13 +564,19 @@ class Planner {
       std::sort(dsts.begin(), dsts.end());
       dsts.erase(std::unique(dsts.begin(), dsts.end()), dsts.end());
       // Replicas of a destination (dp, say) share one storage: computed once per class.
-      dst_class_store_.clear();
+      // (The storages are kept from tensor to tensor and refilled: no allocation once warm.)
+      dst_class_index_.clear();
+      std::size_t used = 0;
       for (auto p : dsts) {
         if (dpos && p == *dpos) continue;
         const std::int64_t k = dst_classes_.canonical(p, dt);
-        auto it = dst_class_store_.find(k);
-        if (it == dst_class_store_.end()) it = dst_class_store_.emplace(k, dst_storage(p, dt)).first;
-        plan_dst_tensor(p, dt, rank, out, &it->second);
+        auto& i = dst_class_index_.slot(static_cast<std::uint64_t>(k));
+        if (i == detail::FlatIndex::kNone) {
+          i = static_cast<std::uint32_t>(used++);
+          if (dst_class_store_.size() < used) dst_class_store_.emplace_back();
+          dst_storage(p, dt, dst_class_store_[i]);
+        }
+        plan_dst_tensor(p, dt, rank, out, &dst_class_store_[i]);
       }
     }
   }
@@ -376,7 +604,7 @@ class Planner {
   /// All copies into destination position dpos for tensor dt (only those from
   /// global rank keep_src when keep_src >= 0). `known`: dpos's storage of dt
   /// when the caller has it.
-  void plan_dst_tensor(std::int64_t dpos, int dt, std::int64_t keep_src, std::vector<Copy>& out,
+  void plan_dst_tensor(std::int64_t dpos, int dt, std::int64_t keep_src, detail::CopySink& out,
                        const TensorStorage* known = nullptr) {
     const int st = src_of_dst_[static_cast<std::size_t>(dt)];
     const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
@@ -393,9 +621,8 @@ class Planner {
       for (int d = 0; d < n; ++d)
         own[static_cast<std::size_t>(d)] = sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, *kpos);
     }
-    TensorStorage computed;
-    if (!known) computed = dst_storage(dpos, dt);
-    const TensorStorage& ds = known ? *known : computed;
+    if (!known) dst_storage(dpos, dt, dst_scratch_);  // plan_dst_tensor does not nest
+    const TensorStorage& ds = known ? *known : dst_scratch_;
     if (ds.empty()) return;
     const std::int64_t drank = dst_.mesh.global_rank(dpos);
     const auto local_pos = src_.mesh.position_of(drank);
@@ -426,7 +653,7 @@ class Planner {
     std::int64_t drank, keep_src, keep_pos;  // keep_pos: keep_src's source position (-1: all)
     const TensorStorage* ds;
     const HeldBox* D;
-    std::vector<Copy>* out;
+    detail::CopySink* out;
   };
 
   /// The pieces of source part `parts` that destination box c.D needs.
@@ -472,7 +699,7 @@ class Planner {
                        std::span<const std::int64_t>(ext.data(), static_cast<std::size_t>(n)));
     };
     const std::int64_t ebytes = element_bytes(sts.dtype);
-    const std::vector<std::int64_t>& holders = src_holders(c.st, parts);
+    const std::span<const std::int64_t> holders = src_holders(c.st, parts);
     if (holders.empty()) fail("plan: no source rank holds a part of tensor '{}'", sts.name);
     const bool flat = flat_of(src_, holders[0], c.st, src_flat_) != nullptr;
     const auto rot = static_cast<std::uint64_t>(c.dpos) + static_cast<std::uint64_t>(c.dt) + part_key;
@@ -544,7 +771,7 @@ class Planner {
     std::vector<std::pair<std::int64_t, std::int64_t>> cover;  // per holder
     std::vector<std::int64_t> cuts;
     for (auto h : holders) {
-      const TensorStorage& hs = src_storage(h, c.st);
+      const HeldView hs = src_storage(h, c.st);
       cover.emplace_back(hs.lin_lo, hs.lin_hi);
       if (hs.lin_lo < hs.lin_hi) {
         cuts.push_back(hs.lin_lo);
@@ -618,7 +845,7 @@ class Planner {
   /// Appends the collapsed box (rank r) as copies: one, or, when it has more
   /// than kMaxBoxRank dims, one per index of its outer r - kMaxBoxRank dims.
   static void emit_box(Copy& cp, std::int64_t so, std::int64_t doff, int r, const WideDims& ext, const WideDims& sst,
-                       const WideDims& dst, std::vector<Copy>& out) {
+                       const WideDims& dst, detail::CopySink& out) {
     const int outer = std::max(0, r - kMaxBoxRank);
     const int old = cp.rank;  // cp is reused: dims past the new rank must read 0
     cp.rank = r - outer;
@@ -639,8 +866,7 @@ class Planner {
         cp.src_offset += i[uk] * sst[uk];
         cp.dst_offset += i[uk] * dst[uk];
       }
-      if (out.size() == out.capacity()) detail::grow_prefaulted(out);
-      out.push_back(cp);
+      out.push(cp);
       int k = outer - 1;
       for (; k >= 0; --k) {
         const auto uk = static_cast<std::size_t>(k);
@@ -658,16 +884,17 @@ class Planner {
     if (c.keep_src >= 0 && srank != c.keep_src) return;
     const auto& sts = src_.tensors[static_cast<std::size_t>(c.st)];
     const int n = sts.rank();
-    const TensorStorage& hs = src_storage(h, c.st);
+    const HeldView hs = src_storage(h, c.st);
     const HeldBox& D = *c.D;
     auto& groups = emit_groups_;
     if (groups.size() < static_cast<std::size_t>(n)) groups.resize(static_cast<std::size_t>(n));
-    for (const auto& S : hs.boxes) {
+    for (std::size_t b = 0; b < hs.count; ++b) {
+      const HeldWords S = hs.box(b);
       bool empty = false;
       for (int d = 0; d < n && !empty; ++d) {
         const auto ud = static_cast<std::size_t>(d);
         groups[ud].clear();
-        intersect_dim(sp[ud], std::max(S.lo[ud], w[2 * ud]), std::min(S.hi[ud], w[2 * ud + 1]), c.ds->parts[ud],
+        intersect_dim(sp[ud], std::max(S.lo(ud), w[2 * ud]), std::min(S.hi(ud), w[2 * ud + 1]), c.ds->parts[ud],
                       D.lo[ud], D.hi[ud], sts.shape[ud], groups[ud]);
         empty = groups[ud].empty();
       }
@@ -684,21 +911,21 @@ class Planner {
       cp.element_bytes = ebytes;
       WideDims ext, sst, dst;  // dims [0, r) set per copy
       while (true) {
-        std::int64_t so = S.base, doff = D.base;
+        std::int64_t so = S.base(), doff = D.base;
         int r = 0;
         for (int d = 0; d < n; ++d) {
           const auto ud = static_cast<std::size_t>(d);
           const RunGroup& g = groups[ud][idx[ud]];
-          so += g.s0 * S.stride[ud];
+          so += g.s0 * S.stride(ud);
           doff += g.d0 * D.stride[ud];
           if (g.count > 1) {
             ext[static_cast<std::size_t>(r)] = g.count;
-            sst[static_cast<std::size_t>(r)] = g.sper * S.stride[ud];
+            sst[static_cast<std::size_t>(r)] = g.sper * S.stride(ud);
             dst[static_cast<std::size_t>(r)] = g.dper * D.stride[ud];
             ++r;
           }
           ext[static_cast<std::size_t>(r)] = g.len;
-          sst[static_cast<std::size_t>(r)] = S.stride[ud];
+          sst[static_cast<std::size_t>(r)] = S.stride(ud);
           dst[static_cast<std::size_t>(r)] = D.stride[ud];
           ++r;
         }
@@ -720,58 +947,107 @@ class Planner {
   /// coalesce()) and appends the result to `out`. Sorts small keys, not the
   /// large Copy structs.
   void finish(std::vector<Copy>& copies, std::vector<Copy>& out) {
-    sort_keys(copies);
+    sort_order(copies.size(), [&](auto&& f) {
+      for (std::size_t i = 0; i < copies.size(); ++i) f(static_cast<std::uint32_t>(i), copies[i]);
+    });
     const std::size_t start = out.size();
-    for (const FinishKey& k : keys_) {
+    for_each_sorted([&](std::uint32_t idx) {
       // emit() made every copy collapsed already (what coalesce() would do first).
-      out.push_back(copies[k.idx]);
-      if (!opt_.coalesce) continue;
+      out.push_back(copies[idx]);
+      if (!opt_.coalesce) return;
       while (out.size() - start >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
              detail::merge_into(out[out.size() - 2], out.back()))
         out.pop_back();
-    }
+    });
   }
-  /// finish() in place: the same order and merges, without a second array of
-  /// copies (a one-rank plan's copies are megabytes of fresh pages).
-  void finish_in_place(std::vector<Copy>& copies) {
-    sort_keys(copies);
-    // Gather permutation: position k takes copies[keys_[k].idx]. Follow each
-    // cycle once, marking a finished position with idx = k.
-    for (std::size_t k = 0; k < keys_.size(); ++k) {
-      if (keys_[k].idx == k) continue;
-      Copy hold = copies[k];
-      std::size_t at = k;
-      while (true) {
-        const std::size_t from = keys_[at].idx;
-        keys_[at].idx = static_cast<std::uint32_t>(at);
-        if (from == k) {
-          copies[at] = hold;
-          break;
-        }
-        copies[at] = copies[from];
-        at = from;
+  /// finish() for a one-rank plan's log: the same order and merges, written
+  /// once into `out`, whose pages are touched only as far as copies land
+  /// (reserved for all of them; coalescing may leave the tail unused).
+  void finish_log(const detail::CopyLog& log, std::vector<Copy>& out) {
+    sort_order(log.size(), [&](auto&& f) { log.for_each_header(f); });
+    out.clear();
+    out.reserve(log.size());
+    constexpr std::size_t ahead = 1024;  // copies prefaulted per step
+    std::size_t ready = 0;
+    Copy c;
+    for_each_sorted([&](std::uint32_t idx) {
+      if (out.size() >= ready) {
+        detail::prefault(out, ahead);
+        ready = out.size() + ahead;
       }
-    }
-    if (!opt_.coalesce) return;
-    std::size_t w = 0;
-    for (std::size_t r = 0; r < copies.size(); ++r) {
-      if (w != r) copies[w] = copies[r];
-      ++w;
-      while (w >= 2 && detail::same_route(copies[w - 2], copies[w - 1]) && detail::merge_into(copies[w - 2], copies[w - 1])) --w;
-    }
-    copies.resize(w);
+      log.read(idx, c);
+      out.push_back(c);
+      if (!opt_.coalesce) return;
+      while (out.size() >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
+             detail::merge_into(out[out.size() - 2], out.back()))
+        out.pop_back();
+    });
   }
-  /// keys_ = the copies' sort keys, sorted by (destination rank, destination
-  /// buffer, source rank, source buffer, tensor, destination offset).
-  void sort_keys(const std::vector<Copy>& copies) {
-    using Key = FinishKey;
+
+  /// Orders n copies by (destination rank, destination buffer, source rank,
+  /// source buffer, tensor, destination offset), ties by emission order.
+  /// each(f) calls f(idx, copy) for every copy in emission order (ascending
+  /// idx; only the route and offsets are read). When the five route fields'
+  /// ranges fit in 64 bits together (always, in practice), the keys sort as
+  /// two packed words: a third of the work of a field-by-field compare.
+  template <class Each>
+  void sort_order(std::size_t n, Each&& each) {
+    packed_.clear();
     keys_.clear();
-    keys_.reserve(copies.size());
-    for (std::size_t i = 0; i < copies.size(); ++i) {
-      const Copy& c = copies[i];
-      keys_.push_back(Key{c.dst_rank, c.src_rank, c.dst_offset, c.dst_buffer, c.src_buffer, c.tensor,
-                          static_cast<std::uint32_t>(i)});
+    if (n == 0) return;
+    std::array<std::int64_t, 5> lo, hi;  // dst_rank, dst_buffer, src_rank, src_buffer, tensor
+    lo.fill(INT64_MAX);
+    hi.fill(INT64_MIN);
+    std::int64_t off_lo = INT64_MAX;
+    auto fields = [](const Copy& c) {
+      return std::array<std::int64_t, 5>{c.dst_rank, c.dst_buffer, c.src_rank, c.src_buffer, c.tensor};
+    };
+    each([&](std::uint32_t, const Copy& c) {
+      const auto f = fields(c);
+      for (std::size_t k = 0; k < f.size(); ++k) {
+        lo[k] = std::min(lo[k], f[k]);
+        hi[k] = std::max(hi[k], f[k]);
+      }
+      off_lo = std::min(off_lo, c.dst_offset);
+    });
+    std::array<int, 5> width{};
+    int total = 0;
+    for (std::size_t k = 0; k < width.size(); ++k) {
+      width[k] = static_cast<int>(std::bit_width(static_cast<std::uint64_t>(hi[k]) - static_cast<std::uint64_t>(lo[k])));
+      total += width[k];
     }
+    if (total <= 64) {
+      packed_.reserve(n);
+      each([&](std::uint32_t idx, const Copy& c) {
+        const auto f = fields(c);
+        std::uint64_t route = 0;
+        for (std::size_t k = 0; k < f.size(); ++k)
+          route = (width[k] >= 64 ? 0 : route << width[k]) | (static_cast<std::uint64_t>(f[k]) - static_cast<std::uint64_t>(lo[k]));
+        packed_.push_back(PackedKey{route, static_cast<std::uint64_t>(c.dst_offset) - static_cast<std::uint64_t>(off_lo), idx});
+      });
+      auto by_key = [](const PackedKey& a, const PackedKey& b) {
+        if (a.route != b.route) return a.route < b.route;
+        if (a.offset != b.offset) return a.offset < b.offset;
+        return a.idx < b.idx;
+      };
+      if (packed_.size() < kRadixFrom) {
+        std::sort(packed_.begin(), packed_.end(), by_key);
+        return;
+      }
+      // By route in radix passes (stable), then each run of one route (most
+      // are a single copy) by offset.
+      radix_sort_routes(total);
+      for (std::size_t a = 0, b; a < packed_.size(); a = b) {
+        for (b = a + 1; b < packed_.size() && packed_[b].route == packed_[a].route;) ++b;
+        if (b - a > 1) std::sort(packed_.begin() + static_cast<std::ptrdiff_t>(a), packed_.begin() + static_cast<std::ptrdiff_t>(b), by_key);
+      }
+      return;
+    }
+    using Key = FinishKey;
+    keys_.reserve(n);
+    each([&](std::uint32_t idx, const Copy& c) {
+      keys_.push_back(Key{c.dst_rank, c.src_rank, c.dst_offset, c.dst_buffer, c.src_buffer, c.tensor, idx});
+    });
     std::sort(keys_.begin(), keys_.end(), [](const Key& a, const Key& b) {
       // Field by field with early exits (a tuple compare costs more here).
       if (a.dst_rank != b.dst_rank) return a.dst_rank < b.dst_rank;
@@ -783,6 +1059,34 @@ class Planner {
       return a.idx < b.idx;
     });
   }
+  /// Batches at least this large sort packed keys by radix, smaller ones by compares.
+  static constexpr std::size_t kRadixFrom = 256;
+  /// Stable LSD radix sort of packed_ by route in 11-bit digits, skipping
+  /// digits all keys share: a few passes over the keys instead of n log n
+  /// compares.
+  void radix_sort_routes(int route_bits) {
+    constexpr int kDigit = 11;
+    constexpr std::uint64_t kMask = (std::uint64_t{1} << kDigit) - 1;
+    std::array<std::uint32_t, std::size_t{1} << kDigit> at;
+    radix_tmp_.resize(packed_.size());
+    auto pass = [&](auto digit) {
+      at.fill(0);
+      for (const PackedKey& k : packed_) ++at[digit(k)];
+      if (at[digit(packed_.front())] == packed_.size()) return;  // one value: nothing moves
+      std::uint32_t sum = 0;
+      for (auto& a : at) sum += std::exchange(a, sum);
+      for (const PackedKey& k : packed_) radix_tmp_[at[digit(k)]++] = k;
+      packed_.swap(radix_tmp_);
+    };
+    for (int s = 0; s < route_bits; s += kDigit)
+      pass([s](const PackedKey& k) { return static_cast<std::size_t>((k.route >> s) & kMask); });
+  }
+  /// f(idx) for every copy in the order sort_order found.
+  template <class F>
+  void for_each_sorted(F&& f) const {
+    for (const PackedKey& k : packed_) f(k.idx);
+    for (const FinishKey& k : keys_) f(k.idx);
+  }
 
   const Layout& src_;
   const Layout& dst_;
@@ -791,10 +1095,20 @@ class Planner {
   std::map<std::pair<std::int64_t, int>, FlatRange> src_flat_, dst_flat_;
   std::unordered_map<std::uint64_t, ConcatRange> src_concat_, dst_concat_;
   StorageClasses src_classes_{src_}, dst_classes_{dst_};
-  std::unordered_map<std::int64_t, TensorStorage> dst_class_store_;  // plan_rank: one tensor's destination storages
-  std::deque<TensorStorage> src_store_;        // stable references
-  std::vector<std::int32_t> src_store_index_;  // (position, tensor) -> src_store_ index, -1 = not yet
-  std::unordered_map<std::uint64_t, std::vector<std::int64_t>> holders_;
+  std::deque<TensorStorage> dst_class_store_;  // plan_rank: one tensor's destination storages (stable references)
+  detail::FlatIndex dst_class_index_;          // class position -> dst_class_store_ index
+  TensorStorage dst_scratch_;                  // plan_dst_tensor's own storage when not given
+  struct SrcStorage {
+    std::size_t first, count;  // first word in src_words_, boxes
+    std::int64_t lin_lo, lin_hi;
+  };
+  std::vector<SrcStorage> src_store_;
+  std::vector<std::int64_t> src_words_;  // held boxes (HeldWords)
+  detail::FlatIndex src_store_index_;  // canonical position * tensors + tensor -> src_store_ index
+  TensorStorage storage_scratch_;
+  detail::FlatIndex holders_;  // (source tensor, part) -> holder_spans_ index
+  std::vector<std::pair<std::size_t, std::size_t>> holder_spans_;  // (first, count) in holder_pool_
+  std::vector<std::int64_t> holder_pool_;
   std::vector<std::int64_t> holder_list_, dst_list_;  // scratch for positions_of_part, plan_rank
   PartHolderScratch holder_scratch_;
   std::vector<std::vector<RunGroup>> emit_groups_, part_groups_;
@@ -805,7 +1119,12 @@ class Planner {
     std::int32_t dst_buffer, src_buffer, tensor;
     std::uint32_t idx;
   };
-  std::vector<FinishKey> keys_;
+  std::vector<FinishKey> keys_;  // sort_order: route fields too wide to pack
+  struct PackedKey {
+    std::uint64_t route, offset;  // route fields packed in order; dst_offset - its minimum
+    std::uint32_t idx;
+  };
+  std::vector<PackedKey> packed_, radix_tmp_;  // sort_order: the usual case
 };
 
 /// Plans the refit from `src` to `dst` (both validated).

@@ -138,14 +138,19 @@ inline void linear_to_boxes(const std::vector<std::int64_t>& e, std::int64_t a, 
   }
 }
 
-/// What position `pos` holds of tensor t under layout L, and where. `flat`
-/// and `concat`, when given, are the precomputed ranges of t's buffer on pos.
-inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
-                                    const FlatRange* flat = nullptr, const ConcatRange* concat = nullptr) {
-  TensorStorage s;
+/// What position `pos` holds of tensor t under layout L, and where, into s
+/// (its vectors are reused: a planner asks for thousands of storages and
+/// keeps few). `flat` and `concat`, when given, are the precomputed ranges of
+/// t's buffer on pos.
+inline void tensor_storage_into(const Layout& L, std::int64_t pos, int t, const FlatRange* flat,
+                                const ConcatRange* concat, TensorStorage& s) {
   const auto& ts = L.tensors[static_cast<std::size_t>(t)];
   s.buffer = L.buffer_of(t);
-  if (!L.holds(pos, t)) return s;
+  s.parts.clear();
+  s.extents.clear();
+  s.boxes.clear();
+  s.lin_lo = s.lin_hi = 0;
+  if (!L.holds(pos, t)) return;
   const int n = ts.rank();
   s.parts.reserve(static_cast<std::size_t>(n));
   s.extents.reserve(static_cast<std::size_t>(n));
@@ -168,7 +173,7 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
   s.lin_hi = size;
   if (ts.buffer < 0) {
     s.boxes.push_back(whole);
-    return s;
+    return;
   }
   const auto& bs = L.buffers[static_cast<std::size_t>(ts.buffer)];
   const auto slot = static_cast<std::size_t>(L.slot_in_buffer(t));
@@ -195,7 +200,7 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
       hb.base = (g * T + off - g * S) * bstride[cd];
       s.boxes.push_back(hb);
     }
-    return s;
+    return;
   }
   FlatRange computed;  // only when the caller has no cached one
   if (!flat) computed = flat_range(L, pos, bs);
@@ -205,7 +210,7 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
   s.lin_hi = std::min<std::int64_t>(size, fr.hi - off);
   if (s.lin_lo >= s.lin_hi) {
     s.lin_lo = s.lin_hi = 0;
-    return s;
+    return;
   }
   std::vector<std::array<std::int64_t, 2 * kMaxTensorRank>> tiles;
   linear_to_boxes(s.extents, s.lin_lo, s.lin_hi, tiles);
@@ -218,6 +223,13 @@ inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
     hb.base = off - fr.lo;
     s.boxes.push_back(hb);
   }
+}
+
+/// What position `pos` holds of tensor t under layout L, and where.
+inline TensorStorage tensor_storage(const Layout& L, std::int64_t pos, int t,
+                                    const FlatRange* flat = nullptr, const ConcatRange* concat = nullptr) {
+  TensorStorage s;
+  tensor_storage_into(L, pos, t, flat, concat, s);
   return s;
 }
 
