@@ -39,6 +39,16 @@ using oracle::Slot;
 using oracle::SlotWorld;
 using reshard::Layout;
 
+/// A small test cluster: `node` GPUs per node, `domain` per NVLink domain.
+inline reshard::Topology small_topology(std::int64_t node, std::int64_t domain, reshard::PlacementKind placement) {
+  reshard::Topology t;
+  t.name = fmt::format("test-{}x{}", node, domain);
+  t.gpus_per_node = node;
+  t.nvlink_domain = domain;
+  t.placement = placement;
+  return t;
+}
+
 inline CheckResult check_staged(const Layout& src, const Layout& dst, const reshard::StagedSchedule& ss,
                                 const CheckOptions& opt = {}) {
   CheckResult res;

@@ -57,27 +57,12 @@ DirectRun run_direct(const Layout& src, const Layout& dst, ExecutorOptions opt,
   world.run([&](LocalTransport& t) {
     std::size_t i = 0;
     while (out.ranks[i] != t.rank()) ++i;
-    auto bind = [&](const Layout& L, refit_test::SideMemory& mem) {
-      std::vector<BoundBuffer> bb(L.local_buffers().size());
-      const auto pos = L.mesh.position_of(t.rank());
-      for (std::size_t b = 0; b < bb.size(); ++b) {
-        if (!mem.present[b]) continue;
-        bb[b].name = L.local_buffers()[b].name;
-        bb[b].data = mem.data[b].data();
-        bb[b].element_bytes = static_cast<std::int64_t>(mem.element_bytes[b]);
-        bb[b].shape = buffer_shape(L, *pos, static_cast<int>(b));
-      }
-      return bb;
-    };
-    auto sb = bind(src, smem[i]);
-    auto db = bind(dst, dmem[i]);
-    std::vector<const BoundBuffer*> sp, dp;
-    for (auto& b : sb) sp.push_back(b.data ? &b : nullptr);
-    for (auto& b : db) dp.push_back(b.data ? &b : nullptr);
+    const auto sb = refit_test::bound_buffers(src, t.rank(), smem[i]);
+    const auto db = refit_test::bound_buffers(dst, t.rank(), dmem[i]);
     Schedule s = out.schedule;
     if (edit) edit(t.rank(), s);
     Executor<LocalTransport> ex;
-    ex.setup(s, sp, dp, t, opt);
+    ex.setup(s, sb.pointers(), db.pointers(), t, opt);
     for (int k = 0; k < runs; ++k) out.stats[i] = ex.run();
     std::string first;
     const auto wrong = refit_test::count_wrong(dst, dmem[i], t.rank(), 0, &first);

@@ -13,18 +13,10 @@
 #include "staged_oracle.hpp"
 
 using namespace reshard;
+using staged_oracle::small_topology;
 using namespace plantest;
 
 namespace {
-
-Topology small_topology(std::int64_t node, std::int64_t domain, PlacementKind placement) {
-  Topology t;
-  t.name = fmt::format("test-{}x{}", node, domain);
-  t.gpus_per_node = node;
-  t.nvlink_domain = domain;
-  t.placement = placement;
-  return t;
-}
 
 bool disjoint(const Layout& a, const Layout& b) {
   for (auto r : a.mesh.global_ranks())

@@ -21,6 +21,7 @@
 #include "reshard/plan.hpp"
 #include "reshard/topology.hpp"
 #include "reshard/hierarchical.hpp"
+#include "reshard/staged_executor.hpp"
 #include "reshard/simulate.hpp"
 #include "reshard/stream_traffic.hpp"
 

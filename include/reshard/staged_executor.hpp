@@ -1,0 +1,122 @@
+#pragma once
+// Runs a staged schedule (hierarchical.hpp's StagedSchedule, CONTRACT.md §2
+// "Staged schedules"): one Executor per stage, each on its own channel (so
+// the stages' tags never meet), run one after another on every rank.
+//
+// Why no barrier between stages is needed: a copy of stage s that reads the
+// destination layout (a fan-out copy, src_layout "dst") reads what its
+// sending rank received or copied in earlier stages (the staged oracle
+// checks that of every staged plan), and a rank starts stage s only after
+// its own stages before s completed. The ranks it feeds simply wait on
+// their receives, as in any stage.
+//
+// A fan-out copy's source buffer is a destination buffer of the sending
+// rank: each stage's Executor sees the source buffers followed by the
+// destination buffers as its source side (ids shifted by the number of
+// source buffers), so the same compile, staging and zero-copy rules apply.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "executor.hpp"
+#include "hierarchical.hpp"
+
+namespace reshard {
+
+template <class T>
+class StagedExecutor {
+ public:
+  /// Compiles every stage of `s` (collective, in stage order, as
+  /// Executor::setup). Stage k runs on channel opt.channel + k.
+  void setup(const StagedSchedule& s, std::vector<const BoundBuffer*> src, std::vector<const BoundBuffer*> dst,
+             T& transport, ExecutorOptions opt = {}) {
+    const std::size_t n = s.schedule.copies.size();
+    if (!s.stage.empty() && s.stage.size() != n)
+      fail("staged executor: {} stage entries for {} copies", s.stage.size(), n);
+    if (!s.from_dst.empty() && s.from_dst.size() != n)
+      fail("staged executor: {} src_layout entries for {} copies", s.from_dst.size(), n);
+    std::int32_t stages = std::max<std::int32_t>(s.stages, 1);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::int32_t k = s.stage_of(i);
+      if (k < 0) fail("staged executor: copy {} has stage {}", i, k);
+      stages = std::max(stages, k + 1);
+    }
+    if (static_cast<std::int64_t>(opt.channel) + stages > 0xFFFF)
+      fail("staged executor: channels {}..{} do not fit in 16 bits", opt.channel, static_cast<std::int64_t>(opt.channel) + stages - 1);
+    const auto nsrc = static_cast<std::int32_t>(src.size());
+    // Source side of every stage: the source buffers, then the destination buffers.
+    std::vector<const BoundBuffer*> sources = src;
+    sources.insert(sources.end(), dst.begin(), dst.end());
+    std::vector<Schedule> per(static_cast<std::size_t>(stages));
+    for (auto& p : per) {
+      p.src_buffers = s.schedule.src_buffers;
+      p.src_buffers.insert(p.src_buffers.end(), s.schedule.dst_buffers.begin(), s.schedule.dst_buffers.end());
+      p.dst_buffers = s.schedule.dst_buffers;
+      p.only_rank = s.schedule.only_rank;
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      Copy c = s.schedule.copies[i];
+      if (s.reads_dst(i)) c.src_buffer += nsrc;
+      per[static_cast<std::size_t>(s.stage_of(i))].copies.push_back(c);
+    }
+    stages_.clear();
+    for (std::int32_t k = 0; k < stages; ++k) {
+      auto ex = std::make_unique<Executor<T>>();
+      ex->set_tensor_names(tensor_names_);
+      ExecutorOptions o = opt;
+      o.channel = static_cast<std::uint16_t>(opt.channel + k);
+      ex->setup(per[static_cast<std::size_t>(k)], sources, dst, transport, o);
+      stages_.push_back(std::move(ex));
+    }
+  }
+
+  /// Runs every stage once (all ranks pass the same version); the stats are
+  /// summed over the stages (seconds: the whole run).
+  ExecutorStats run(std::uint64_t version) {
+    if (stages_.empty()) fail("staged executor: run() before setup()");
+    ExecutorStats total;
+    const auto t0 = Clock::now();
+    for (auto& ex : stages_) {
+      const ExecutorStats st = ex->run(version);
+      total.bytes_sent += st.bytes_sent;
+      total.bytes_received += st.bytes_received;
+      total.local_bytes += st.local_bytes;
+      total.messages_sent += st.messages_sent;
+      total.messages_received += st.messages_received;
+      total.zero_copy_bytes += st.zero_copy_bytes;
+      total.packed_bytes += st.packed_bytes;
+      total.unpacked_bytes += st.unpacked_bytes;
+      total.waves += st.waves;
+      total.checksummed_bytes += st.checksummed_bytes;
+      total.checksum_seconds += st.checksum_seconds;
+      total.staging_bytes = std::max(total.staging_bytes, st.staging_bytes);
+      total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);
+    }
+    total.version = version;
+    total.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return total;
+  }
+
+  /// Names for error messages (destination tensor ids); set before setup.
+  void set_tensor_names(std::vector<std::string> names) { tensor_names_ = std::move(names); }
+  int stages() const { return static_cast<int>(stages_.size()); }
+  const Executor<T>& stage(int k) const { return *stages_.at(static_cast<std::size_t>(k)); }
+  /// Per replay, summed over the stages.
+  std::int64_t planned_bytes_sent() const { return sum(&Executor<T>::planned_bytes_sent); }
+  std::int64_t planned_bytes_received() const { return sum(&Executor<T>::planned_bytes_received); }
+
+ private:
+  std::int64_t sum(std::int64_t (Executor<T>::*f)() const) const {
+    std::int64_t s = 0;
+    for (const auto& ex : stages_) s += ((*ex).*f)();
+    return s;
+  }
+  std::vector<std::unique_ptr<Executor<T>>> stages_;
+  std::vector<std::string> tensor_names_;
+};
+
+}  // namespace reshard
