@@ -18,6 +18,7 @@
 #include "oracle.hpp"
 #include "reshard/backends/fault_injection.hpp"
 #include "reshard/backends/local.hpp"
+#include "reshard/json_io.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
 
@@ -141,6 +142,26 @@ inline std::map<std::string, BufferView> views(const Layout& L, SideMemory& m) {
     if (m.present[b])
       out[L.local_buffers()[b].name] = bytes_view(m.data[b].data(), m.data[b].size(), static_cast<std::int64_t>(m.element_bytes[b]));
   return out;
+}
+
+/// A small pair with every kind of message. Sources 0-1, destinations 2-3;
+/// every destination hears from both sources:
+///   b  [4096]   split -> replicated: one 8 KiB zero-copy message per pair
+///   w  [64, 32] rows -> columns: 2 KiB, contiguous on the receiver only (half-staged)
+///   e  [48, 6]  columns -> rows: strided on both sides, packed into the bucket
+inline const Layout& message_kinds_src() {
+  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [
+      {"name": "b", "shape": [4096], "dtype": "f32", "dims": ["tp"]},
+      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": ["tp", null]},
+      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": [null, "tp"]}]})"), "src");
+  return L;
+}
+inline const Layout& message_kinds_dst() {
+  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2}, "tensors": [
+      {"name": "b", "shape": [4096], "dtype": "f32", "dims": [null]},
+      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": [null, "tp"]},
+      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": ["tp", null]}]})"), "dst");
+  return L;
 }
 
 /// The executor's view of a rank's memory (dense buffers), for tests that

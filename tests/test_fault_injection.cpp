@@ -19,24 +19,8 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// Sources 0-1, destinations 2-3; every destination hears from both sources:
-//   b  [4096]   split -> replicated: one 8 KiB zero-copy message per pair
-//   w  [64, 32] rows -> columns: 2 KiB, contiguous on the receiver only (half-staged)
-//   e  [48, 6]  columns -> rows: strided on both sides, packed into the bucket
-const Layout& src_layout() {
-  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [
-      {"name": "b", "shape": [4096], "dtype": "f32", "dims": ["tp"]},
-      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": ["tp", null]},
-      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": [null, "tp"]}]})"), "src");
-  return L;
-}
-const Layout& dst_layout() {
-  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2}, "tensors": [
-      {"name": "b", "shape": [4096], "dtype": "f32", "dims": [null]},
-      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": [null, "tp"]},
-      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": ["tp", null]}]})"), "dst");
-  return L;
-}
+using refit_test::message_kinds_dst;
+using refit_test::message_kinds_src;
 
 // Deadlines: short so a drop costs under a second, long enough that on a
 // loaded 2-core machine only the injected fault times out (400 ms was not).
@@ -90,10 +74,10 @@ void check_failed_everywhere(const refit_test::FaultyOutcome& o, std::size_t k, 
 }  // namespace
 
 TEST_CASE("integrity: refits with checksums are exact, checked, and versioned") {
-  const auto& L = src_layout();
+  const auto& L = message_kinds_src();
   CHECK(L.tensors.size() == 3);
   FaultPlan none;
-  const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), none, options(true), 3);
+  const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), none, options(true), 3);
   for (const auto& r : o.ranks) {
     CAPTURE(r.rank);
     REQUIRE(r.errors.size() == 3);
@@ -117,7 +101,7 @@ TEST_CASE("integrity: every corruption is detected and named; no rank reports su
       CAPTURE(victim_name);
       FaultPlan plan;
       plan.add(rule(kind, v, 1));
-      const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true), 3);
+      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3);
       REQUIRE(o.injected.size() == 1);
       CHECK(o.committed(0) == 4);  // the first refit was clean
       // b is replicated: rank 1 sends the same source range to ranks 2 and
@@ -149,7 +133,7 @@ TEST_CASE("integrity: every corruption is detected and named; no rank reports su
 TEST_CASE("integrity: without checksums the same corruption goes through (the injection changes data)") {
   FaultPlan plan;
   plan.add(rule(FaultKind::corrupt_arrived, Victim::zero_copy, 0));
-  const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(false), 1);
+  const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(false), 1);
   REQUIRE(o.injected.size() == 1);
   CHECK(o.committed(0) == 4);
   CHECK(o.at(3).wrong[0] == 1);  // one element of b is wrong on rank 3, undetected
@@ -165,7 +149,7 @@ TEST_CASE("integrity: a dropped message fails the receiver at its deadline, nami
       CAPTURE(checksum);
       FaultPlan plan;
       plan.add(rule(FaultKind::drop, v, 0));
-      const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(checksum, 800ms), 1);
+      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(checksum, 800ms), 1);
       REQUIRE(o.injected.size() == 1);
       check_failed_everywhere(o, 0, tensor_of(v));
       const auto& e = o.at(3).errors[0];
@@ -185,7 +169,7 @@ TEST_CASE("integrity: a delay past the timeout fails like a drop; a delay within
     auto r = rule(FaultKind::delay, Victim::half_staged, 0);
     r.delay = 2000ms;
     late.add(r);
-    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), late, options(true, 800ms), 1);
+    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), late, options(true, 800ms), 1);
     REQUIRE(o.injected.size() == 1);
     check_failed_everywhere(o, 0, "w");
     CHECK(has(o.at(3).errors[0], "timed out"));
@@ -196,7 +180,7 @@ TEST_CASE("integrity: a delay past the timeout fails like a drop; a delay within
     auto r = rule(FaultKind::delay, Victim::half_staged, 0);
     r.delay = 150ms;
     soon.add(r);
-    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), soon, options(true, 3000ms), 2);
+    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), soon, options(true, 3000ms), 2);
     REQUIRE(o.injected.size() == 1);
     CHECK(o.committed(0) == 4);
     CHECK(o.committed(1) == 4);
@@ -211,7 +195,7 @@ TEST_CASE("integrity: a duplicated message is caught in the next refit") {
       CAPTURE(victim_name);
       FaultPlan plan;
       plan.add(rule(FaultKind::duplicate, v, 0));
-      const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true), 3);
+      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3);
       REQUIRE(o.injected.size() == 1);
       CHECK(o.committed(0) == 4);
       check_failed_everywhere(o, 1, tensor_of(v));
@@ -221,7 +205,7 @@ TEST_CASE("integrity: a duplicated message is caught in the next refit") {
   SUBCASE("control: the previous refit's version is refused") {
     FaultPlan plan;
     plan.add(rule(FaultKind::duplicate, Victim::control, 0));
-    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true), 3);
+    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3);
     REQUIRE(o.injected.size() == 1);
     CHECK(o.committed(0) == 4);
     check_failed_everywhere(o, 1, "b");
@@ -230,7 +214,7 @@ TEST_CASE("integrity: a duplicated message is caught in the next refit") {
   SUBCASE("data, unchanged weights: the displaced original is never received, so the refit is not committed") {
     FaultPlan plan;
     plan.add(rule(FaultKind::duplicate, Victim::zero_copy, 0));
-    const auto o = refit_test::run_with_faults(src_layout(), dst_layout(), plan, options(true, 800ms), 3, /*same_values=*/true);
+    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true, 800ms), 3, /*same_values=*/true);
     REQUIRE(o.injected.size() == 1);
     CHECK(o.committed(0) == 4);
     check_failed_everywhere(o, 1, "b");

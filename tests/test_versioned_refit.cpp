@@ -22,20 +22,8 @@ using refit_test::SideMemory;
 
 namespace {
 
-const Layout& src_layout() {
-  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [
-      {"name": "b", "shape": [4096], "dtype": "f32", "dims": ["tp"]},
-      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": ["tp", null]},
-      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": [null, "tp"]}]})"), "src");
-  return L;
-}
-const Layout& dst_layout() {
-  static const Layout L = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2}, "tensors": [
-      {"name": "b", "shape": [4096], "dtype": "f32", "dims": [null]},
-      {"name": "w", "shape": [64, 32], "dtype": "f32", "dims": [null, "tp"]},
-      {"name": "e", "shape": [48, 6], "dtype": "f32", "dims": ["tp", null]}]})"), "dst");
-  return L;
-}
+using refit_test::message_kinds_dst;
+using refit_test::message_kinds_src;
 
 using FT = FaultInjectingTransport<LocalTransport>;
 using R = Resharder<Layout, FT>;
@@ -43,7 +31,7 @@ using R = Resharder<Layout, FT>;
 /// Ranks whose Resharders (and memory) outlive the worlds they refit over,
 /// so that a failed refit can be followed by setup() on a fresh transport.
 struct Job {
-  std::vector<std::int64_t> ranks = refit_test::world_of(src_layout(), dst_layout());
+  std::vector<std::int64_t> ranks = refit_test::world_of(message_kinds_src(), message_kinds_dst());
   std::vector<SideMemory> src, dst, back;
   std::vector<std::unique_ptr<R>> rs;
   // One world at a time; the previous one and its endpoints stay alive
@@ -55,17 +43,17 @@ struct Job {
 
   explicit Job(ResharderOptions o) : opt(std::move(o)) {
     for (auto r : ranks) {
-      src.push_back(refit_test::make_side(src_layout(), r, true, 0));
-      dst.push_back(refit_test::make_side(dst_layout(), r, false, 0));
-      back.push_back(refit_test::make_side(dst_layout(), r, false, 0));
+      src.push_back(refit_test::make_side(message_kinds_src(), r, true, 0));
+      dst.push_back(refit_test::make_side(message_kinds_dst(), r, false, 0));
+      back.push_back(refit_test::make_side(message_kinds_dst(), r, false, 0));
     }
     rs.resize(ranks.size());
   }
   LocalBuffers buffers(std::size_t i) {
     LocalBuffers b;
-    b.src = refit_test::views(src_layout(), src[i]);
-    b.dst = refit_test::views(dst_layout(), dst[i]);
-    if (opt.double_buffered) b.dst_back = refit_test::views(dst_layout(), back[i]);
+    b.src = refit_test::views(message_kinds_src(), src[i]);
+    b.dst = refit_test::views(message_kinds_dst(), dst[i]);
+    if (opt.double_buffered) b.dst_back = refit_test::views(message_kinds_dst(), back[i]);
     return b;
   }
   /// A fresh world (with `plan`) on which every rank sets up (again) and runs f.
@@ -81,7 +69,7 @@ struct Job {
       while (ranks[i] != t.rank()) ++i;
       FT& ft = *transports.back()[i];
       if (!rs[i])
-        rs[i] = std::make_unique<R>(src_layout(), dst_layout(), buffers(i), ft, opt);
+        rs[i] = std::make_unique<R>(message_kinds_src(), message_kinds_dst(), buffers(i), ft, opt);
       else
         rs[i]->setup(buffers(i), ft);
       f(i, *rs[i]);
@@ -134,7 +122,7 @@ TEST_CASE("versions: counted by default, given by the caller, never going back")
       CHECK(r.refit().version == 11);
       CHECK(r.state() == RefitState::current);
       CHECK(r.last_good_version() == 11);
-      CHECK(refit_test::count_wrong(dst_layout(), job.dst[i], job.ranks[i], 0, nullptr) == 0);
+      CHECK(refit_test::count_wrong(message_kinds_dst(), job.dst[i], job.ranks[i], 0, nullptr) == 0);
       const auto e = error_of([&] { r.refit(11); });
       std::lock_guard lk(m);
       refused[i] = e;
@@ -181,7 +169,7 @@ TEST_CASE("stale: a failed refit leaves the destination stale with what is missi
   job.run(plan, [&](std::size_t i, R& r) {
     const auto rank = job.ranks[i];
     r.refit();  // version 1, clean
-    refit_test::write_side(src_layout(), job.src[i], true, 2);
+    refit_test::write_side(message_kinds_src(), job.src[i], true, 2);
     const auto e = error_of([&] { r.refit(); });
     std::lock_guard lk(m);
     CAPTURE(rank);
@@ -197,7 +185,7 @@ TEST_CASE("stale: a failed refit leaves the destination stale with what is missi
       CHECK(has(e, "checksum mismatch in 1 message(s) from rank 1"));
       const auto stale = r.stale_tensors();
       CHECK(std::count(stale.begin(), stale.end(), std::string("b")) == 1);
-      CHECK(refit_test::count_wrong(dst_layout(), job.dst[i], rank, 2, nullptr) > 0);  // it really is not version 2
+      CHECK(refit_test::count_wrong(message_kinds_dst(), job.dst[i], rank, 2, nullptr) > 0);  // it really is not version 2
     }
     // Refused until set up again.
     CHECK(has(error_of([&] { r.refit(); }), "an earlier run failed (refit version 2 was not committed)"));
@@ -206,14 +194,14 @@ TEST_CASE("stale: a failed refit leaves the destination stale with what is missi
   FaultPlan none;
   job.run(none, [&](std::size_t i, R& r) {
     CHECK(r.state() == RefitState::stale);  // setup alone does not make it current
-    refit_test::write_side(src_layout(), job.src[i], true, 3);
+    refit_test::write_side(message_kinds_src(), job.src[i], true, 3);
     const auto rep = r.refit();
     CHECK(rep.version == 3);
     CHECK(r.state() == RefitState::current);
     CHECK(r.last_good_version() == 3);
     CHECK_FALSE(r.last_failure().has_value());
     CHECK(r.stale_tensors().empty());
-    CHECK(refit_test::count_wrong(dst_layout(), job.dst[i], job.ranks[i], 3, nullptr) == 0);
+    CHECK(refit_test::count_wrong(message_kinds_dst(), job.dst[i], job.ranks[i], 3, nullptr) == 0);
   });
 }
 
@@ -234,7 +222,7 @@ TEST_CASE("double-buffered: the served set stays intact and current through a fa
     job.run(plan, [&](std::size_t i, R& r) {
       const auto rank = job.ranks[i];
       const bool dst_rank = rank >= 2;
-      auto wrong = [&](SideMemory& mem, std::uint64_t salt) { return refit_test::count_wrong(dst_layout(), mem, rank, salt, nullptr); };
+      auto wrong = [&](SideMemory& mem, std::uint64_t salt) { return refit_test::count_wrong(message_kinds_dst(), mem, rank, salt, nullptr); };
       // serving_buffers() points into `mem` (destination ranks have buffers).
       auto serving_is = [&](SideMemory& mem) {
         const auto& sv = r.serving_buffers();
@@ -245,7 +233,7 @@ TEST_CASE("double-buffered: the served set stays intact and current through a fa
       };
       const auto untouched = job.dst[i].data;  // set 0 before any refit
       CHECK(r.serving_set() == 0);
-      refit_test::write_side(src_layout(), job.src[i], true, 1);
+      refit_test::write_side(message_kinds_src(), job.src[i], true, 1);
       auto rep = r.refit();
       CHECK(rep.version == 1);
       CHECK(rep.serving_set == 1);
@@ -254,7 +242,7 @@ TEST_CASE("double-buffered: the served set stays intact and current through a fa
       CHECK(wrong(job.back[i], 1) == 0);
       CHECK(job.dst[i].data == untouched);  // version 1 went to the back set only
 
-      refit_test::write_side(src_layout(), job.src[i], true, 2);
+      refit_test::write_side(message_kinds_src(), job.src[i], true, 2);
       rep = r.refit();
       CHECK(rep.serving_set == 0);
       CHECK(serving_is(job.dst[i]));
@@ -262,7 +250,7 @@ TEST_CASE("double-buffered: the served set stays intact and current through a fa
       CHECK(wrong(job.back[i], 1) == 0);  // the previous set is left as it was
       const auto v2 = job.dst[i].data;
 
-      refit_test::write_side(src_layout(), job.src[i], true, 3);
+      refit_test::write_side(message_kinds_src(), job.src[i], true, 3);
       const auto e = error_of([&] { r.refit(); });
       std::lock_guard lk(m);
       CAPTURE(rank);
@@ -280,12 +268,12 @@ TEST_CASE("double-buffered: the served set stays intact and current through a fa
     });
     FaultPlan none;
     job.run(none, [&](std::size_t i, R& r) {
-      refit_test::write_side(src_layout(), job.src[i], true, 4);
+      refit_test::write_side(message_kinds_src(), job.src[i], true, 4);
       const auto rep = r.refit();
       CHECK(rep.version == 4);
       CHECK(r.serving_set() == 1);
-      CHECK(refit_test::count_wrong(dst_layout(), job.back[i], job.ranks[i], 4, nullptr) == 0);
-      CHECK(refit_test::count_wrong(dst_layout(), job.dst[i], job.ranks[i], 2, nullptr) == 0);
+      CHECK(refit_test::count_wrong(message_kinds_dst(), job.back[i], job.ranks[i], 4, nullptr) == 0);
+      CHECK(refit_test::count_wrong(message_kinds_dst(), job.dst[i], job.ranks[i], 2, nullptr) == 0);
     });
   }
 }
@@ -302,17 +290,17 @@ TEST_CASE("double-buffered: the two sets share the staging budget; misuse is nam
     r.refit();
     std::lock_guard lk(m);
     CHECK(rep1.staging_bytes + r.executor().staging_bytes() <= 4096);
-    CHECK(refit_test::count_wrong(dst_layout(), job.dst[i], job.ranks[i], 0, nullptr) == 0);
+    CHECK(refit_test::count_wrong(message_kinds_dst(), job.dst[i], job.ranks[i], 0, nullptr) == 0);
   });
 
   // dst_back without the mode, and the mode without dst_back.
-  const auto ranks = refit_test::world_of(src_layout(), dst_layout());
+  const auto ranks = refit_test::world_of(message_kinds_src(), message_kinds_dst());
   std::vector<std::string> errors(ranks.size()), errors2(ranks.size());
   LocalWorld w(ranks), w2(ranks);
   std::vector<SideMemory> s, d;
   for (auto r : ranks) {
-    s.push_back(refit_test::make_side(src_layout(), r, true, 0));
-    d.push_back(refit_test::make_side(dst_layout(), r, false, 0));
+    s.push_back(refit_test::make_side(message_kinds_src(), r, true, 0));
+    d.push_back(refit_test::make_side(message_kinds_dst(), r, false, 0));
   }
   auto attempt = [&](LocalWorld& world, bool mode, bool give_back, std::vector<std::string>& out) {
     error_of([&] {
@@ -320,11 +308,11 @@ TEST_CASE("double-buffered: the two sets share the staging budget; misuse is nam
         std::size_t i = 0;
         while (ranks[i] != t.rank()) ++i;
         LocalBuffers b;
-        b.src = refit_test::views(src_layout(), s[i]);
-        b.dst = refit_test::views(dst_layout(), d[i]);
+        b.src = refit_test::views(message_kinds_src(), s[i]);
+        b.dst = refit_test::views(message_kinds_dst(), d[i]);
         if (give_back) b.dst_back = b.dst;
         ResharderOptions ro = options(false, mode);
-        const auto e = error_of([&] { Resharder<Layout, LocalTransport> r(src_layout(), dst_layout(), b, t, ro); });
+        const auto e = error_of([&] { Resharder<Layout, LocalTransport> r(message_kinds_src(), message_kinds_dst(), b, t, ro); });
         std::lock_guard lk(m);
         out[i] = e;
       });
