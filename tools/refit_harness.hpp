@@ -21,6 +21,7 @@
 #include "reshard/backends/local.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/staged_executor.hpp"
 #include "reshard/traditional.hpp"
 #include "reshard/verify.hpp"
 
@@ -207,6 +208,9 @@ struct RunOptions {
   bool baseline = true;
   ExecutorOptions executor;
   LocalWorldOptions world;
+  /// A staged (hierarchical) schedule of src -> dst: reshard's refit runs
+  /// it with StagedExecutor instead of a Resharder's own plan.
+  std::shared_ptr<const StagedSchedule> staged;
 };
 
 /// One method's figures (over all ranks).
@@ -263,6 +267,18 @@ struct Side {
       mem[b] = std::make_unique<std::byte[]>(static_cast<std::size_t>(std::max<std::int64_t>(bytes[b], 1)));  // zeroed: pages touched now
       views[lbs[b].name] = bytes_view(mem[b].get(), static_cast<std::size_t>(bytes[b]), E);
     }
+  }
+  /// The executor's view of the same memory (for StagedExecutor).
+  std::vector<BoundBuffer> bound() const {
+    std::vector<BoundBuffer> out(mem.size());
+    for (std::size_t b = 0; b < mem.size(); ++b) {
+      if (!mem[b]) continue;
+      out[b].name = L->local_buffers()[b].name;
+      out[b].data = mem[b].get();
+      out[b].element_bytes = element_bytes(L->local_buffers()[b].dtype);
+      out[b].shape = buffer_shape(*L, *pos, static_cast<int>(b));
+    }
+    return out;
   }
   void fill(TagFill mode, std::uint64_t salt) {
     if (!pos) return;
@@ -325,8 +341,44 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
     ResharderOptions ro;
     ro.executor = opt.executor;
     ro.executor.channel = 0;
-    Resharder<Layout, LocalTransport> main(src, dst, main_bufs, t, ro);
-    me.plan_seconds = main.schedule().stats.plan_seconds;
+    // reshard's refit: a Resharder (its own plan), or the staged schedule
+    // stage by stage on channels 8.. (the baseline's are 1-3).
+    std::unique_ptr<Resharder<Layout, LocalTransport>> direct;
+    StagedExecutor<LocalTransport> staged;
+    const auto src_bound = s.bound(), dst_bound = d.bound();
+    auto pointers = [](const std::vector<BoundBuffer>& v) {
+      std::vector<const BoundBuffer*> p;
+      for (const auto& b : v) p.push_back(b.data ? &b : nullptr);
+      return p;
+    };
+    if (opt.staged) {
+      ExecutorOptions eo = opt.executor;
+      eo.channel = 8;
+      staged.setup(*opt.staged, pointers(src_bound), pointers(dst_bound), t, eo);
+      me.plan_seconds = opt.staged->schedule.stats.plan_seconds;
+    } else {
+      direct = std::make_unique<Resharder<Layout, LocalTransport>>(src, dst, main_bufs, t, ro);
+      me.plan_seconds = direct->schedule().stats.plan_seconds;
+    }
+    auto refit_main = [&, version = std::uint64_t{0}]() mutable {
+      if (direct) return direct->refit();
+      const ExecutorStats st = staged.run(++version);
+      RefitReport r;
+      r.bytes_sent = st.bytes_sent;
+      r.bytes_received = st.bytes_received;
+      r.local_bytes = st.local_bytes;
+      r.messages_sent = st.messages_sent;
+      r.messages_received = st.messages_received;
+      r.waves = st.waves;
+      r.staging_bytes = st.staging_bytes;
+      r.peak_staging_bytes = st.peak_staging_bytes;
+      r.seconds = st.seconds;
+      r.plan_bytes_sent = staged.planned_bytes_sent();
+      r.plan_bytes_received = staged.planned_bytes_received();
+      r.plan_local_bytes = staged.planned_local_bytes();
+      r.version = version;
+      return r;
+    };
     // The traditional refit's intermediate buffers: whole tensors on the
     // gather roots and on every destination rank.
     detail::Side g_side, b_side;
@@ -352,7 +404,7 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
       if (last && k > 0) d.fill(TagFill::poison, 0);
       t.all_gather({}, far());
       me.t0.push_back(Clock::now());
-      me.main = main.refit();
+      me.main = refit_main();
       me.t1.push_back(Clock::now());
       if (last) me.check = d.check(0);
       if (!opt.baseline) continue;

@@ -3,6 +3,7 @@
 //   reshard-refit [--transport local] [--iterations N] [--json] [--src SRC.json --dst DST.json]
 //                 [--model CONFIG.json --train SPEC --infer SPEC [--colocate] [--group-experts]]
 //                 [--staging-budget BYTES] [--no-baseline]
+//                 [--topology NAME|FILE [--placement launch|separate] --hierarchical [--pipeline K]]
 // With no arguments: an embedded Llama-like model (8 layers, hidden 2048,
 // bf16, ~700 MB) from Megatron pp=2 x dp=2 x tp=2 to vLLM tp=4 on the
 // in-process transport. Every destination element is checked after the last
@@ -18,7 +19,9 @@
 #include <nlohmann/json.hpp>
 
 #include "refit_harness.hpp"
+#include "reshard/hierarchical.hpp"
 #include "reshard/json_io.hpp"
+#include "reshard/topology.hpp"
 #include "reshard/presets/presets.hpp"
 #ifdef RESHARD_HAVE_UCX
 #include "reshard/backends/mpi_bootstrap.hpp"
@@ -111,6 +114,15 @@ int main(int argc, char** argv) {
   mo->excludes(so);
   app.add_option("--staging-budget", budget, "staging bytes per rank (default 256 MiB)")->check(CLI::Range(std::int64_t{64}, INT64_MAX));
   app.add_flag("--no-baseline", no_baseline, "skip the traditional refit");
+  std::string topology, placement;
+  bool hierarchical = false;
+  int pipeline = 4;
+  app.add_option("--topology", topology, "with --hierarchical: cluster topology preset (" +
+                                             fmt::format("{}", fmt::join(topology_preset_names(), ", ")) + ") or JSON file");
+  app.add_option("--placement", placement, "with --hierarchical: launch or separate (default: the topology's)")
+      ->check(CLI::IsMember({"launch", "separate"}));
+  app.add_flag("--hierarchical", hierarchical, "run the hierarchical (staged) plan on the topology (local transport)");
+  app.add_option("--pipeline", pipeline, "with --hierarchical: network chunks per rank")->check(CLI::Range(1, 64));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -128,6 +140,18 @@ int main(int argc, char** argv) {
   }
   if (transport != "local" && transport != "ucx") {
     fmt::print(stderr, "reshard-refit: unknown transport '{}' (local, ucx or nccl)\n", transport);
+    return 2;
+  }
+  if (hierarchical && topology.empty()) {
+    fmt::print(stderr, "reshard-refit: --hierarchical needs --topology\n");
+    return 2;
+  }
+  if (!hierarchical && (!topology.empty() || !placement.empty())) {
+    fmt::print(stderr, "reshard-refit: --topology and --placement only go with --hierarchical\n");
+    return 2;
+  }
+  if (hierarchical && transport != "local") {
+    fmt::print(stderr, "reshard-refit: --hierarchical runs on the local transport only (not yet on {})\n", transport);
     return 2;
   }
 
@@ -159,6 +183,17 @@ int main(int argc, char** argv) {
     opt.iterations = iterations;
     opt.baseline = !no_baseline;
     opt.executor.staging_budget = budget;
+    std::string topo_name;
+    if (hierarchical) {
+      Topology topo = load_topology(topology);
+      if (placement == "launch") topo.placement = PlacementKind::launch;
+      if (placement == "separate") topo.placement = PlacementKind::separate;
+      topo_name = topo.name;
+      const RankPlacement place(topo, src, dst);
+      HierarchicalOptions ho;
+      ho.pipeline = pipeline;
+      opt.staged = std::make_shared<const StagedSchedule>(plan_hierarchical(src, dst, place, ho));
+    }
     const auto r = refit_harness::run_refit(src, dst, opt);
     const bool ok = r.reshard.validated && (no_baseline || r.baseline.validated);
     const double speedup = r.reshard.median > 0 && !no_baseline ? r.baseline.median / r.reshard.median : 0;
@@ -187,6 +222,11 @@ int main(int argc, char** argv) {
                           {"plan_seconds", r.plan_seconds},
                           {"checked_elements", r.reshard.checked},
                           {"wrong_elements", r.reshard.wrong}};
+      if (opt.staged) {
+        j["hierarchical"] = true;
+        j["topology"] = topo_name;
+        j["stages"] = opt.staged->stages;
+      }
       if (!no_baseline) {
         j["baseline"] = method_json(r.baseline);
         j["speedup"] = speedup;
@@ -195,6 +235,9 @@ int main(int argc, char** argv) {
     } else {
       fmt::print("reshard-refit: {} ({}, {} ranks -> {}, {} ranks) on the {} transport, {} iterations\n", model, src.origin, r.src_ranks,
                  dst.origin, r.dst_ranks, transport, iterations);
+      if (opt.staged)
+        fmt::print("hierarchical plan on topology {}: {} stages, {} copies\n", topo_name, opt.staged->stages,
+                   opt.staged->schedule.copies.size());
       fmt::print("{:<24} {:>14} {:>14}\n", "", "reshard", no_baseline ? "" : "traditional");
       auto row = [&](const char* name, const std::string& a, const std::string& b) { fmt::print("{:<24} {:>14} {:>14}\n", name, a, b); };
       const MethodResult& b = r.baseline;

@@ -108,6 +108,7 @@ class StagedExecutor {
   /// Per replay, summed over the stages.
   std::int64_t planned_bytes_sent() const { return sum(&Executor<T>::planned_bytes_sent); }
   std::int64_t planned_bytes_received() const { return sum(&Executor<T>::planned_bytes_received); }
+  std::int64_t planned_local_bytes() const { return sum(&Executor<T>::planned_local_bytes); }
 
  private:
   std::int64_t sum(std::int64_t (Executor<T>::*f)() const) const {
