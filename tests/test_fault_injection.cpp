@@ -24,7 +24,10 @@ using refit_test::message_kinds_src;
 
 // Deadlines: short so a drop costs under a second, long enough that on a
 // loaded 2-core machine only the injected fault times out (400 ms was not).
-ResharderOptions options(bool checksum, std::chrono::milliseconds timeout = 800ms) {
+// The deadline of a refit that should succeed, or whose drop should be
+// caught: long enough for a sanitizer build on a loaded 2-core machine (an
+// 800 ms one once expired there before any message had arrived).
+ResharderOptions options(bool checksum, std::chrono::milliseconds timeout = 3000ms) {
   ResharderOptions o;
   o.executor.checksum = checksum;
   o.executor.zero_copy_min = 1024;
@@ -126,7 +129,7 @@ TEST_CASE("integrity: every corruption is detected and named; no rank reports su
         CHECK(from1->messages == 1);
         CHECK(from1->tensors == std::vector<std::string>{tensor_of(v)});
       }
-      CHECK(o.seconds < 5);
+      CHECK(o.seconds < 10);
     }
 }
 
@@ -149,17 +152,19 @@ TEST_CASE("integrity: a dropped message fails the receiver at its deadline, nami
       CAPTURE(checksum);
       FaultPlan plan;
       plan.add(rule(FaultKind::drop, v, 0));
-      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(checksum, 800ms), 1);
+      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(checksum), 1);
       REQUIRE(o.injected.size() == 1);
       check_failed_everywhere(o, 0, tensor_of(v));
       const auto& e = o.at(3).errors[0];
       INFO(e);
       CHECK(has(e, "timed out"));
-      CHECK(has(e, "rank 3 was still waiting for wave 0: messages from rank 1 (tensors"));
+      // (On a slow machine other peers' messages may be late too: they are
+      // named as well, but rank 1's must be.)
+      CHECK(has(e, "rank 3 was still waiting for wave 0: "));
+      CHECK(has(e, "messages from rank 1 (tensors"));
       const auto& missing = o.at(3).failure->missing;
-      REQUIRE(!missing.empty());
-      CHECK(missing[0].peer == 1);
-      CHECK(o.seconds < 5);
+      CHECK(std::any_of(missing.begin(), missing.end(), [](const MissingPieces& m) { return m.peer == 1; }));
+      CHECK(o.seconds < 10);
     }
 }
 
@@ -214,7 +219,7 @@ TEST_CASE("integrity: a duplicated message is caught in the next refit") {
   SUBCASE("data, unchanged weights: the displaced original is never received, so the refit is not committed") {
     FaultPlan plan;
     plan.add(rule(FaultKind::duplicate, Victim::zero_copy, 0));
-    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true, 800ms), 3, /*same_values=*/true);
+    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3, /*same_values=*/true);
     REQUIRE(o.injected.size() == 1);
     CHECK(o.committed(0) == 4);
     check_failed_everywhere(o, 1, "b");
@@ -222,6 +227,6 @@ TEST_CASE("integrity: a duplicated message is caught in the next refit") {
     INFO(e);
     CHECK(has(e, "rank 1 was still sending wave 0: "));
     CHECK(has(e, "sends to rank 3 (tensors b"));
-    CHECK(o.seconds < 5);
+    CHECK(o.seconds < 10);
   }
 }
