@@ -92,7 +92,7 @@ ResharderOptions options(bool checksum, bool double_buffered = false) {
   ResharderOptions o;
   o.executor.checksum = checksum;
   o.executor.zero_copy_min = 1024;
-  o.executor.timeout = 500ms;
+  o.executor.timeout = 3000ms;  // refits here must commit, also under a sanitizer on a loaded machine
   o.double_buffered = double_buffered;
   return o;
 }
