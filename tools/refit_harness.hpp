@@ -362,22 +362,7 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
     }
     auto refit_main = [&, version = std::uint64_t{0}]() mutable {
       if (direct) return direct->refit();
-      const ExecutorStats st = staged.run(++version);
-      RefitReport r;
-      r.bytes_sent = st.bytes_sent;
-      r.bytes_received = st.bytes_received;
-      r.local_bytes = st.local_bytes;
-      r.messages_sent = st.messages_sent;
-      r.messages_received = st.messages_received;
-      r.waves = st.waves;
-      r.staging_bytes = st.staging_bytes;
-      r.peak_staging_bytes = st.peak_staging_bytes;
-      r.seconds = st.seconds;
-      r.plan_bytes_sent = staged.planned_bytes_sent();
-      r.plan_bytes_received = staged.planned_bytes_received();
-      r.plan_local_bytes = staged.planned_local_bytes();
-      r.version = version;
-      return r;
+      return refit_report(staged.run(++version), staged);
     };
     // The traditional refit's intermediate buffers: whole tensors on the
     // gather roots and on every destination rank.

@@ -168,6 +168,33 @@ struct RefitReport {
   double checksum_seconds = 0;
 };
 
+/// What an executor's run moved, as a report (the fields an executor knows:
+/// stats and its planned bytes); the caller adds version and commit state.
+/// `Ex`: an Executor or a StagedExecutor.
+template <class Ex>
+RefitReport refit_report(const ExecutorStats& st, const Ex& ex) {
+  RefitReport r;
+  r.checksummed_bytes = st.checksummed_bytes;
+  r.checksum_seconds = st.checksum_seconds;
+  r.bytes_sent = st.bytes_sent;
+  r.bytes_received = st.bytes_received;
+  r.local_bytes = st.local_bytes;
+  r.messages_sent = st.messages_sent;
+  r.messages_received = st.messages_received;
+  r.zero_copy_bytes = st.zero_copy_bytes;
+  r.packed_bytes = st.packed_bytes;
+  r.unpacked_bytes = st.unpacked_bytes;
+  r.waves = st.waves;
+  r.staging_bytes = st.staging_bytes;
+  r.peak_staging_bytes = st.peak_staging_bytes;
+  r.seconds = st.seconds;
+  r.version = st.version;
+  r.plan_bytes_sent = ex.planned_bytes_sent();
+  r.plan_bytes_received = ex.planned_bytes_received();
+  r.plan_local_bytes = ex.planned_local_bytes();
+  return r;
+}
+
 namespace resharder_detail {
 /// Every rank's verdict after a refit, through the bootstrap.
 struct Verdicts {
@@ -378,27 +405,10 @@ class Resharder {
     if (opt_.double_buffered) serving_ = target;
     last_failure_.reset();
     ++committed_;
-    RefitReport r;
+    RefitReport r = refit_report(st, ex);
     r.version = version;
     r.serving_set = serving_;
-    r.checksummed_bytes = st.checksummed_bytes;
-    r.checksum_seconds = st.checksum_seconds;
-    r.bytes_sent = st.bytes_sent;
-    r.bytes_received = st.bytes_received;
-    r.local_bytes = st.local_bytes;
-    r.messages_sent = st.messages_sent;
-    r.messages_received = st.messages_received;
-    r.zero_copy_bytes = st.zero_copy_bytes;
-    r.packed_bytes = st.packed_bytes;
-    r.unpacked_bytes = st.unpacked_bytes;
-    r.waves = st.waves;
-    r.staging_bytes = st.staging_bytes;
-    r.peak_staging_bytes = st.peak_staging_bytes;
     r.staging_budget = opt_.executor.staging_budget;
-    r.seconds = st.seconds;
-    r.plan_bytes_sent = ex.planned_bytes_sent();
-    r.plan_bytes_received = ex.planned_bytes_received();
-    r.plan_local_bytes = ex.planned_local_bytes();
     r.refit_index = committed_ - 1;
     return r;
   }
