@@ -7,7 +7,9 @@
 # included. UBSan does not recover: a finding aborts the program, so the test
 # that hit it fails instead of printing a warning nobody reads.
 set(RESHARD_SANITIZE "" CACHE STRING
-    "Sanitizers for everything reshard builds: address,undefined | thread | empty for none")
+    "Sanitizers for everything reshard builds: address,undefined | thread | undefined | empty for none")
+set(RESHARD_SANITIZE_OPT "-Og" CACHE STRING
+    "Optimization of sanitizer builds (-Og: fast to compile; the long fuzzing runs use -O2)")
 
 if(RESHARD_SANITIZE)
   string(REPLACE "," ";" _reshard_san_list "${RESHARD_SANITIZE}")
@@ -25,7 +27,7 @@ if(RESHARD_SANITIZE)
   # of -O1 (g++ 12, ASan+UBSan: 46 s vs 110 s for one test source); -g1
   # (line tables) is all a sanitizer's stack trace needs. Frame pointers
   # give whole stacks.
-  set(_reshard_san_flags "-fsanitize=${_reshard_san} -fno-omit-frame-pointer -g1 -Og")
+  set(_reshard_san_flags "-fsanitize=${_reshard_san} -fno-omit-frame-pointer -g1 ${RESHARD_SANITIZE_OPT}")
   if("undefined" IN_LIST _reshard_san_list)
     string(APPEND _reshard_san_flags " -fno-sanitize-recover=undefined")
   endif()

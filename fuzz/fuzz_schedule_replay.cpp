@@ -9,6 +9,7 @@
 //            (reshard/verify.hpp fill_tags / check_tags), padding included.
 // Each rank's report must also move exactly the bytes its plan says.
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -33,7 +34,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   opt.executor.staging_budget = in.pick(std::vector<std::int64_t>{std::int64_t{256} << 20, 4096, 1024, 256, 65536});
   opt.executor.zero_copy_min = in.pick(std::vector<std::int64_t>{std::int64_t{64} << 10, 1, 16, 256});
   opt.executor.pipeline = in.chance(96) ? 1 : 2;
-  opt.executor.timeout = std::chrono::milliseconds(60'000);  // a hang is a finding, not a stuck fuzzer
+  // A hang is a finding, not a stuck fuzzer. Long runs that may be paused
+  // (SIGSTOP while the machine is measured) set a longer deadline, with
+  // libFuzzer's -timeout above it (fuzz/README.md).
+  static const long timeout_s = [] {
+    const char* e = std::getenv("RESHARD_FUZZ_REFIT_TIMEOUT_S");
+    return e && std::atol(e) > 0 ? std::atol(e) : 60L;
+  }();
+  opt.executor.timeout = std::chrono::seconds(timeout_s);
   opt.plan.split_bytes = in.pick(std::vector<std::int64_t>{64 * 1024, 1, 64, 512});
   opt.plan.coalesce = !in.chance(48);
   // Mostly one full plan shared by all ranks (as one process of threads

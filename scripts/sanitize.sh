@@ -27,8 +27,14 @@
 # Environment:
 #   RESHARD_FUZZ_SECONDS     fuzzing time per target (default 45)
 #   RESHARD_FUZZ_RUNS        instead: fuzz each target for this many executions
-#                            (the one-off long run: RESHARD_FUZZ_RUNS=1000000
-#                            bash scripts/sanitize.sh fuzz)
+#   RESHARD_FUZZ_SANITIZE    the fuzzers' sanitizers (default address,undefined;
+#                            `undefined` alone runs the schedule replay about
+#                            2x faster) and RESHARD_FUZZ_OPT their optimization
+#                            (default -Og); a non-default pair builds in
+#                            build-fuzz-<sanitizers>. The long run of 10^6
+#                            executions per target (fuzz/README.md):
+#                            RESHARD_FUZZ_RUNS=1000000 RESHARD_FUZZ_SANITIZE=undefined
+#                            RESHARD_FUZZ_OPT=-O2 bash scripts/sanitize.sh fuzz
 #   RESHARD_SAN_SEEDS        RESHARD_SEEDS for test_plan_properties under ASan
 #                            (default 1:600; each sweep runs that range)
 #   RESHARD_SAN_JOBS         build and ctest parallelism (default 2)
@@ -166,19 +172,24 @@ fi
 
 # ------------------------------------------------------------------- fuzz
 if want fuzz; then
-  stamp "fuzz: configure and build (build-fuzz, clang, libFuzzer + address,undefined)"
-  mkdir -p build-fuzz
-  cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DRESHARD_SANITIZE=address,undefined \
-    -DRESHARD_BUILD_FUZZERS=ON -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_TOOLS=OFF > build-fuzz/configure.log
+  fuzz_san=${RESHARD_FUZZ_SANITIZE:-address,undefined}
+  fuzz_opt=${RESHARD_FUZZ_OPT:--Og}
+  fuzz_dir=build-fuzz
+  [ "$fuzz_san" = address,undefined ] && [ "$fuzz_opt" = -Og ] || fuzz_dir="build-fuzz-${fuzz_san//,/-}"
+  stamp "fuzz: configure and build ($fuzz_dir, clang, libFuzzer + $fuzz_san, $fuzz_opt)"
+  mkdir -p "$fuzz_dir"
+  cmake -S . -B "$fuzz_dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DRESHARD_SANITIZE="$fuzz_san" \
+    -DRESHARD_SANITIZE_OPT="$fuzz_opt" -DRESHARD_WITH_CUDA=OFF \
+    -DRESHARD_BUILD_FUZZERS=ON -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_TOOLS=OFF > "$fuzz_dir/configure.log"
   fuzzers=(layout_json plan schedule_replay)
   fuzz_targets=()
   for t in "${fuzzers[@]}"; do fuzz_targets+=("fuzz-${t//_/-}"); done
-  build_group build-fuzz "${fuzz_targets[@]}"
+  build_group "$fuzz_dir" "${fuzz_targets[@]}"
   failed=0
   for t in "${fuzzers[@]}"; do
-    exe="build-fuzz/bin/fuzz-${t//_/-}"
-    art="build-fuzz/artifacts/$t"
-    work="build-fuzz/corpus/$t"
+    exe="$fuzz_dir/bin/fuzz-${t//_/-}"
+    art="$fuzz_dir/artifacts/$t"
+    work="$fuzz_dir/corpus/$t"
     mkdir -p "$art" "$work"
     inputs=("fuzz/corpus/$t")
     [ -d "fuzz/regressions/$t" ] && inputs+=("fuzz/regressions/$t")

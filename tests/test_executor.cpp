@@ -9,6 +9,8 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "refit_util.hpp"
 #include "reshard/executor.hpp"
@@ -306,4 +308,85 @@ TEST_CASE("many rank threads on few cores: copies are shared, nobody spins") {
   CHECK(r.wrong == 0);
   CHECK(r.traffic.bytes_sent == 5 * r.schedule.stats.bytes);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+}
+
+TEST_CASE("local transport: targeted wake-ups lose no work (all-to-all, one copier, tiny tasks)") {
+  // Each rank thread sleeps on its own condition variable and is woken only
+  // for its own transfers or for copy work left behind; a lost wake-up would
+  // stall a round until the deadline and fail it with "timed out".
+  constexpr int kRanks = 8;
+  std::vector<std::int64_t> ranks;
+  for (int r = 0; r < kRanks; ++r) ranks.push_back(r);
+  for (const int copy_threads : {1, 2})
+    for (const std::size_t task_bytes : {std::size_t{64}, std::size_t{1000}}) {
+      CAPTURE(copy_threads);
+      CAPTURE(task_bytes);
+      LocalWorld world(ranks, LocalWorldOptions{copy_threads, task_bytes});
+      // Message from a to b: (a * 7 + b * 3) % 5 + 1 KiB of bytes a * 16 + b.
+      auto bytes = [](int a, int b) { return static_cast<std::size_t>(((a * 7 + b * 3) % 5 + 1) * 1024); };
+      std::atomic<int> wrong{0};
+      world.run([&](LocalTransport& t) {
+        const int me = static_cast<int>(t.rank());
+        for (int round = 0; round < 10; ++round) {
+          std::vector<std::vector<unsigned char>> out(kRanks), in(kRanks);
+          std::vector<TransferOp> ops;
+          for (int p = 0; p < kRanks; ++p) {
+            if (p == me) continue;
+            out[static_cast<std::size_t>(p)].assign(bytes(me, p), static_cast<unsigned char>(me * 16 + p + round));
+            in[static_cast<std::size_t>(p)].assign(bytes(p, me), 0);
+            auto rs = t.register_memory(out[static_cast<std::size_t>(p)].data(), bytes(me, p), MemoryKind::host);
+            auto rr = t.register_memory(in[static_cast<std::size_t>(p)].data(), bytes(p, me), MemoryKind::host);
+            ops.push_back(TransferOp{OpKind::send, p, static_cast<std::uint64_t>(round), rs, 0, bytes(me, p)});
+            ops.push_back(TransferOp{OpKind::recv, p, static_cast<std::uint64_t>(round), rr, 0, bytes(p, me)});
+          }
+          // Half the ranks post everything at once, the others one op at a
+          // time, waiting for each with wait_any over what is outstanding.
+          const auto dl = Clock::now() + std::chrono::seconds(20);
+          if (me % 2 == 0) {
+            auto q = t.post(ops);
+            t.wait(q, dl);
+          } else {
+            std::vector<LocalTransport::request> qs;
+            for (const auto& op : ops) qs.push_back(t.post(std::span(&op, 1)));
+            std::vector<LocalTransport::request*> left;
+            for (auto& q : qs) left.push_back(&q);
+            while (!left.empty()) {
+              const auto i = t.wait_any(left, dl);
+              left.erase(left.begin() + static_cast<std::ptrdiff_t>(i));
+            }
+          }
+          for (int p = 0; p < kRanks; ++p)
+            if (p != me)
+              for (auto v : in[static_cast<std::size_t>(p)])
+                if (v != static_cast<unsigned char>(p * 16 + me + round)) {
+                  ++wrong;
+                  break;
+                }
+        }
+      });
+      CHECK(wrong == 0);
+      const auto tot = world.total_stats();
+      CHECK(tot.messages_sent == 10 * kRanks * (kRanks - 1));
+      CHECK(tot.bytes_sent == tot.bytes_received);
+    }
+}
+
+TEST_CASE("local transport: an abort wakes a rank asleep on a long deadline") {
+  LocalWorld world({0, 1});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto e = error_of([&] {
+    world.run([&](LocalTransport& t) {
+      if (t.rank() == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        throw Error("rank 1 gives up");
+      }
+      std::vector<char> m(16);
+      auto r = t.register_memory(m.data(), 16, MemoryKind::host);
+      TransferOp op{OpKind::recv, 1, 3, r, 0, 16};
+      auto q = t.post(std::span(&op, 1));
+      t.wait(q, Clock::now() + std::chrono::seconds(120));
+    });
+  });
+  CHECK(e.find("rank 1 gives up") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60));
 }

@@ -11,7 +11,11 @@
 // Copies are cut into tasks (task_bytes) that any thread blocked in a wait
 // executes, at most copy_threads at once (default: the hardware threads), so
 // many rank threads on few cores share the copying instead of spinning; idle
-// threads sleep on a condition variable until their deadline.
+// threads sleep until their deadline, each on its own condition variable, and
+// are woken only when something they may wait for changes (a transfer of
+// theirs matched or completed, copy work left undone, an abort): one shared
+// condition variable woke every rank thread on every completion, and with
+// many ranks on two cores the wake-ups cost more than the copies.
 //
 //   LocalWorld world(ranks);
 //   world.run([&](LocalTransport& t) { /* one thread per rank */ });
@@ -63,6 +67,8 @@ class LocalWorld {
     if (opt_.copy_threads <= 0) opt_.copy_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     if (opt_.task_bytes == 0) opt_.task_bytes = 2u << 20;
     endpoints_.resize(ranks_.size());
+    wake_ = std::make_unique<std::condition_variable[]>(ranks_.size());
+    asleep_.assign(ranks_.size(), 0);
     gather_slots_.resize(ranks_.size());
     gather_seen_.assign(ranks_.size(), 0);
   }
@@ -188,7 +194,7 @@ class LocalWorld {
                                          g->rank, describe(op, g->rank), op.offset, op.offset + op.bytes, r.bytes));
       ptrs[i] = r.ptr + op.offset;
     }
-    bool new_tasks = false;
+    Wakeups wake;
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const auto& op = ops[i];
       Pending mine{g, i, ptrs[i]};
@@ -216,22 +222,41 @@ class LocalWorld {
         t->recv.group->error = msg;
         complete(t->send);
         complete(t->recv);
+        wake.parties(*t, *this);
         continue;
       }
       t->bytes = sop.bytes;
       if (t->bytes == 0) {
         finish_transfer(*t);
+        wake.parties(*t, *this);
         continue;
       }
       t->tasks_left = (t->bytes + opt_.task_bytes - 1) / opt_.task_bytes;
       for (std::size_t off = 0; off < t->bytes; off += opt_.task_bytes)
         tasks_.push_back(Task{t, off, std::min(opt_.task_bytes, t->bytes - off)});
-      new_tasks = true;
+      wake.parties(*t, *this);  // the peer copies if it is waiting; this rank does when it waits
     }
     lk.unlock();
-    if (new_tasks) cv_.notify_all();
+    wake.notify(*this, me);
     return g;
   }
+
+  /// Rank threads to wake once m_ is released (at most the two parties of
+  /// each transfer a call touched, or one sleeper to take copy work).
+  struct Wakeups {
+    std::vector<std::size_t> slots;
+    void parties(const Transfer& t, const LocalWorld& w) {
+      slots.push_back(w.slot(t.send.group->rank));
+      slots.push_back(w.slot(t.recv.group->rank));
+    }
+    void notify(LocalWorld& w, std::size_t me) {
+      std::sort(slots.begin(), slots.end());
+      slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+      for (auto s : slots)
+        if (s != me) w.wake_[s].notify_one();
+      slots.clear();
+    }
+  };
 
   // --- completion (m_ held) ---
   void complete(Pending& p) {
@@ -257,8 +282,16 @@ class LocalWorld {
   template <class Done, class Pend>
   void wait_until(std::size_t me, Done&& done, Pend&& pending, Deadline deadline) {
     std::unique_lock lk(m_);
+    Wakeups wake;
     while (true) {
-      if (done()) return;
+      if (done()) {
+        // Copy work this rank leaves behind goes to a sleeper (it may have
+        // found every copy slot taken when it went to sleep).
+        if (!tasks_.empty() && active_copiers_ < opt_.copy_threads) wake_one_sleeper(me, wake);
+        lk.unlock();
+        wake.notify(*this, me);
+        return;
+      }
       if (aborted_) throw TransportError(abort_reason_);
       if (!tasks_.empty() && active_copiers_ < opt_.copy_threads) {
         Task task = std::move(tasks_.front());
@@ -268,16 +301,33 @@ class LocalWorld {
         std::memcpy(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
         lk.lock();
         --active_copiers_;
-        if (--task.transfer->tasks_left == 0) finish_transfer(*task.transfer);
-        lk.unlock();
-        cv_.notify_all();
-        lk.lock();
+        if (--task.transfer->tasks_left == 0) {
+          finish_transfer(*task.transfer);
+          wake.parties(*task.transfer, *this);
+          lk.unlock();
+          wake.notify(*this, me);
+          lk.lock();
+        }
         continue;
       }
-      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !done() && !aborted_) {
+      asleep_[me] = 1;
+      const auto st = wake_[me].wait_until(lk, deadline);
+      asleep_[me] = 0;
+      if (st == std::cv_status::timeout && !done() && !aborted_) {
         throw TransportError(fmt::format("local transport: rank {} timed out waiting for {}", ranks_[me], pending()));
       }
     }
+  }
+  void wake_one_sleeper(std::size_t me, Wakeups& wake) const {
+    for (std::size_t s = 0; s < asleep_.size(); ++s)
+      if (s != me && asleep_[s]) {
+        wake.slots.push_back(s);
+        return;
+      }
+  }
+  void wake_all() {
+    for (std::size_t s = 0; s < ranks_.size(); ++s) wake_[s].notify_all();
+    gather_cv_.notify_all();
   }
 
   std::string pending_ops(const std::vector<Group*>& groups) const {
@@ -305,11 +355,14 @@ class LocalWorld {
           abort_reason_ = fmt::format("local transport: aborted: {}", why);
         }
       }
-      cv_.notify_all();
+      wake_all();
     } catch (...) {
       // Formatting failed (out of memory): still wake everyone.
-      aborted_ = true;
-      cv_.notify_all();
+      {
+        std::lock_guard lk(m_);
+        aborted_ = true;
+      }
+      wake_all();
     }
   }
 
@@ -324,13 +377,13 @@ class LocalWorld {
       gather_arrived_ = 0;
       ++gather_gen_;
       lk.unlock();
-      cv_.notify_all();
+      gather_cv_.notify_all();
       lk.lock();
       return gather_result_;
     }
     while (gather_gen_ == gen) {
       if (aborted_) throw TransportError(abort_reason_);
-      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && gather_gen_ == gen)
+      if (gather_cv_.wait_until(lk, deadline) == std::cv_status::timeout && gather_gen_ == gen)
       {
         std::vector<std::int64_t> absent;
         for (std::size_t i = 0; i < ranks_.size(); ++i)
@@ -348,7 +401,9 @@ class LocalWorld {
   LocalWorldOptions opt_;
 
   mutable std::mutex m_;
-  std::condition_variable cv_;
+  std::unique_ptr<std::condition_variable[]> wake_;  ///< per rank slot: its thread sleeps on it in wait_until
+  std::vector<char> asleep_;                         ///< per rank slot, guarded by m_
+  std::condition_variable gather_cv_;                ///< all_gather's arrivals
   std::vector<Endpoint> endpoints_;
   std::map<Key, std::deque<Pending>> sends_, recvs_;
   std::deque<Task> tasks_;
