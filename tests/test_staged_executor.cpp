@@ -484,3 +484,88 @@ TEST_CASE("a staged schedule of other layouts is refused on every rank, naming w
   all_say(errors_with([&](ResharderOptions& o) { o.schedule = std::make_shared<const Schedule>(h.schedule); }),
           "ResharderOptions::schedule and ResharderOptions::staged are both set");
 }
+
+TEST_CASE("after a failed staged refit, setup() on a fresh transport lets the next version commit") {
+  std::optional<testgen::RandomLayoutPair> pair;
+  std::optional<StagedSchedule> h;
+  std::optional<FanOutFault> fault;
+  for (std::uint64_t seed = 1; seed <= 80 && !fault; ++seed) {
+    pair = testgen::random_layout_pair(seed + 900);
+    const RankPlacement place(topologies()[seed % topologies().size()], pair->src, pair->dst);
+    h = plan_hierarchical(pair->src, pair->dst, place, HierarchicalOptions{});
+    fault = fan_out_fault(*h, pair->dst);
+  }
+  REQUIRE(fault.has_value());
+  const Layout &src = pair->src, &dst = pair->dst;
+  ResharderOptions opt = staged_options(false, true);
+  opt.staged = std::make_shared<const StagedSchedule>(*h);
+  const auto ranks = refit_test::world_of(src, dst);
+  const auto n = ranks.size();
+  std::vector<refit_test::SideMemory> smem(n), dmem(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    smem[i] = refit_test::make_side(src, ranks[i], true, 0);
+    dmem[i] = refit_test::make_side(dst, ranks[i], false, 0);
+  }
+  auto buffers = [&](std::size_t i) {
+    LocalBuffers b;
+    b.src = refit_test::views(src, smem[i]);
+    b.dst = refit_test::views(dst, dmem[i]);
+    return b;
+  };
+  // Worlds and their endpoints outlive the Resharders (declared after them).
+  FaultPlan faulty, none;
+  faulty.add(corrupt_into_owner(*fault, static_cast<std::uint64_t>(fault->stage), 1));
+  LocalWorld w1(ranks), w2(ranks);
+  std::vector<LocalTransport> e1, e2;
+  std::vector<std::unique_ptr<FT>> t1, t2;
+  for (auto r : ranks) {
+    e1.push_back(w1.endpoint(r));
+    e2.push_back(w2.endpoint(r));
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    t1.push_back(std::make_unique<FT>(e1[i], faulty));
+    t2.push_back(std::make_unique<FT>(e2[i], none));
+  }
+  std::vector<std::unique_ptr<StagedResharder>> rs(n);
+  std::vector<std::string> failed(n);
+  auto index_of = [&](std::int64_t rank) {
+    std::size_t i = 0;
+    while (ranks[i] != rank) ++i;
+    return i;
+  };
+  w1.run([&](LocalTransport& t) {
+    const std::size_t i = index_of(t.rank());
+    rs[i] = std::make_unique<StagedResharder>(src, dst, buffers(i), *t1[i], opt);
+    rs[i]->refit();  // version 1
+    refit_test::write_side(src, smem[i], true, 1);
+    try {
+      rs[i]->refit();  // version 2: the fan-out's source is corrupted
+    } catch (const RefitNotCommitted& e) {
+      failed[i] = e.what();
+    }
+  });
+  std::mutex m;
+  std::vector<std::int64_t> wrong(n, -1);
+  w2.run([&](LocalTransport& t) {
+    const std::size_t i = index_of(t.rank());
+    StagedResharder& r = *rs[i];
+    CHECK(r.state() == RefitState::stale);  // setup alone does not make it current
+    r.setup(buffers(i), *t2[i]);
+    refit_test::write_side(src, smem[i], true, 2);
+    refit_test::write_side(dst, dmem[i], false, 2);
+    const auto rep = r.refit();
+    std::lock_guard lk(m);
+    CHECK(rep.version == 3);
+    CHECK(r.state() == RefitState::current);
+    CHECK(r.last_good_version() == 3);
+    CHECK_FALSE(r.last_failure().has_value());
+    CHECK(r.stale_tensors().empty());
+    wrong[i] = refit_test::count_wrong(dst, dmem[i], t.rank(), 2, nullptr);
+  });
+  for (std::size_t i = 0; i < n; ++i) {
+    CAPTURE(ranks[i]);
+    CHECK_MESSAGE(!failed[i].empty(), "version 2 was reported committed");
+    CHECK(wrong[i] == 0);
+  }
+  rs.clear();  // before the transports they last set up on
+}
