@@ -164,31 +164,6 @@ inline const Layout& message_kinds_dst() {
   return L;
 }
 
-/// The executor's view of a rank's memory (dense buffers), for tests that
-/// drive an Executor without a Resharder. pointers() gives setup()'s list.
-struct Bound {
-  std::vector<BoundBuffer> buffers;
-  std::vector<const BoundBuffer*> pointers() const {
-    std::vector<const BoundBuffer*> v;
-    for (const auto& b : buffers) v.push_back(b.data ? &b : nullptr);
-    return v;
-  }
-};
-inline Bound bound_buffers(const Layout& L, std::int64_t rank, SideMemory& m) {
-  Bound out;
-  out.buffers.resize(L.local_buffers().size());
-  const auto pos = L.mesh.position_of(rank);
-  for (std::size_t b = 0; b < out.buffers.size(); ++b) {
-    if (!m.present[b]) continue;
-    auto& bb = out.buffers[b];
-    bb.name = L.local_buffers()[b].name;
-    bb.data = m.data[b].data();
-    bb.element_bytes = static_cast<std::int64_t>(m.element_bytes[b]);
-    bb.shape = buffer_shape(L, *pos, static_cast<int>(b));
-  }
-  return out;
-}
-
 inline std::vector<std::int64_t> world_of(const Layout& a, const Layout& b) {
   std::set<std::int64_t> s;
   for (auto r : a.mesh.global_ranks()) s.insert(r);

@@ -59,12 +59,13 @@ DirectRun run_direct(const Layout& src, const Layout& dst, ExecutorOptions opt,
   world.run([&](LocalTransport& t) {
     std::size_t i = 0;
     while (out.ranks[i] != t.rank()) ++i;
-    const auto sb = refit_test::bound_buffers(src, t.rank(), smem[i]);
-    const auto db = refit_test::bound_buffers(dst, t.rank(), dmem[i]);
+    // Bound as a Resharder binds (binding.hpp), without one.
+    const auto sb = bind_buffers(src, t.rank(), refit_test::views(src, smem[i]), "source");
+    const auto db = bind_buffers(dst, t.rank(), refit_test::views(dst, dmem[i]), "destination");
     Schedule s = out.schedule;
     if (edit) edit(t.rank(), s);
     Executor<LocalTransport> ex;
-    ex.setup(s, sb.pointers(), db.pointers(), t, opt);
+    ex.setup(s, bound_pointers(sb), bound_pointers(db), t, opt);
     for (int k = 0; k < runs; ++k) out.stats[i] = ex.run();
     std::string first;
     const auto wrong = refit_test::count_wrong(dst, dmem[i], t.rank(), 0, &first);

@@ -19,9 +19,9 @@
 #include <fmt/format.h>
 
 #include "reshard/backends/local.hpp"
+#include "reshard/hierarchical.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
-#include "reshard/staged_executor.hpp"
 #include "reshard/traditional.hpp"
 #include "reshard/verify.hpp"
 
@@ -208,8 +208,8 @@ struct RunOptions {
   bool baseline = true;
   ExecutorOptions executor;
   LocalWorldOptions world;
-  /// A staged (hierarchical) schedule of src -> dst: reshard's refit runs
-  /// it with StagedExecutor instead of a Resharder's own plan.
+  /// A staged (hierarchical) schedule of src -> dst: reshard's refit is a
+  /// Resharder running it (ResharderOptions::staged) instead of its own plan.
   std::shared_ptr<const StagedSchedule> staged;
 };
 
@@ -267,18 +267,6 @@ struct Side {
       mem[b] = std::make_unique<std::byte[]>(static_cast<std::size_t>(std::max<std::int64_t>(bytes[b], 1)));  // zeroed: pages touched now
       views[lbs[b].name] = bytes_view(mem[b].get(), static_cast<std::size_t>(bytes[b]), E);
     }
-  }
-  /// The executor's view of the same memory (for StagedExecutor).
-  std::vector<BoundBuffer> bound() const {
-    std::vector<BoundBuffer> out(mem.size());
-    for (std::size_t b = 0; b < mem.size(); ++b) {
-      if (!mem[b]) continue;
-      out[b].name = L->local_buffers()[b].name;
-      out[b].data = mem[b].get();
-      out[b].element_bytes = element_bytes(L->local_buffers()[b].dtype);
-      out[b].shape = buffer_shape(*L, *pos, static_cast<int>(b));
-    }
-    return out;
   }
   void fill(TagFill mode, std::uint64_t salt) {
     if (!pos) return;
@@ -341,29 +329,16 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
     ResharderOptions ro;
     ro.executor = opt.executor;
     ro.executor.channel = 0;
-    // reshard's refit: a Resharder (its own plan), or the staged schedule
-    // stage by stage on channels 8.. (the baseline's are 1-3).
-    std::unique_ptr<Resharder<Layout, LocalTransport>> direct;
-    StagedExecutor<LocalTransport> staged;
-    const auto src_bound = s.bound(), dst_bound = d.bound();
-    auto pointers = [](const std::vector<BoundBuffer>& v) {
-      std::vector<const BoundBuffer*> p;
-      for (const auto& b : v) p.push_back(b.data ? &b : nullptr);
-      return p;
-    };
+    // reshard's refit: a Resharder with its own plan, or running the staged
+    // schedule stage by stage on channels 8.. (the baseline's are 1-3), both
+    // under the versioned commit.
+    ResharderOptions mo = ro;
     if (opt.staged) {
-      ExecutorOptions eo = opt.executor;
-      eo.channel = 8;
-      staged.setup(*opt.staged, pointers(src_bound), pointers(dst_bound), t, eo);
-      me.plan_seconds = opt.staged->schedule.stats.plan_seconds;
-    } else {
-      direct = std::make_unique<Resharder<Layout, LocalTransport>>(src, dst, main_bufs, t, ro);
-      me.plan_seconds = direct->schedule().stats.plan_seconds;
+      mo.staged = opt.staged;
+      mo.executor.channel = 8;
     }
-    auto refit_main = [&, version = std::uint64_t{0}]() mutable {
-      if (direct) return direct->refit();
-      return refit_report(staged.run(++version), staged);
-    };
+    Resharder<Layout, LocalTransport> reshard_refit(src, dst, main_bufs, t, mo);
+    me.plan_seconds = reshard_refit.schedule().stats.plan_seconds;
     // The traditional refit's intermediate buffers: whole tensors on the
     // gather roots and on every destination rank.
     detail::Side g_side, b_side;
@@ -389,7 +364,7 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
       if (last && k > 0) d.fill(TagFill::poison, 0);
       t.all_gather({}, far());
       me.t0.push_back(Clock::now());
-      me.main = refit_main();
+      me.main = reshard_refit.refit();
       me.t1.push_back(Clock::now());
       if (last) me.check = d.check(0);
       if (!opt.baseline) continue;

@@ -512,7 +512,11 @@ class Executor {
   std::vector<std::string> destination_tensors() const;
   /// After a failed run: per peer, the messages to this rank that did not
   /// arrive and pass their checks (empty after a successful run).
-  std::vector<MissingPieces> missing() const;
+  std::vector<MissingPieces> missing() const { return broken_ ? pieces(true) : std::vector<MissingPieces>{}; }
+  /// Per peer, everything a run brings to this rank (messages, and this
+  /// rank's local copies under its own rank): what missing() names when
+  /// nothing arrived (a staged run's stages after the failed one).
+  std::vector<MissingPieces> incoming() const { return pieces(false); }
   bool broken() const { return broken_; }
 
   bool ready() const { return ready_; }
@@ -527,6 +531,10 @@ class Executor {
 
  private:
   using Part = exec_detail::Part;
+
+  /// Per peer, the messages to this rank (and local copies): all of them, or
+  /// only those that did not arrive checked in the last run.
+  std::vector<MissingPieces> pieces(bool only_missing) const;
 
   /// One remote copy as this rank sees it: its side only.
   struct SideCopy {
@@ -1454,21 +1462,20 @@ std::vector<std::string> Executor<T>::destination_tensors() const {
 }
 
 template <class T>
-std::vector<MissingPieces> Executor<T>::missing() const {
+std::vector<MissingPieces> Executor<T>::pieces(bool only_missing) const {
   std::vector<MissingPieces> out;
-  if (!broken_) return out;
   std::map<std::int64_t, std::pair<MissingPieces, std::set<std::int32_t>>> by_peer;
   for (std::size_t k = 0; k < messages_.size(); ++k) {
     const Message& m = messages_[k];
     const Pair& p = pairs_[m.pair];
-    if (p.send || arrived_[k]) continue;
+    if (p.send || (only_missing && arrived_[k])) continue;
     auto& [mp, ids] = by_peer[p.peer];
     mp.peer = p.peer;
     ++mp.messages;
     mp.bytes += p.messages[m.msg].bytes;
     for (const Segment& seg : p.messages[m.msg].segs) ids.insert(copies_[p.copies[seg.copy].copy].tensor);
   }
-  if (!local_done_)
+  if (!only_missing || !local_done_)
     for (const auto& lc : local_) {
       auto& [mp, ids] = by_peer[me_];
       mp.peer = me_;

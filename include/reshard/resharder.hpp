@@ -43,6 +43,19 @@
 // (state() stays current). The two sets have an executor each, compiled once
 // (the back set's on channel | 0x8000); each gets half the staging budget, so
 // the staging held stays within it.
+//
+// Staged schedules (ResharderOptions::staged, e.g. plan_hierarchical()): a
+// StagedExecutor runs the stages in order (stage k on channel + k) instead of
+// the plain Executor, under the same versioned commit; after a failure the
+// stages after the failed one count as missing. Double-buffered, each set
+// has its own StagedExecutor, and the fan-out copies (which read a
+// destination buffer on the sending rank) read the set being written, which
+// the same refit's earlier stages filled: the served set is never read or
+// written. setup() checks the staged schedule against the layouts (buffer
+// lists, every copy's buffers, tensor and ranks).
+//
+// Buffers are bound by bind_buffers() (binding.hpp), which also serves
+// callers that drive an executor themselves.
 #include <algorithm>
 #include <array>
 #include <concepts>
@@ -59,48 +72,18 @@
 
 #include <fmt/format.h>
 
+#include "binding.hpp"
 #include "error.hpp"
 #include "executor.hpp"
+#include "hierarchical.hpp"
 #include "layout.hpp"
 #include "plan.hpp"
 #include "schedule.hpp"
+#include "staged_executor.hpp"
 #include "storage.hpp"
 #include "transport.hpp"
 
 namespace reshard {
-
-/// A caller's buffer: a pointer and how many elements it holds (the plain
-/// case), or an mdspan-style strided view (shape + element strides) when the
-/// buffer lives inside a larger allocation. Source buffers are only read.
-struct BufferView {
-  void* data = nullptr;
-  std::int64_t elements = 0;       ///< elements reachable from data (0 with a strided view: its span)
-  std::int64_t element_bytes = 0;  ///< must equal the layout's dtype size
-  std::vector<std::int64_t> shape, strides;  ///< strided view: extents and element strides
-  MemoryKind memory = MemoryKind::host;
-};
-
-/// A dense buffer of n elements of T at p.
-template <class T>
-BufferView view_of(T* p, std::size_t n) {
-  return BufferView{const_cast<std::remove_const_t<T>*>(p), static_cast<std::int64_t>(n), static_cast<std::int64_t>(sizeof(T)), {}, {}, MemoryKind::host};
-}
-template <class T>
-BufferView view_of(std::span<T> s) {
-  return view_of(s.data(), s.size());
-}
-/// A dense buffer given as raw bytes with a runtime element size (bf16, fp8 ...).
-inline BufferView bytes_view(void* p, std::size_t bytes, std::int64_t element_bytes) {
-  if (element_bytes <= 0 || bytes % static_cast<std::size_t>(element_bytes) != 0)
-    fail("bytes_view: {} bytes is not a whole number of {}-byte elements", bytes, element_bytes);
-  return BufferView{p, static_cast<std::int64_t>(bytes) / element_bytes, element_bytes, {}, {}, MemoryKind::host};
-}
-/// A strided view (std::layout_stride): element (i0, i1, ...) at p[sum i_k * strides[k]].
-template <class T>
-BufferView strided_view(T* p, std::vector<std::int64_t> shape, std::vector<std::int64_t> strides) {
-  return BufferView{const_cast<std::remove_const_t<T>*>(p), 0, static_cast<std::int64_t>(sizeof(T)), std::move(shape), std::move(strides),
-                    MemoryKind::host};
-}
 
 /// This rank's buffers, by local buffer name under each layout (a fused
 /// buffer's name, or a tensor's name when it is stored alone).
@@ -119,6 +102,11 @@ struct ResharderOptions {
   /// Refits write LocalBuffers::dst_back / dst alternately and publish a set
   /// only when complete on every rank (see the header comment). All ranks alike.
   bool double_buffered = false;
+  /// A staged (hierarchical) schedule of these layouts (plan_hierarchical(),
+  /// the whole plan, the same on every rank): run stage by stage by a
+  /// StagedExecutor (stage k on channel executor.channel + k) under the same
+  /// versioned commit. Not together with `schedule`.
+  std::shared_ptr<const StagedSchedule> staged;
 };
 
 /// A refit that did not complete on every rank. Single-buffered: this
@@ -299,7 +287,11 @@ class Resharder {
     me_ = transport.rank();
     std::string error;
     try {
-      if (opt_.schedule) {
+      if (opt_.staged) {
+        if (opt_.schedule) fail("rank {}: ResharderOptions::schedule and ResharderOptions::staged are both set (give one)", me_);
+        check_staged(*opt_.staged);
+        schedule_ = std::shared_ptr<const Schedule>(opt_.staged, &opt_.staged->schedule);
+      } else if (opt_.schedule) {
         schedule_ = opt_.schedule;
       } else {
         PlanOptions po = opt_.plan;
@@ -312,25 +304,32 @@ class Resharder {
       if (!schedule_) schedule_ = std::make_shared<const Schedule>();
     }
     std::vector<const BoundBuffer*> s, d, d2;
-    for (const auto& b : src_bound_) s.push_back(b.data ? &b : nullptr);
-    for (const auto& b : dst_bound_) d.push_back(b.data ? &b : nullptr);
-    for (const auto& b : dst_back_bound_) d2.push_back(b.data ? &b : nullptr);
-    if (!error.empty()) {
-      s.clear();
-      d.clear();
-      d2.clear();
+    if (error.empty()) {
+      s = bound_pointers(src_bound_);
+      d = bound_pointers(dst_bound_);
+      d2 = bound_pointers(dst_back_bound_);
     }
     std::vector<std::string> names;
     for (const auto& t : dst_.tensors) names.push_back(t.name);
     ExecutorOptions eo = opt_.executor;
     if (opt_.double_buffered) eo.staging_budget = opt_.executor.staging_budget / 2;
-    executor_.set_tensor_names(names);
-    executor_.setup(*schedule_, s, d, transport, eo, error);
-    if (opt_.double_buffered) {
-      eo.channel = static_cast<std::uint16_t>(opt_.executor.channel | 0x8000u);
-      if (!back_executor_) back_executor_ = std::make_unique<Executor<TransportT>>();
-      back_executor_->set_tensor_names(std::move(names));
-      back_executor_->setup(*schedule_, s, d2, transport, eo, error);
+    // A staged schedule: a StagedExecutor per destination set. With double
+    // buffering the back set's fan-out copies read the back set, which the
+    // same refit's earlier stages wrote, never the served set.
+    for (int set = 0; set < (opt_.double_buffered ? 2 : 1); ++set) {
+      if (set == 1) eo.channel = static_cast<std::uint16_t>(opt_.executor.channel | 0x8000u);
+      const auto& dset = set == 0 ? d : d2;
+      if (opt_.staged) {
+        auto& ex = staged_[static_cast<std::size_t>(set)];
+        if (!ex) ex = std::make_unique<StagedExecutor<TransportT>>();
+        ex->set_tensor_names(names);
+        ex->setup(*opt_.staged, s, dset, transport, eo, error);
+        continue;
+      }
+      if (set == 1 && !back_executor_) back_executor_ = std::make_unique<Executor<TransportT>>();
+      Executor<TransportT>& ex = set == 0 ? executor_ : *back_executor_;
+      ex.set_tensor_names(names);
+      ex.setup(*schedule_, s, dset, transport, eo, error);
     }
     serving_views_[0] = buffers.dst;
     serving_views_[1] = buffers.dst_back;
@@ -356,7 +355,56 @@ class Resharder {
     }
     attempted_ = version;
     const int target = opt_.double_buffered ? 1 - serving_ : 0;
-    Executor<TransportT>& ex = target == 0 ? executor_ : *back_executor_;
+    if (opt_.staged) return run_and_commit(*staged_[static_cast<std::size_t>(target)], version, target);
+    return run_and_commit(target == 0 ? executor_ : *back_executor_, version, target);
+  }
+
+  /// The served destination: current (complete at last_good_version()),
+  /// stale (a failed refit wrote into it) or empty (no refit committed).
+  RefitState state() const { return state_; }
+  /// The last version committed (0: none yet). The served destination holds
+  /// it, complete, while state() is current (single-buffered: not once stale).
+  std::uint64_t last_good_version() const { return version_; }
+  /// The last version refit() started (committed or not).
+  std::uint64_t last_attempted_version() const { return attempted_; }
+  /// The last refit's failure, until a refit commits.
+  const std::optional<StaleReport>& last_failure() const { return last_failure_; }
+  /// Single-buffered, after a failure: destination tensors of this rank that
+  /// lack pieces of the failed version (empty when this rank's part arrived
+  /// but another rank's did not: state() is stale all the same).
+  std::vector<std::string> stale_tensors() const {
+    if (state_ != RefitState::stale || !last_failure_) return {};
+    return last_failure_->stale_tensors;
+  }
+  bool double_buffered() const { return opt_.double_buffered; }
+  /// The destination set inference should read: 0 = LocalBuffers::dst, 1 = dst_back.
+  int serving_set() const { return serving_; }
+  const std::map<std::string, BufferView>& serving_buffers() const { return serving_views_[static_cast<std::size_t>(serving_)]; }
+
+  bool ready() const { return ready_; }
+  const Layout& src_layout() const { return src_; }
+  const Layout& dst_layout() const { return dst_; }
+  const Schedule& schedule() const {
+    if (!schedule_) fail("Resharder::schedule: setup() has not run");
+    return *schedule_;
+  }
+  /// The plain executor (unused with a staged schedule: see staged_executor()).
+  const Executor<TransportT>& executor() const { return executor_; }
+  bool staged() const { return opt_.staged != nullptr; }
+  /// With ResharderOptions::staged: the executor of destination set `set`
+  /// (0 = dst, 1 = dst_back).
+  const StagedExecutor<TransportT>& staged_executor(int set = 0) const {
+    if (!opt_.staged || set < 0 || set > 1 || !staged_[static_cast<std::size_t>(set)])
+      fail("Resharder::staged_executor({}): {}", set, opt_.staged ? "no such destination set is set up" : "ResharderOptions::staged is not set");
+    return *staged_[static_cast<std::size_t>(set)];
+  }
+
+ private:
+  /// One refit on `ex` (an Executor or a StagedExecutor writing set
+  /// `target`) and the commit: every rank's verdict, then publish or record
+  /// the failure.
+  template <class Ex>
+  RefitReport run_and_commit(Ex& ex, std::uint64_t version, int target) {
     if (!opt_.double_buffered) state_ = RefitState::stale;  // written into from here on
     ExecutorStats st;
     std::string local_error;
@@ -413,136 +461,73 @@ class Resharder {
     return r;
   }
 
-  /// The served destination: current (complete at last_good_version()),
-  /// stale (a failed refit wrote into it) or empty (no refit committed).
-  RefitState state() const { return state_; }
-  /// The last version committed (0: none yet). The served destination holds
-  /// it, complete, while state() is current (single-buffered: not once stale).
-  std::uint64_t last_good_version() const { return version_; }
-  /// The last version refit() started (committed or not).
-  std::uint64_t last_attempted_version() const { return attempted_; }
-  /// The last refit's failure, until a refit commits.
-  const std::optional<StaleReport>& last_failure() const { return last_failure_; }
-  /// Single-buffered, after a failure: destination tensors of this rank that
-  /// lack pieces of the failed version (empty when this rank's part arrived
-  /// but another rank's did not: state() is stale all the same).
-  std::vector<std::string> stale_tensors() const {
-    if (state_ != RefitState::stale || !last_failure_) return {};
-    return last_failure_->stale_tensors;
-  }
-  bool double_buffered() const { return opt_.double_buffered; }
-  /// The destination set inference should read: 0 = LocalBuffers::dst, 1 = dst_back.
-  int serving_set() const { return serving_; }
-  const std::map<std::string, BufferView>& serving_buffers() const { return serving_views_[static_cast<std::size_t>(serving_)]; }
 
-  bool ready() const { return ready_; }
-  const Layout& src_layout() const { return src_; }
-  const Layout& dst_layout() const { return dst_; }
-  const Schedule& schedule() const {
-    if (!schedule_) fail("Resharder::schedule: setup() has not run");
-    return *schedule_;
+  /// A staged schedule must be of these two layouts: the same buffer lists,
+  /// and every copy's ids and ranks inside them (a schedule of other layouts
+  /// would otherwise fail later, or write the wrong bytes).
+  void check_staged(const StagedSchedule& h) const {
+    const Schedule& sc = h.schedule;
+    auto same_buffers = [&](const std::vector<std::string>& names, const Layout& L, const char* side) {
+      const auto& lbs = L.local_buffers();
+      for (std::size_t b = 0; b < std::max(names.size(), lbs.size()); ++b) {
+        if (b < names.size() && b < lbs.size() && names[b] == lbs[b].name) continue;
+        fail("rank {}: the staged schedule is not of these layouts: its {} buffer #{} is {} but {} has {} ({} buffers in the schedule, {} "
+             "in the layout)",
+             me_, side, b, b < names.size() ? fmt::format("'{}'", names[b]) : std::string("missing"), L.origin,
+             b < lbs.size() ? fmt::format("'{}'", lbs[b].name) : std::string("none"), names.size(), lbs.size());
+      }
+    };
+    same_buffers(sc.src_buffers, src_, "source");
+    same_buffers(sc.dst_buffers, dst_, "destination");
+    if (sc.only_rank >= 0 && sc.only_rank != me_)
+      fail("rank {}: the staged schedule was planned for rank {} only (plan_hierarchical plans every rank)", me_, sc.only_rank);
+    const std::size_t n = sc.copies.size();
+    if ((!h.stage.empty() && h.stage.size() != n) || (!h.from_dst.empty() && h.from_dst.size() != n))
+      fail("rank {}: the staged schedule has {} stage and {} src_layout entries for {} copies", me_, h.stage.size(), h.from_dst.size(), n);
+    std::int64_t stages = std::max<std::int32_t>(h.stages, 1);
+    const auto nsrc = static_cast<std::int32_t>(src_.local_buffers().size());
+    const auto ndst = static_cast<std::int32_t>(dst_.local_buffers().size());
+    for (std::size_t i = 0; i < n; ++i) {
+      const Copy& c = sc.copies[i];
+      const bool from_dst = h.reads_dst(i);
+      const Layout& from = from_dst ? dst_ : src_;
+      stages = std::max<std::int64_t>(stages, h.stage_of(i) + 1);
+      std::string why;
+      if (c.tensor < 0 || c.tensor >= static_cast<std::int32_t>(dst_.tensors.size()))
+        why = fmt::format("tensor #{} (the destination layout has {})", c.tensor, dst_.tensors.size());
+      else if (c.src_buffer < 0 || c.src_buffer >= (from_dst ? ndst : nsrc))
+        why = fmt::format("reads {} buffer #{} ({} has {})", from_dst ? "destination" : "source", c.src_buffer, from.origin, from_dst ? ndst : nsrc);
+      else if (c.dst_buffer < 0 || c.dst_buffer >= ndst)
+        why = fmt::format("writes destination buffer #{} ({} has {})", c.dst_buffer, dst_.origin, ndst);
+      else if (!from.mesh.position_of(c.src_rank))
+        why = fmt::format("reads on rank {}, which {} does not hold", c.src_rank, from.origin);
+      else if (!dst_.mesh.position_of(c.dst_rank))
+        why = fmt::format("writes on rank {}, which {} does not hold", c.dst_rank, dst_.origin);
+      if (!why.empty())
+        fail("rank {}: the staged schedule is not of these layouts: copy {} (stage {}) {}", me_, i, h.stage_of(i), why);
+    }
+    // The back set's stages start at channel | 0x8000: the front set's must stay below.
+    if (opt_.double_buffered && opt_.executor.channel + stages > 0x8000)
+      fail("rank {}: double-buffered staged refits use channels {}..{} for the served set, which reach the back set's (| 0x8000)", me_,
+           opt_.executor.channel, opt_.executor.channel + stages - 1);
   }
-  const Executor<TransportT>& executor() const { return executor_; }
 
- private:
   /// Checks the caller's views against what each layout gives this rank.
   void bind(const LocalBuffers& buffers) {
     src_bound_.clear();
     dst_bound_.clear();
     dst_back_bound_.clear();
-    bind_side(src_, buffers.src, "source", src_bound_);
-    bind_side(dst_, buffers.dst, "destination", dst_bound_);
+    const bool device = opt_.executor.device != nullptr;
+    src_bound_ = bind_buffers(src_, me_, buffers.src, "source", device);
+    dst_bound_ = bind_buffers(dst_, me_, buffers.dst, "destination", device);
     if (opt_.double_buffered) {
       if (opt_.executor.channel >= 0x8000)
         fail("rank {}: double-buffered refits use channel | 0x8000 for the back set; channel {} is too large", me_, opt_.executor.channel);
-      bind_side(dst_, buffers.dst_back, "back destination (dst_back)", dst_back_bound_);
+      dst_back_bound_ = bind_buffers(dst_, me_, buffers.dst_back, "back destination (dst_back)", device);
     } else if (!buffers.dst_back.empty()) {
       fail("rank {}: back destination buffers (dst_back) were given but ResharderOptions::double_buffered is off", me_);
     }
-    // Destination memory must not overlap anything: a refit would corrupt it.
-    struct Range {
-      const std::byte *lo, *hi;
-      const BoundBuffer* b;
-      bool dst;
-    };
-    std::vector<Range> ranges;
-    for (const auto& b : src_bound_)
-      if (b.data) ranges.push_back({b.data, b.data + b.span_elements() * b.element_bytes, &b, false});
-    for (const auto& b : dst_bound_)
-      if (b.data) ranges.push_back({b.data, b.data + b.span_elements() * b.element_bytes, &b, true});
-    for (const auto& b : dst_back_bound_)
-      if (b.data) ranges.push_back({b.data, b.data + b.span_elements() * b.element_bytes, &b, true});
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
-    for (std::size_t i = 0; i < ranges.size(); ++i)
-      for (std::size_t j = i + 1; j < ranges.size() && ranges[j].lo < ranges[i].hi; ++j)
-        if (ranges[i].dst || ranges[j].dst)
-          fail("rank {}: {} buffer '{}' and {} buffer '{}' overlap in memory (reshard does not refit in place)", me_,
-               ranges[i].dst ? "destination" : "source", ranges[i].b->name, ranges[j].dst ? "destination" : "source", ranges[j].b->name);
-  }
-
-  void bind_side(const Layout& L, const std::map<std::string, BufferView>& given, const char* side, std::vector<BoundBuffer>& out) {
-    const auto& lbs = L.local_buffers();
-    out.assign(lbs.size(), BoundBuffer{});
-    const auto pos = L.mesh.position_of(me_);
-    std::vector<std::string> expected;
-    for (std::size_t b = 0; b < lbs.size(); ++b) {
-      const auto shape = pos ? buffer_shape(L, *pos, static_cast<int>(b)) : std::vector<std::int64_t>{};
-      if (shape.empty()) continue;
-      expected.push_back(lbs[b].name);
-      const std::int64_t need = product(shape);
-      const std::int64_t eb = element_bytes(lbs[b].dtype);
-      auto it = given.find(lbs[b].name);
-      if (it == given.end())
-        fail("rank {}: {} buffer '{}' is missing: {} needs it on this rank ({} elements of {}, shape [{}])", me_, side, lbs[b].name, L.origin,
-             need, to_string(lbs[b].dtype), fmt::join(shape, ", "));
-      const BufferView& v = it->second;
-      if (v.element_bytes != eb)
-        fail("rank {}: {} buffer '{}' has {}-byte elements but the layout stores {} ({} bytes)", me_, side, lbs[b].name, v.element_bytes,
-             to_string(lbs[b].dtype), eb);
-      if (need > 0 && !v.data) fail("rank {}: {} buffer '{}' has a null pointer", me_, side, lbs[b].name);
-      if (v.memory != MemoryKind::host && !opt_.executor.device)
-        fail("rank {}: {} buffer '{}' is device memory: set ResharderOptions::executor.device to a DeviceCopyEngine "
-             "(reshard::cuda::CudaCopyEngine, cuda/device_engine.cuh) to refit GPU memory", me_, side, lbs[b].name);
-      BoundBuffer bb;
-      bb.name = lbs[b].name;
-      bb.data = static_cast<std::byte*>(v.data);
-      bb.element_bytes = eb;
-      bb.shape = shape;
-      bb.memory = v.memory;
-      if (!v.shape.empty() || !v.strides.empty()) {
-        if (v.shape != shape)
-          fail("rank {}: {} buffer '{}': the view has shape [{}] but the layout gives this rank shape [{}]", me_, side, lbs[b].name,
-               fmt::join(v.shape, ", "), fmt::join(shape, ", "));
-        if (v.strides.size() != shape.size())
-          fail("rank {}: {} buffer '{}': the view has {} strides for {} dims", me_, side, lbs[b].name, v.strides.size(), shape.size());
-        // Injective: sorted by stride, each stride passes the span of the smaller ones.
-        std::vector<std::size_t> order(shape.size());
-        std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t c) { return v.strides[a] < v.strides[c]; });
-        std::int64_t span = 1;
-        for (auto d : order) {
-          if (shape[d] == 1) continue;
-          if (v.strides[d] < span)
-            fail("rank {}: {} buffer '{}': view strides [{}] map two elements to one place", me_, side, lbs[b].name, fmt::join(v.strides, ", "));
-          span = v.strides[d] * (shape[d] - 1) + span;
-        }
-        bb.strides = v.strides;
-        if (v.elements > 0 && bb.span_elements() > v.elements)
-          fail("rank {}: {} buffer '{}': the view reaches {} elements but only {} were given", me_, side, lbs[b].name, bb.span_elements(),
-               v.elements);
-      } else if (v.elements < need) {
-        fail("rank {}: {} buffer '{}' is too small: {} elements given, {} needs {} (shape [{}])", me_, side, lbs[b].name, v.elements,
-             L.origin, need, fmt::join(shape, ", "));
-      }
-      out[b] = std::move(bb);
-    }
-    for (const auto& [name, v] : given) {
-      const int b = L.find_buffer(name);
-      const std::string has = expected.empty() ? std::string("none") : fmt::format("{}", fmt::join(expected, ", "));
-      if (b < 0) fail("rank {}: {} buffer '{}' is not a buffer of {} (this rank has: {})", me_, side, name, L.origin, has);
-      if (std::find(expected.begin(), expected.end(), name) == expected.end())
-        fail("rank {}: {} buffer '{}' was given but {} gives this rank no such buffer (it has: {})", me_, side, name, L.origin, has);
-    }
+    check_no_overlap(me_, {&src_bound_}, {&dst_bound_, &dst_back_bound_});
   }
 
   Layout src_, dst_;
@@ -554,6 +539,8 @@ class Resharder {
   std::vector<BoundBuffer> src_bound_, dst_bound_, dst_back_bound_;
   Executor<TransportT> executor_;                         ///< writes LocalBuffers::dst
   std::unique_ptr<Executor<TransportT>> back_executor_;  ///< double-buffered: writes dst_back
+  /// ResharderOptions::staged: per destination set (0 = dst, 1 = dst_back).
+  std::array<std::unique_ptr<StagedExecutor<TransportT>>, 2> staged_;
   std::array<std::map<std::string, BufferView>, 2> serving_views_;
   bool ready_ = false, broken_ = false;
   // Versions: survive setup().

@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,22 +33,37 @@ template <class T>
 class StagedExecutor {
  public:
   /// Compiles every stage of `s` (collective, in stage order, as
-  /// Executor::setup). Stage k runs on channel opt.channel + k.
+  /// Executor::setup). Stage k runs on channel opt.channel + k. A non-empty
+  /// `local_error` (a bad buffer found by the caller), like a stage list
+  /// that does not fit the copies, fails setup on every rank, none hangs.
   void setup(const StagedSchedule& s, std::vector<const BoundBuffer*> src, std::vector<const BoundBuffer*> dst,
-             T& transport, ExecutorOptions opt = {}) {
+             T& transport, ExecutorOptions opt = {}, std::string local_error = {}) {
+    stages_.clear();
+    failed_stage_ = -1;
     const std::size_t n = s.schedule.copies.size();
-    if (!s.stage.empty() && s.stage.size() != n)
-      fail("staged executor: {} stage entries for {} copies", s.stage.size(), n);
-    if (!s.from_dst.empty() && s.from_dst.size() != n)
-      fail("staged executor: {} src_layout entries for {} copies", s.from_dst.size(), n);
     std::int32_t stages = std::max<std::int32_t>(s.stages, 1);
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::int32_t k = s.stage_of(i);
-      if (k < 0) fail("staged executor: copy {} has stage {}", i, k);
-      stages = std::max(stages, k + 1);
+    try {
+      if (!s.stage.empty() && s.stage.size() != n)
+        fail("staged executor: {} stage entries for {} copies", s.stage.size(), n);
+      if (!s.from_dst.empty() && s.from_dst.size() != n)
+        fail("staged executor: {} src_layout entries for {} copies", s.from_dst.size(), n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::int32_t k = s.stage_of(i);
+        if (k < 0) fail("staged executor: copy {} has stage {}", i, k);
+        stages = std::max(stages, k + 1);
+      }
+      if (static_cast<std::int64_t>(opt.channel) + stages > 0xFFFF)
+        fail("staged executor: channels {}..{} do not fit in 16 bits", opt.channel, static_cast<std::int64_t>(opt.channel) + stages - 1);
+    } catch (const std::exception& e) {
+      if (local_error.empty()) local_error = e.what();
     }
-    if (static_cast<std::int64_t>(opt.channel) + stages > 0xFFFF)
-      fail("staged executor: channels {}..{} do not fit in 16 bits", opt.channel, static_cast<std::int64_t>(opt.channel) + stages - 1);
+    if (!local_error.empty()) {
+      // One collective setup carries the error to every rank (the others
+      // meet it in their first stage's setup) and throws here.
+      Executor<T> ex;
+      ex.setup(Schedule{}, {}, {}, transport, opt, local_error);
+      fail("{}", local_error);  // not reached: setup threw
+    }
     const auto nsrc = static_cast<std::int32_t>(src.size());
     // Source side of every stage: the source buffers, then the destination buffers.
     std::vector<const BoundBuffer*> sources = src;
@@ -63,7 +80,6 @@ class StagedExecutor {
       if (s.reads_dst(i)) c.src_buffer += nsrc;
       per[static_cast<std::size_t>(s.stage_of(i))].copies.push_back(c);
     }
-    stages_.clear();
     for (std::int32_t k = 0; k < stages; ++k) {
       auto ex = std::make_unique<Executor<T>>();
       ex->set_tensor_names(tensor_names_);
@@ -79,9 +95,17 @@ class StagedExecutor {
   ExecutorStats run(std::uint64_t version) {
     if (stages_.empty()) fail("staged executor: run() before setup()");
     ExecutorStats total;
+    if (failed_stage_ >= 0)
+      fail("staged executor: stage {} of an earlier run failed; the peers' state is unknown, set up again", failed_stage_);
     const auto t0 = Clock::now();
     for (auto& ex : stages_) {
-      const ExecutorStats st = ex->run(version);
+      ExecutorStats st;
+      try {
+        st = ex->run(version);
+      } catch (...) {
+        failed_stage_ = static_cast<int>(&ex - stages_.data());
+        throw;
+      }
       total.bytes_sent += st.bytes_sent;
       total.bytes_received += st.bytes_received;
       total.local_bytes += st.local_bytes;
@@ -104,6 +128,31 @@ class StagedExecutor {
   /// Names for error messages (destination tensor ids); set before setup.
   void set_tensor_names(std::vector<std::string> names) { tensor_names_ = std::move(names); }
   int stages() const { return static_cast<int>(stages_.size()); }
+  /// After a failed run: per peer, what did not arrive checked on this rank,
+  /// in the failed stage and in every stage after it (never run).
+  std::vector<MissingPieces> missing() const {
+    if (failed_stage_ < 0) return {};
+    std::map<std::int64_t, std::pair<MissingPieces, std::set<std::string>>> by_peer;
+    for (std::size_t k = static_cast<std::size_t>(failed_stage_); k < stages_.size(); ++k) {
+      const auto& ex = *stages_[k];
+      for (auto& m : static_cast<int>(k) == failed_stage_ ? ex.missing() : ex.incoming()) {
+        auto& [mp, names] = by_peer[m.peer];
+        mp.peer = m.peer;
+        mp.messages += m.messages;
+        mp.bytes += m.bytes;
+        names.insert(m.tensors.begin(), m.tensors.end());
+      }
+    }
+    std::vector<MissingPieces> out;
+    for (auto& [peer, e] : by_peer) {
+      e.first.tensors.assign(e.second.begin(), e.second.end());
+      out.push_back(std::move(e.first));
+    }
+    return out;
+  }
+  bool broken() const { return failed_stage_ >= 0; }
+  /// Compiles of every stage (each stage compiles once per setup).
+  std::int64_t compiles() const { return sum(&Executor<T>::compiles); }
   const Executor<T>& stage(int k) const { return *stages_.at(static_cast<std::size_t>(k)); }
   /// Per replay, summed over the stages.
   std::int64_t planned_bytes_sent() const { return sum(&Executor<T>::planned_bytes_sent); }
@@ -118,6 +167,7 @@ class StagedExecutor {
   }
   std::vector<std::unique_ptr<Executor<T>>> stages_;
   std::vector<std::string> tensor_names_;
+  int failed_stage_ = -1;  ///< the stage whose run failed (-1: none)
 };
 
 }  // namespace reshard
