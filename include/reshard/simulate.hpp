@@ -246,6 +246,45 @@ struct Key4Hash {
   }
 };
 
+/// Dense ids for 4-int keys, in order of first sight: an open-addressing
+/// table (flat arrays; a node-based map of millions of keys spends its
+/// time in the allocator).
+class KeyIds {
+ public:
+  explicit KeyIds(std::size_t expected) {
+    std::size_t cap = 16;
+    while (cap < 2 * expected + 16) cap *= 2;
+    slot_.assign(cap, -1);
+    keys_.reserve(expected);
+  }
+  std::int32_t id(const std::array<std::int32_t, 4>& k) {
+    std::size_t i = Key4Hash{}(k) & (slot_.size() - 1);
+    for (;; i = (i + 1) & (slot_.size() - 1)) {
+      const std::int32_t s = slot_[i];
+      if (s < 0) break;
+      if (keys_[static_cast<std::size_t>(s)] == k) return s;
+    }
+    const auto n = static_cast<std::int32_t>(keys_.size());
+    slot_[i] = n;
+    keys_.push_back(k);
+    if (2 * keys_.size() > slot_.size()) grow();
+    return n;
+  }
+  std::size_t size() const { return keys_.size(); }
+
+ private:
+  void grow() {
+    slot_.assign(slot_.size() * 2, -1);
+    for (std::size_t n = 0; n < keys_.size(); ++n) {
+      std::size_t i = Key4Hash{}(keys_[n]) & (slot_.size() - 1);
+      while (slot_[i] >= 0) i = (i + 1) & (slot_.size() - 1);
+      slot_[i] = static_cast<std::int32_t>(n);
+    }
+  }
+  std::vector<std::int32_t> slot_;
+  std::vector<std::array<std::int32_t, 4>> keys_;
+};
+
 /// Color refinement from the initial colors (flows: bytes; ports: kind and
 /// capacity) until no class splits. Exact (signatures are compared, not only
 /// hashed). Ports of different kinds never share a class, so a flow class
@@ -271,7 +310,7 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
   }
   {
     std::map<std::pair<std::uint8_t, std::uint64_t>, std::int32_t> by_cap;
-    std::unordered_map<std::uint64_t, std::int32_t> by_bytes;
+    KeyIds by_bytes(1024);
     for (std::size_t p = 0; p < P; ++p)
       if (off[p + 1] > off[p]) {
         std::uint64_t bits;
@@ -281,7 +320,7 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
     for (std::size_t f = 0; f < F; ++f) {
       std::uint64_t bits;
       std::memcpy(&bits, &bytes[f], sizeof bits);
-      c.of_flow[f] = by_bytes.emplace(bits, static_cast<std::int32_t>(by_bytes.size())).first->second;
+      c.of_flow[f] = by_bytes.id({static_cast<std::int32_t>(bits & 0xffffffffu), static_cast<std::int32_t>(bits >> 32), 0, 0});
     }
     c.ports = static_cast<std::int32_t>(by_cap.size());
     c.flows = static_cast<std::int32_t>(by_bytes.size());
@@ -291,14 +330,13 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
   for (;;) {
     ++c.rounds;
     // Flows: (own class, the classes of its ports).
-    std::unordered_map<std::array<std::int32_t, 4>, std::int32_t, Key4Hash> fkeys;
-    fkeys.reserve(static_cast<std::size_t>(c.flows) * 2 + 16);
+    KeyIds fkeys(static_cast<std::size_t>(c.flows) * 2 + 16);
     for (std::size_t f = 0; f < F; ++f) {
       std::array<std::int32_t, 4> k{c.of_flow[f], -1, -1, -1};
       for (int s = 0; s < 3; ++s)
         if (ports[f][static_cast<std::size_t>(s)] >= 0)
           k[static_cast<std::size_t>(s) + 1] = c.of_port[static_cast<std::size_t>(ports[f][static_cast<std::size_t>(s)])];
-      c.of_flow[f] = fkeys.emplace(k, static_cast<std::int32_t>(fkeys.size())).first->second;
+      c.of_flow[f] = fkeys.id(k);
     }
     const auto flow_classes = static_cast<std::int32_t>(fkeys.size());
     // Ports: (own class, the multiset of its flows' classes).
@@ -354,47 +392,85 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
 /// flows at that share. A port's share only grows as flows elsewhere freeze
 /// (they freeze at a level no higher than its share), so the heap holds
 /// stale shares as lower bounds and a port is re-queued only when it comes
-/// up stale: the cost of an event is one pass over the live flows plus a
-/// heap of ports, with no per-flow heap traffic.
+/// up stale.
+///
+/// Nothing is written per flow while filling: a port freezes all its
+/// unfrozen flows at once, so a flow is frozen exactly when one of its ports
+/// has frozen in this event, and its rate is the level of the first of its
+/// ports to freeze. Each port's list holds inline what freezing one of its
+/// flows touches (the flow's other port and weight there), so an event reads
+/// the lists in order and writes only per-port arrays, which stay in cache;
+/// the live flows' bytes and ports are kept packed in their own order. The
+/// cost of an event is one sequential pass over the live flows' list
+/// entries and one over the live flows (plus a heap of ports).
 inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<std::array<double, 3>>& weight,
                          std::vector<double> remaining, const std::vector<double>& cap, std::int64_t& events) {
   const std::size_t K = ports.size(), P = cap.size();
-  // Flows per port (CSR); retired flows are dropped from a port's list as
-  // it is scanned.
+  if (K >= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+    fail("simulate: {} flow classes in one stage are too many", K);
+  // One entry per (flow, port): the flow, its other port (-1: none; -2: two
+  // others, read from `ports`; kDead: the flow retired), the weight it has
+  // there. A retired flow's entries are marked where they lie (`at`), and a
+  // list is compacted once half of it is dead.
+  struct Entry {
+    std::int32_t other;
+    std::uint32_t w;
+  };
+  constexpr std::int32_t kDead = std::numeric_limits<std::int32_t>::min();
+  auto whole = [](double w) {
+    if (!(w >= 0 && w <= 4294967295.0) || w != std::floor(w)) fail("simulate: flow weight {} (internal error)", w);
+    return static_cast<std::uint32_t>(w);
+  };
   std::vector<std::int64_t> off(P + 1, 0), end(P);
   for (const auto& pp : ports)
     for (auto p : pp)
       if (p >= 0) ++off[static_cast<std::size_t>(p) + 1];
   for (std::size_t p = 0; p < P; ++p) off[p + 1] += off[p];
-  std::vector<std::int32_t> on(static_cast<std::size_t>(off[P]));
+  std::vector<Entry> list(static_cast<std::size_t>(off[P]));
+  std::vector<std::int32_t> list_flow(list.size());  // the flow of each entry (read only to compact)
   for (std::size_t p = 0; p < P; ++p) end[p] = off[p];
-  for (std::size_t k = 0; k < K; ++k)
-    for (auto p : ports[k])
-      if (p >= 0) on[static_cast<std::size_t>(end[static_cast<std::size_t>(p)]++)] = static_cast<std::int32_t>(k);
+  std::vector<std::array<std::int64_t, 3>> at(K, {-1, -1, -1});  // per flow and slot: its entry
+  std::vector<std::int64_t> dead(P, 0);                          // dead entries per list
   std::vector<double> users(P, 0);  // live flows per port, weighted (whole numbers: exact)
-  for (std::size_t k = 0; k < K; ++k)
-    for (int s = 0; s < 3; ++s)
-      if (ports[k][static_cast<std::size_t>(s)] >= 0) users[static_cast<std::size_t>(ports[k][static_cast<std::size_t>(s)])] += weight[k][static_cast<std::size_t>(s)];
-  // What progressive filling touches of a flow, in one cache line: the
-  // ports' lists visit flows in no useful order.
-  struct alignas(64) Hot {
-    FlowPorts port;
-    std::uint32_t frozen;  // the event that froze the flow
-    std::array<double, 3> w;
-    double rate;
-    bool live;
-  };
-  std::vector<Hot> hot(K);
-  for (std::size_t k = 0; k < K; ++k) hot[k] = Hot{ports[k], 0, weight[k], 0.0, true};
-  std::vector<double> finish(K, 0), left(P), unfrozen(P);
-  std::vector<std::size_t> alive(K);
-  for (std::size_t k = 0; k < K; ++k) alive[k] = k;
+  for (std::size_t k = 0; k < K; ++k) {
+    int n = 0;
+    for (auto p : ports[k]) n += p >= 0;
+    for (int s = 0; s < 3; ++s) {
+      const std::int32_t p = ports[k][static_cast<std::size_t>(s)];
+      if (p < 0) continue;
+      users[static_cast<std::size_t>(p)] += weight[k][static_cast<std::size_t>(s)];
+      Entry e{-1, 0};
+      if (n == 3) {
+        e.other = -2;
+      } else if (n == 2) {
+        for (int o = 0; o < 3; ++o)
+          if (o != s && ports[k][static_cast<std::size_t>(o)] >= 0) {
+            e.other = ports[k][static_cast<std::size_t>(o)];
+            e.w = whole(weight[k][static_cast<std::size_t>(o)]);
+          }
+      }
+      at[k][static_cast<std::size_t>(s)] = end[static_cast<std::size_t>(p)];
+      list_flow[static_cast<std::size_t>(end[static_cast<std::size_t>(p)])] = static_cast<std::int32_t>(k);
+      list[static_cast<std::size_t>(end[static_cast<std::size_t>(p)]++)] = e;
+    }
+  }
+  // The live flows, packed in flow order: id, bytes left, ports.
+  std::vector<std::int32_t> fl(K);
+  std::vector<double> rem(std::move(remaining));
+  std::vector<std::int32_t> fz(K);                       // per live flow: the port that froze it
+  std::vector<std::pair<std::size_t, double>> near;      // live flows near the window: (place, finish)
+  std::vector<FlowPorts> pt(ports);
+  for (std::size_t k = 0; k < K; ++k) fl[k] = static_cast<std::int32_t>(k);
+  // Per port, this event: room left, unfrozen flows (weighted), and when it
+  // froze (event, place in the freezing order) at which level.
+  std::vector<double> left(P), unfrozen(P), level(P, 0), minrem(P);
+  std::vector<std::uint32_t> froze(P, 0), order(P, 0);
   using Item = std::pair<double, std::int32_t>;  // (share, port)
   std::vector<Item> heap;
   const auto later = std::greater<Item>();
   double now = 0;
   std::uint32_t epoch = 0;
-  while (!alive.empty()) {
+  while (!fl.empty()) {
     ++epoch;
     ++events;
     left = cap;
@@ -403,66 +479,126 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
     for (std::size_t p = 0; p < P; ++p)
       if (users[p] > 0) heap.push_back({left[p] / users[p], static_cast<std::int32_t>(p)});
     std::make_heap(heap.begin(), heap.end(), later);
+    std::uint32_t seq = 0;
     while (!heap.empty()) {
       std::pop_heap(heap.begin(), heap.end(), later);
       const auto [share, p] = heap.back();
       heap.pop_back();
       const auto up = static_cast<std::size_t>(p);
       if (unfrozen[up] <= 0) continue;
-      const double level = std::max(0.0, left[up]) / unfrozen[up];
-      if (level > share * (1 + 1e-12) + 1e-300) {  // stale: its share grew
-        heap.push_back({level, p});
+      const double lvl = std::max(0.0, left[up]) / unfrozen[up];
+      if (lvl > share * (1 + 1e-12) + 1e-300) {  // stale: its share grew
+        heap.push_back({lvl, p});
         std::push_heap(heap.begin(), heap.end(), later);
         continue;
       }
-      auto w_end = static_cast<std::size_t>(off[up]);
-      const auto list_end = static_cast<std::size_t>(end[up]);
-      for (auto i = static_cast<std::size_t>(off[up]); i < list_end; ++i) {
-        // The list's flows lie all over memory: fetch a few ahead.
-        if (i + 8 < list_end) __builtin_prefetch(&hot[static_cast<std::size_t>(on[i + 8])], 1);
-        Hot& h = hot[static_cast<std::size_t>(on[i])];
-        if (!h.live) continue;
-        on[w_end++] = on[i];
-        if (h.frozen == epoch) continue;
-        h.frozen = epoch;
-        h.rate = level;
-        for (int s = 0; s < 3; ++s) {
-          const std::int32_t q = h.port[static_cast<std::size_t>(s)];
-          if (q < 0) continue;
-          const double w = h.w[static_cast<std::size_t>(s)];
-          left[static_cast<std::size_t>(q)] -= level * w;
-          unfrozen[static_cast<std::size_t>(q)] -= w;
+      froze[up] = epoch;
+      order[up] = seq++;
+      level[up] = lvl;
+      unfrozen[up] = 0;
+      minrem[up] = std::numeric_limits<double>::infinity();
+      const Entry* const b = list.data() + off[up];
+      const Entry* const e_end = list.data() + end[up];
+      for (const Entry* e = b; e < e_end; ++e) {
+        const std::int32_t other = e->other;
+        if (other >= 0) {
+          const auto q = static_cast<std::size_t>(other);
+          if (froze[q] == epoch) continue;  // frozen by its other port
+          const double w = e->w;
+          left[q] -= lvl * w;
+          unfrozen[q] -= w;
+        } else if (other == -2) {
+          const auto k = static_cast<std::size_t>(list_flow[static_cast<std::size_t>(e - list.data())]);
+          bool frozen = false;
+          for (auto q : ports[k])
+            if (q >= 0 && q != p && froze[static_cast<std::size_t>(q)] == epoch) frozen = true;
+          if (frozen) continue;
+          for (int s = 0; s < 3; ++s) {
+            const std::int32_t q = ports[k][static_cast<std::size_t>(s)];
+            if (q < 0 || q == p) continue;
+            left[static_cast<std::size_t>(q)] -= lvl * weight[k][static_cast<std::size_t>(s)];
+            unfrozen[static_cast<std::size_t>(q)] -= weight[k][static_cast<std::size_t>(s)];
+          }
         }
       }
-      end[up] = static_cast<std::int64_t>(w_end);
+    }
+    // Rates: the level of the first port to freeze (its id in fz). The
+    // first finish is the least of, per freezing port, its flows' least
+    // bytes over its level (division is monotone: the same value as the
+    // least of the flows' own quotients), so only flows near the window
+    // are divided.
+    const std::size_t n_live = fl.size();
+    for (std::size_t i = 0; i < n_live; ++i) {
+      std::uint32_t best = std::numeric_limits<std::uint32_t>::max();
+      std::int32_t f = -1;
+      for (auto q : pt[i])
+        if (q >= 0 && froze[static_cast<std::size_t>(q)] == epoch && order[static_cast<std::size_t>(q)] < best) {
+          best = order[static_cast<std::size_t>(q)];
+          f = q;
+        }
+      if (f < 0) fail("simulate: a flow got no bandwidth (internal error)");
+      fz[i] = f;
+      double& m = minrem[static_cast<std::size_t>(f)];
+      m = std::min(m, rem[i]);
     }
     double first = std::numeric_limits<double>::infinity();
-    for (auto k : alive) {
-      const double r = hot[k].rate;
-      finish[k] = r > 0 ? remaining[k] / r : std::numeric_limits<double>::infinity();
-      first = std::min(first, finish[k]);
-    }
+    for (std::size_t p = 0; p < P; ++p)
+      if (froze[p] == epoch && level[p] > 0 && minrem[p] < std::numeric_limits<double>::infinity())
+        first = std::min(first, minrem[p] / level[p]);
     if (!std::isfinite(first)) fail("simulate: a flow got no bandwidth (internal error)");
     // Flows finishing within 1% of the stage's elapsed time retire together
     // (at the latest of their times): it bounds the rate recomputations to
-    // a few hundred per stage.
+    // a few hundred per stage. The retiring flows finish by the window
+    // (times 1 + 1e-12): a looser test on bytes finds them, then their own
+    // quotients decide, as each flow's did before.
     double step = first;
     const double window = first + 0.01 * (now + first);
-    for (auto k : alive)
-      if (finish[k] <= window) step = std::max(step, finish[k]);
-    std::size_t n = 0;
-    for (auto k : alive) {
-      if (finish[k] <= step * (1 + 1e-12)) {
-        hot[k].live = false;
-        for (int s = 0; s < 3; ++s)
-          if (ports[k][static_cast<std::size_t>(s)] >= 0)
-            users[static_cast<std::size_t>(ports[k][static_cast<std::size_t>(s)])] -= weight[k][static_cast<std::size_t>(s)];
-      } else {
-        remaining[k] -= hot[k].rate * step;
-        alive[n++] = k;
+    near.clear();
+    for (std::size_t i = 0; i < n_live; ++i) {
+      const double r = level[static_cast<std::size_t>(fz[i])];
+      if (rem[i] <= window * r * (1 + 1e-9)) {
+        const double t = r > 0 ? rem[i] / r : std::numeric_limits<double>::infinity();
+        near.push_back({i, t});
+        if (t <= window) step = std::max(step, t);
       }
     }
-    alive.resize(n);
+    std::size_t n = 0, c = 0;
+    for (std::size_t i = 0; i < n_live; ++i) {
+      while (c < near.size() && near[c].first < i) ++c;
+      const double finish_i = c < near.size() && near[c].first == i ? near[c].second : std::numeric_limits<double>::infinity();
+      const double rate_i = level[static_cast<std::size_t>(fz[i])];
+      if (finish_i <= step * (1 + 1e-12)) {
+        const auto k = static_cast<std::size_t>(fl[i]);
+        for (int s = 0; s < 3; ++s) {
+          const std::int32_t q = ports[k][static_cast<std::size_t>(s)];
+          if (q < 0) continue;
+          const auto uq = static_cast<std::size_t>(q);
+          users[uq] -= weight[k][static_cast<std::size_t>(s)];
+          list[static_cast<std::size_t>(at[k][static_cast<std::size_t>(s)])].other = kDead;
+          if (2 * ++dead[uq] > end[uq] - off[uq]) {  // compact the list
+            auto w = off[uq];
+            for (auto j = off[uq]; j < end[uq]; ++j) {
+              const Entry x = list[static_cast<std::size_t>(j)];
+              if (x.other == kDead) continue;
+              const std::int32_t xf = list_flow[static_cast<std::size_t>(j)];
+              const auto xk = static_cast<std::size_t>(xf);
+              for (int t = 0; t < 3; ++t)
+                if (ports[xk][static_cast<std::size_t>(t)] == q) at[xk][static_cast<std::size_t>(t)] = w;
+              list_flow[static_cast<std::size_t>(w)] = xf;
+              list[static_cast<std::size_t>(w++)] = x;
+            }
+            end[uq] = w;
+            dead[uq] = 0;
+          }
+        }
+      } else {
+        fl[n] = fl[i];
+        rem[n] = rem[i] - rate_i * step;
+        pt[n] = pt[i];
+        ++n;
+      }
+    }
+    fl.resize(n);
     now += step;
   }
   return now;
