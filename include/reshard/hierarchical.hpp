@@ -99,9 +99,20 @@ inline std::int64_t real_prefix(const DimPart& p, std::int64_t n) {
 /// coordinate j_d < m_d (the real elements).
 inline std::int64_t real_below(const std::vector<std::int64_t>& e, const std::vector<std::int64_t>& m, std::int64_t x) {
   const std::size_t n = e.size();
-  std::vector<std::int64_t> inner(n + 1, 1);  // product of m over dims > d
+  // On the stack for the usual ranks (this runs per rank and tensor).
+  constexpr std::size_t kSmall = 8;
+  std::array<std::int64_t, kSmall + 1> inner_a{};
+  std::array<std::int64_t, kSmall> stride_a{};
+  std::vector<std::int64_t> inner_v, stride_v;
+  if (n > kSmall) {
+    inner_v.resize(n + 1);
+    stride_v.resize(n);
+  }
+  std::int64_t* inner = n > kSmall ? inner_v.data() : inner_a.data();  // product of m over dims > d
+  std::int64_t* stride = n > kSmall ? stride_v.data() : stride_a.data();
+  inner[n] = 1;
   for (std::size_t d = n; d-- > 0;) inner[d] = inner[d + 1] * m[d];
-  std::vector<std::int64_t> stride(n, 1);
+  for (std::size_t d = 0; d < n; ++d) stride[d] = 1;
   for (std::size_t d = n; d-- > 1;) stride[d - 1] = stride[d] * e[d];
   if (n == 0) return 0;
   if (x >= stride[0] * e[0]) return inner[0];

@@ -454,25 +454,38 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
       list[static_cast<std::size_t>(end[static_cast<std::size_t>(p)]++)] = e;
     }
   }
-  // The live flows, packed in flow order: id, bytes left, ports.
+  // The live flows, packed in flow order: id (-1: retired, not yet packed
+  // away), bytes left, ports, and the port that froze it in the last event
+  // (fz; P for a retired flow: a port of level 0).
   std::vector<std::int32_t> fl(K);
   std::vector<double> rem(std::move(remaining));
-  std::vector<std::int32_t> fz(K);                       // per live flow: the port that froze it
-  std::vector<std::pair<std::size_t, double>> near;      // live flows near the window: (place, finish)
+  std::vector<std::int32_t> fz(K, static_cast<std::int32_t>(P));
   std::vector<FlowPorts> pt(ports);
   for (std::size_t k = 0; k < K; ++k) fl[k] = static_cast<std::int32_t>(k);
+  std::vector<std::pair<std::size_t, double>> near;  // flows near the window: (place, finish)
   // Per port, this event: room left, unfrozen flows (weighted), and when it
-  // froze (event, place in the freezing order) at which level.
-  std::vector<double> left(P), unfrozen(P), level(P, 0), minrem(P);
+  // froze (event, place in the freezing order) at which level; the levels
+  // of the event before are kept (`was`) to advance the flows by its step.
+  std::vector<double> left(P), unfrozen(P), level(P + 1, 0), was(P + 1, 0), minrem(P);
   std::vector<std::uint32_t> froze(P, 0), order(P, 0);
   using Item = std::pair<double, std::int32_t>;  // (share, port)
   std::vector<Item> heap;
   const auto later = std::greater<Item>();
-  double now = 0;
+  double now = 0, last_step = 0;
   std::uint32_t epoch = 0;
-  while (!fl.empty()) {
+  std::size_t live = K, dead_flows = 0;
+  // One pass over the flows per event does two things: it advances each
+  // flow by the last event's step at its rate then (bytes -= level x step,
+  // as before), and finds this event's rate (the level of the first of its
+  // ports to freeze, kept as the port's id in fz) and per freezing port the
+  // least bytes left. The first finish is the least, over freezing ports,
+  // of that over the level (division is monotone: the same value as the
+  // least of the flows' own quotients). A second, lighter pass finds the
+  // flows near the 1% window and divides only those.
+  while (live > 0) {
     ++epoch;
     ++events;
+    level.swap(was);
     left = cap;
     unfrozen = users;
     heap.clear();
@@ -494,7 +507,7 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
       }
       froze[up] = epoch;
       order[up] = seq++;
-      level[up] = lvl;
+      level[up] = lvl;  // this event's levels (the last event's stay in `was`)
       unfrozen[up] = 0;
       minrem[up] = std::numeric_limits<double>::infinity();
       const Entry* const b = list.data() + off[up];
@@ -522,13 +535,12 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
         }
       }
     }
-    // Rates: the level of the first port to freeze (its id in fz). The
-    // first finish is the least of, per freezing port, its flows' least
-    // bytes over its level (division is monotone: the same value as the
-    // least of the flows' own quotients), so only flows near the window
-    // are divided.
-    const std::size_t n_live = fl.size();
-    for (std::size_t i = 0; i < n_live; ++i) {
+    const std::size_t n_all = fl.size();
+    const bool pack = 8 * dead_flows > n_all;  // pack retired flows away
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < n_all; ++i) {
+      if (fl[i] < 0) continue;
+      const double r = rem[i] - was[static_cast<std::size_t>(fz[i])] * last_step;
       std::uint32_t best = std::numeric_limits<std::uint32_t>::max();
       std::int32_t f = -1;
       for (auto q : pt[i])
@@ -537,10 +549,24 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
           f = q;
         }
       if (f < 0) fail("simulate: a flow got no bandwidth (internal error)");
-      fz[i] = f;
       double& m = minrem[static_cast<std::size_t>(f)];
-      m = std::min(m, rem[i]);
+      m = std::min(m, r);
+      const std::size_t j = pack ? n++ : i;
+      rem[j] = r;
+      fz[j] = f;
+      if (pack) {
+        fl[j] = fl[i];
+        pt[j] = pt[i];
+      }
     }
+    if (pack) {
+      fl.resize(n);
+      rem.resize(n);
+      fz.resize(n);
+      pt.resize(n);
+      dead_flows = 0;
+    }
+    const std::size_t n_live = fl.size();
     double first = std::numeric_limits<double>::infinity();
     for (std::size_t p = 0; p < P; ++p)
       if (froze[p] == epoch && level[p] > 0 && minrem[p] < std::numeric_limits<double>::infinity())
@@ -556,49 +582,43 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
     near.clear();
     for (std::size_t i = 0; i < n_live; ++i) {
       const double r = level[static_cast<std::size_t>(fz[i])];
-      if (rem[i] <= window * r * (1 + 1e-9)) {
-        const double t = r > 0 ? rem[i] / r : std::numeric_limits<double>::infinity();
+      if (r > 0 && rem[i] <= window * r * (1 + 1e-9)) {  // (r = 0: a retired flow, or no rate: never done)
+        const double t = rem[i] / r;
         near.push_back({i, t});
         if (t <= window) step = std::max(step, t);
       }
     }
-    std::size_t n = 0, c = 0;
-    for (std::size_t i = 0; i < n_live; ++i) {
-      while (c < near.size() && near[c].first < i) ++c;
-      const double finish_i = c < near.size() && near[c].first == i ? near[c].second : std::numeric_limits<double>::infinity();
-      const double rate_i = level[static_cast<std::size_t>(fz[i])];
-      if (finish_i <= step * (1 + 1e-12)) {
-        const auto k = static_cast<std::size_t>(fl[i]);
-        for (int s = 0; s < 3; ++s) {
-          const std::int32_t q = ports[k][static_cast<std::size_t>(s)];
-          if (q < 0) continue;
-          const auto uq = static_cast<std::size_t>(q);
-          users[uq] -= weight[k][static_cast<std::size_t>(s)];
-          list[static_cast<std::size_t>(at[k][static_cast<std::size_t>(s)])].other = kDead;
-          if (2 * ++dead[uq] > end[uq] - off[uq]) {  // compact the list
-            auto w = off[uq];
-            for (auto j = off[uq]; j < end[uq]; ++j) {
-              const Entry x = list[static_cast<std::size_t>(j)];
-              if (x.other == kDead) continue;
-              const std::int32_t xf = list_flow[static_cast<std::size_t>(j)];
-              const auto xk = static_cast<std::size_t>(xf);
-              for (int t = 0; t < 3; ++t)
-                if (ports[xk][static_cast<std::size_t>(t)] == q) at[xk][static_cast<std::size_t>(t)] = w;
-              list_flow[static_cast<std::size_t>(w)] = xf;
-              list[static_cast<std::size_t>(w++)] = x;
-            }
-            end[uq] = w;
-            dead[uq] = 0;
+    for (const auto& [i, t] : near) {
+      if (!(t <= step * (1 + 1e-12))) continue;
+      const auto k = static_cast<std::size_t>(fl[i]);
+      fl[i] = -1;
+      fz[i] = static_cast<std::int32_t>(P);
+      --live;
+      ++dead_flows;
+      for (int s = 0; s < 3; ++s) {
+        const std::int32_t q = ports[k][static_cast<std::size_t>(s)];
+        if (q < 0) continue;
+        const auto uq = static_cast<std::size_t>(q);
+        users[uq] -= weight[k][static_cast<std::size_t>(s)];
+        list[static_cast<std::size_t>(at[k][static_cast<std::size_t>(s)])].other = kDead;
+        if (2 * ++dead[uq] > end[uq] - off[uq]) {  // compact the list
+          auto w = off[uq];
+          for (auto j = off[uq]; j < end[uq]; ++j) {
+            const Entry x = list[static_cast<std::size_t>(j)];
+            if (x.other == kDead) continue;
+            const std::int32_t xf = list_flow[static_cast<std::size_t>(j)];
+            const auto xk = static_cast<std::size_t>(xf);
+            for (int t2 = 0; t2 < 3; ++t2)
+              if (ports[xk][static_cast<std::size_t>(t2)] == q) at[xk][static_cast<std::size_t>(t2)] = w;
+            list_flow[static_cast<std::size_t>(w)] = xf;
+            list[static_cast<std::size_t>(w++)] = x;
           }
+          end[uq] = w;
+          dead[uq] = 0;
         }
-      } else {
-        fl[n] = fl[i];
-        rem[n] = rem[i] - rate_i * step;
-        pt[n] = pt[i];
-        ++n;
       }
     }
-    fl.resize(n);
+    last_step = step;
     now += step;
   }
   return now;
@@ -748,29 +768,70 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
     domain_gpus[place.domain(r)].insert(place.gpu(r));
   }
   for (auto r : dst.mesh.global_ranks()) domain_gpus[place.domain(r)].insert(place.gpu(r));
-  std::map<std::int64_t, double> gpu_need;  // destination-only GPUs
+  // Per destination position, once: its domain, and for a rank outside the
+  // source mesh its GPU's index among such GPUs (in GPU order), else -1.
+  const std::int64_t D = dst.mesh.size();
+  std::vector<std::int64_t> pos_dom(static_cast<std::size_t>(D));
+  std::vector<std::int32_t> pos_need(static_cast<std::size_t>(D), -1);
+  std::map<std::int64_t, std::int32_t> need_id;  // destination-only GPU -> index
+  for (std::int64_t pos = 0; pos < D; ++pos) {
+    const std::int64_t rank = dst.mesh.global_rank(pos);
+    pos_dom[static_cast<std::size_t>(pos)] = place.domain(rank);
+    if (!src.mesh.position_of(rank)) need_id.emplace(place.gpu(rank), 0);
+  }
+  std::vector<std::int64_t> need_gpu;
+  for (auto& [g, id] : need_id) {
+    id = static_cast<std::int32_t>(need_gpu.size());
+    need_gpu.push_back(g);
+  }
+  for (std::int64_t pos = 0; pos < D; ++pos) {
+    const std::int64_t rank = dst.mesh.global_rank(pos);
+    if (!src.mesh.position_of(rank)) pos_need[static_cast<std::size_t>(pos)] = need_id[place.gpu(rank)];
+  }
+  std::vector<double> gpu_need(need_gpu.size(), 0);  // destination-only GPUs
   // Source GPUs holding a tensor -> unique bytes of such tensors the domains need.
   std::map<std::vector<std::int64_t>, std::pair<double, std::int64_t>> group_bytes;  // (bytes, tensors)
   const std::vector<int> src_of = match_tensors(src, dst);
+  // What a position holds of a tensor: (domain, part) and a linear interval
+  // of the part's local array; sorted, as a map of (domain, part) to its
+  // sorted intervals would list them.
+  struct Held {
+    std::int64_t dom;
+    std::uint64_t lin;
+    std::int64_t lo, hi;
+    bool operator<(const Held& o) const { return std::tie(dom, lin, lo, hi) < std::tie(o.dom, o.lin, o.lo, o.hi); }
+  };
+  std::vector<Held> held;
+  std::vector<std::int64_t> part_ix;
   for (std::size_t t = 0; t < dst.tensors.size(); ++t) {
     double tensor_unique = 0;
     const auto& ts = dst.tensors[t];
     const double scale = (wire ? (*wire)[t] : 1.0) * static_cast<double>(element_bytes(ts.dtype));
     const bool flat = ts.buffer >= 0 && dst.buffers[static_cast<std::size_t>(ts.buffer)].kind == BufferKind::flat;
-    // (domain, part) -> held linear intervals of the part's local array.
-    std::map<std::pair<std::int64_t, std::uint64_t>, std::vector<std::pair<std::int64_t, std::int64_t>>> held;
-    std::map<std::pair<std::int64_t, std::uint64_t>, std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> shape;
-    for (std::int64_t pos = 0; pos < dst.mesh.size(); ++pos) {
+    // Per part: the local extents and real prefixes (the same on every
+    // position holding the part).
+    std::unordered_map<std::uint64_t, std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> shape;
+    held.clear();
+    part_ix.resize(static_cast<std::size_t>(ts.rank()));
+    for (std::int64_t pos = 0; pos < D; ++pos) {
       if (!dst.holds(pos, static_cast<int>(t))) continue;
-      const std::int64_t rank = dst.mesh.global_rank(pos);
       std::uint64_t lin = 0;
-      std::vector<std::int64_t> e(static_cast<std::size_t>(ts.rank())), m(e.size());
       for (int d = 0; d < ts.rank(); ++d) {
         const auto ud = static_cast<std::size_t>(d);
-        lin = lin * static_cast<std::uint64_t>(ts.cuts[ud].k) + static_cast<std::uint64_t>(ts.dims[ud].part_of(dst.mesh, pos));
-        const DimPart part = dst.dim_part(pos, static_cast<int>(t), d);
-        e[ud] = part.local_extent;
-        m[ud] = hier_detail::real_prefix(part, ts.shape[ud]);
+        part_ix[ud] = ts.dims[ud].part_of(dst.mesh, pos);
+        lin = lin * static_cast<std::uint64_t>(ts.cuts[ud].k) + static_cast<std::uint64_t>(part_ix[ud]);
+      }
+      auto [it, fresh] = shape.try_emplace(lin);
+      auto& [e, m] = it->second;
+      if (fresh) {
+        e.resize(static_cast<std::size_t>(ts.rank()));
+        m.resize(e.size());
+        for (int d = 0; d < ts.rank(); ++d) {
+          const auto ud = static_cast<std::size_t>(d);
+          const DimPart part = ts.cuts[ud].part(part_ix[ud]);
+          e[ud] = part.local_extent;
+          m[ud] = hier_detail::real_prefix(part, ts.shape[ud]);
+        }
       }
       std::int64_t lo = 0, hi = 1;
       for (auto x : e) hi *= x;
@@ -780,19 +841,25 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
         lo = s.lin_lo;
         hi = s.lin_hi;
       }
-      const std::int64_t dom = place.domain(rank);
-      held[{dom, lin}].push_back({lo, hi});
-      shape[{dom, lin}] = {e, m};
-      if (!src.mesh.position_of(rank))
-        gpu_need[place.gpu(rank)] +=
+      const std::int64_t dom = pos_dom[static_cast<std::size_t>(pos)];
+      held.push_back(Held{dom, lin, lo, hi});
+      if (const std::int32_t g = pos_need[static_cast<std::size_t>(pos)]; g >= 0)
+        gpu_need[static_cast<std::size_t>(g)] +=
             static_cast<double>(hier_detail::real_below(e, m, hi) - hier_detail::real_below(e, m, lo)) * scale;
     }
-    for (auto& [key, iv] : held) {
-      if (src_domains.count(key.first)) continue;
-      std::sort(iv.begin(), iv.end());
-      const auto& [e, m] = shape[key];
+    std::sort(held.begin(), held.end());
+    for (std::size_t g0 = 0; g0 < held.size();) {
+      std::size_t g1 = g0;
+      while (g1 < held.size() && held[g1].dom == held[g0].dom && held[g1].lin == held[g0].lin) ++g1;
+      const std::int64_t dom = held[g0].dom;
+      if (src_domains.count(dom)) {
+        g0 = g1;
+        continue;
+      }
+      const auto& [e, m] = shape.at(held[g0].lin);
       std::int64_t a = -1, b = -1, real = 0;
-      for (auto [lo, hi] : iv) {
+      for (std::size_t i = g0; i < g1; ++i) {
+        const std::int64_t lo = held[i].lo, hi = held[i].hi;
         if (lo > b) {
           if (a >= 0) real += hier_detail::real_below(e, m, b) - hier_detail::real_below(e, m, a);
           a = lo;
@@ -802,8 +869,9 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
         }
       }
       if (a >= 0) real += hier_detail::real_below(e, m, b) - hier_detail::real_below(e, m, a);
-      lb.unique_bytes[key.first] += static_cast<double>(real) * scale;
+      lb.unique_bytes[dom] += static_cast<double>(real) * scale;
       tensor_unique += static_cast<double>(real) * scale;
+      g0 = g1;
     }
     if (tensor_unique > 0) {
       std::vector<std::int64_t> holders;
@@ -850,7 +918,9 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
       lb.what = fmt::format("source NICs: {:.3f} GB out of {} source GPUs", total_unique / 1e9, src_gpus.size());
     }
   }
-  for (const auto& [g, need] : gpu_need) {
+  for (std::size_t i = 0; i < gpu_need.size(); ++i) {
+    const std::int64_t g = need_gpu[i];
+    const double need = gpu_need[i];
     const double t = need / (topo.nic_bytes_per_s() + topo.nvlink_bytes_per_s());
     if (t > lb.gpu_seconds) lb.gpu_seconds = t;
     if (t > lb.seconds) {
