@@ -442,22 +442,25 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
 
   // Keep the direct copies of owners and ungrouped ranks; per (rank, tensor)
   // their bytes, for the pipeline chunks.
-  std::vector<Copy> kept;
-  kept.reserve(direct.copies.size());
+  // (Kept in place: a second copy of a plan of millions of copies would
+  // double the peak memory.)
+  std::vector<Copy> kept = std::move(direct.copies);
   std::unordered_map<std::int64_t, std::vector<double>> bytes_of;  // dst pos -> per tensor
-  for (const auto& c : direct.copies) {
+  std::size_t n_kept = 0;
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    const Copy& c = kept[i];
     const auto pos = *dst.mesh.position_of(c.dst_rank);
     if (role[static_cast<std::size_t>(pos * T + c.tensor)] >= 0) {
       rep.dropped_bytes += c.bytes();
       continue;
     }
-    kept.push_back(c);
     auto& v = bytes_of[pos];
     if (v.empty()) v.assign(static_cast<std::size_t>(T), 0);
     if (!c.is_local()) v[static_cast<std::size_t>(c.tensor)] += static_cast<double>(c.bytes());
+    if (n_kept != i) kept[n_kept] = c;
+    ++n_kept;
   }
-  direct.copies.clear();
-  direct.copies.shrink_to_fit();
+  kept.resize(n_kept);
   // chunk[(pos, t)]: which pipeline chunk the rank's copies of t go in.
   const int K = opt.pipeline;
   std::unordered_map<std::int64_t, std::vector<std::int32_t>> chunk;
@@ -542,23 +545,44 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
         from.push_back(1);
       }
     }
-  // Order: by stage, then destination rank (stable within).
+  // Order: by stage, then destination rank (stable within): sorted keys
+  // (stage, rank, index), then the permutation applied in place, cycle by
+  // cycle (no second copy of the plan).
+  std::vector<std::tuple<std::int32_t, std::int64_t, std::size_t>> keys(all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) keys[i] = {stage[i], all[i].dst_rank, i};
+  std::sort(keys.begin(), keys.end());
   std::vector<std::size_t> idx(all.size());
-  std::iota(idx.begin(), idx.end(), std::size_t{0});
-  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) {
-    return std::tie(stage[a], all[a].dst_rank) < std::tie(stage[b], all[b].dst_rank);
-  });
-  out.schedule.copies.reserve(all.size());
-  out.stage.reserve(all.size());
-  out.from_dst.reserve(all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) idx[i] = std::get<2>(keys[i]);
+  std::vector<std::tuple<std::int32_t, std::int64_t, std::size_t>>().swap(keys);
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    if (idx[i] == i) continue;
+    const Copy c = all[i];
+    const std::int32_t st = stage[i];
+    const std::uint8_t fr = from[i];
+    std::size_t j = i;
+    for (;;) {
+      const std::size_t k = idx[j];
+      idx[j] = j;
+      if (k == i) {
+        all[j] = c;
+        stage[j] = st;
+        from[j] = fr;
+        break;
+      }
+      all[j] = all[k];
+      stage[j] = stage[k];
+      from[j] = from[k];
+      j = k;
+    }
+  }
   std::int32_t top = 0;
-  for (auto i : idx) {
-    out.schedule.copies.push_back(all[i]);
-    out.stage.push_back(stage[i]);
-    out.from_dst.push_back(from[i]);
+  for (std::size_t i = 0; i < all.size(); ++i) {
     top = std::max(top, stage[i]);
     rep.fan_out_copies += from[i];
   }
+  out.schedule.copies = std::move(all);
+  out.stage = std::move(stage);
+  out.from_dst = std::move(from);
   out.stages = top + 1;
   out.schedule.compute_stats(direct.stats.ranks);
   out.schedule.stats.plan_seconds = direct.stats.plan_seconds;
