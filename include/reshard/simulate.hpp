@@ -466,7 +466,7 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
   // Per port, this event: room left, unfrozen flows (weighted), and when it
   // froze (event, place in the freezing order) at which level; the levels
   // of the event before are kept (`was`) to advance the flows by its step.
-  std::vector<double> left(P), unfrozen(P), level(P + 1, 0), was(P + 1, 0), minrem(P);
+  std::vector<double> left(P), unfrozen(P), level(P + 1, 0), was(P + 1, 0);
   std::vector<std::uint32_t> froze(P, 0), order(P, 0);
   using Item = std::pair<double, std::int32_t>;  // (share, port)
   std::vector<Item> heap;
@@ -477,11 +477,8 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
   // One pass over the flows per event does two things: it advances each
   // flow by the last event's step at its rate then (bytes -= level x step,
   // as before), and finds this event's rate (the level of the first of its
-  // ports to freeze, kept as the port's id in fz) and per freezing port the
-  // least bytes left. The first finish is the least, over freezing ports,
-  // of that over the level (division is monotone: the same value as the
-  // least of the flows' own quotients). A second, lighter pass finds the
-  // flows near the 1% window and divides only those.
+  // ports to freeze, kept as the port's id in fz), the first finish and
+  // the flows that may finish in the 1% window (the only ones divided).
   while (live > 0) {
     ++epoch;
     ++events;
@@ -509,7 +506,6 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
       order[up] = seq++;
       level[up] = lvl;  // this event's levels (the last event's stay in `was`)
       unfrozen[up] = 0;
-      minrem[up] = std::numeric_limits<double>::infinity();
       const Entry* const b = list.data() + off[up];
       const Entry* const e_end = list.data() + end[up];
       for (const Entry* e = b; e < e_end; ++e) {
@@ -538,6 +534,13 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
     const std::size_t n_all = fl.size();
     const bool pack = 8 * dead_flows > n_all;  // pack retired flows away
     std::size_t n = 0;
+    // The least finish so far, and its window (which only shrinks as the
+    // least finish falls): a flow outside the window of its visit is
+    // outside the final one; those inside are kept (`near`) and decided
+    // below. Only they are divided, and every flow that could lower the
+    // least finish is among them, so `first` is exact.
+    double first = std::numeric_limits<double>::infinity(), wrun = first;
+    near.clear();
     for (std::size_t i = 0; i < n_all; ++i) {
       if (fl[i] < 0) continue;
       const double r = rem[i] - was[static_cast<std::size_t>(fz[i])] * last_step;
@@ -549,9 +552,16 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
           f = q;
         }
       if (f < 0) fail("simulate: a flow got no bandwidth (internal error)");
-      double& m = minrem[static_cast<std::size_t>(f)];
-      m = std::min(m, r);
       const std::size_t j = pack ? n++ : i;
+      const double lv = level[static_cast<std::size_t>(f)];
+      if (lv > 0 && r <= wrun * lv * (1 + 1e-9)) {  // (lv = 0: no rate, never done)
+        const double t = r / lv;
+        near.push_back({j, t});
+        if (t < first) {
+          first = t;
+          wrun = first + 0.01 * (now + first);
+        }
+      }
       rem[j] = r;
       fz[j] = f;
       if (pack) {
@@ -566,28 +576,16 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
       pt.resize(n);
       dead_flows = 0;
     }
-    const std::size_t n_live = fl.size();
-    double first = std::numeric_limits<double>::infinity();
-    for (std::size_t p = 0; p < P; ++p)
-      if (froze[p] == epoch && level[p] > 0 && minrem[p] < std::numeric_limits<double>::infinity())
-        first = std::min(first, minrem[p] / level[p]);
     if (!std::isfinite(first)) fail("simulate: a flow got no bandwidth (internal error)");
     // Flows finishing within 1% of the stage's elapsed time retire together
     // (at the latest of their times): it bounds the rate recomputations to
     // a few hundred per stage. The retiring flows finish by the window
-    // (times 1 + 1e-12): a looser test on bytes finds them, then their own
-    // quotients decide, as each flow's did before.
+    // (times 1 + 1e-12), so all are in `near` (a looser test on bytes);
+    // their own quotients decide, as each flow's did before.
     double step = first;
     const double window = first + 0.01 * (now + first);
-    near.clear();
-    for (std::size_t i = 0; i < n_live; ++i) {
-      const double r = level[static_cast<std::size_t>(fz[i])];
-      if (r > 0 && rem[i] <= window * r * (1 + 1e-9)) {  // (r = 0: a retired flow, or no rate: never done)
-        const double t = rem[i] / r;
-        near.push_back({i, t});
-        if (t <= window) step = std::max(step, t);
-      }
-    }
+    for (const auto& [i, t] : near)
+      if (t <= window) step = std::max(step, t);
     for (const auto& [i, t] : near) {
       if (!(t <= step * (1 + 1e-12))) continue;
       const auto k = static_cast<std::size_t>(fl[i]);
