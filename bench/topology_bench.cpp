@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
                           {"lower_bound_refit_seconds", lb.seconds},
                           {"record_gb", record_gb},
                           {"peak_rss_gb", peak_rss_gb()}};
+      j["process_cpu_seconds"] = cpu_seconds();  // all sizes so far: run one size per process to read one
       std::cout << j.dump() << std::endl;
     }
   } catch (const std::exception& e) {
