@@ -156,6 +156,11 @@ class SenderChoice {
     inv_[1] = 1 / place.topology().nvlink_bytes_per_s();
     busy_.assign(static_cast<std::size_t>(stages_) * R_ * 2, 0);
     member_of_.resize(static_cast<std::size_t>(stages_) * R_);
+    // Replica lists by (position, tensor) in a flat array up to 2^26
+    // entries (256 MB; a hash map of millions of such keys costs more and
+    // is slower), else in a hash map.
+    const auto cells = static_cast<std::uint64_t>(src.mesh.size()) * src.tensors.size();
+    if (cells <= (std::uint64_t{1} << 26)) flat_list_.assign(static_cast<std::size_t>(cells), -1);
   }
 
   /// A copy whose sender stays (it reads the destination layout, or comes
@@ -233,8 +238,12 @@ class SenderChoice {
   /// per position would cost gigabytes).
   std::int32_t replicas_of(std::int64_t spos, int st) {
     const auto T = static_cast<std::int64_t>(src_.tensors.size());
-    auto it = replica_list_.find(spos * T + st);
-    if (it != replica_list_.end()) return it->second;
+    const std::int64_t key = spos * T + st;
+    if (!flat_list_.empty()) {
+      if (const std::int32_t l = flat_list_[static_cast<std::size_t>(key)]; l >= 0) return l;
+    } else if (auto it = replica_list_.find(key); it != replica_list_.end()) {
+      return it->second;
+    }
     const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
     std::vector<std::int64_t> parts;
     for (int d = 0; d < sts.rank(); ++d) parts.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, spos));
@@ -259,7 +268,12 @@ class SenderChoice {
       rep.ranks = std::move(ranks);
       lists_.push_back(std::move(rep));
     }
-    for (auto h : members) replica_list_.emplace(h * T + st, known->second);
+    for (auto h : members) {
+      if (!flat_list_.empty())
+        flat_list_[static_cast<std::size_t>(h * T + st)] = known->second;
+      else
+        replica_list_.emplace(h * T + st, known->second);
+    }
     return known->second;
   }
 
@@ -309,7 +323,8 @@ class SenderChoice {
   std::size_t R_ = 0;
   std::array<double, 2> inv_{};  ///< seconds per byte: NIC, NVLink
   std::vector<double> busy_;     ///< (stage, rank, port: 0 NIC, 1 NVLink) seconds
-  std::unordered_map<std::int64_t, std::int32_t> replica_list_;
+  std::unordered_map<std::int64_t, std::int32_t> replica_list_;  ///< (position x T + tensor) -> list
+  std::vector<std::int32_t> flat_list_;  ///< the same as a flat array (-1: not yet), when it is small enough
   std::vector<Replicas> lists_;
   std::map<std::vector<std::int64_t>, std::int32_t> by_content_;
   std::vector<Tree> trees_;
