@@ -35,6 +35,7 @@
 
 using namespace reshard;
 
+using bench::cpu_seconds;
 using bench::peak_rss_gb;
 using bench::seconds_since;
 
@@ -116,11 +117,13 @@ int main(int argc, char** argv) {
         traffic_s = seconds_since(t0);
       }
       t0 = std::chrono::steady_clock::now();
+      double c0 = cpu_seconds();
       const SimResult r = simulate(tr);
-      const double sim_s = seconds_since(t0);
+      const double sim_s = seconds_since(t0), sim_cpu = cpu_seconds() - c0;
       t0 = std::chrono::steady_clock::now();
+      c0 = cpu_seconds();
       const LowerBound lb = refit_lower_bound(m.train, m.infer, place);
-      const double lb_s = seconds_since(t0);
+      const double lb_s = seconds_since(t0), lb_cpu = cpu_seconds() - c0;
       std::int64_t flows = 0, classes = 0, port_classes = 0, events = 0;
       for (const auto& st : r.stages) {
         flows += st.flows;
@@ -147,11 +150,14 @@ int main(int argc, char** argv) {
                           {"near_seconds", near_s},
                           {"traffic_seconds", traffic_s},
                           {"simulate_seconds", sim_s},
+                          {"simulate_cpu_seconds", sim_cpu},
                           {"lower_bound_seconds_to_compute", lb_s},
+                          {"lower_bound_cpu_seconds", lb_cpu},
                           {"predicted_refit_seconds", r.seconds},
                           {"lower_bound_refit_seconds", lb.seconds},
                           {"record_gb", record_gb},
                           {"peak_rss_gb", peak_rss_gb()}};
+      j["process_cpu_seconds"] = cpu_seconds();  // all sizes so far: run one size per process to read one
       std::cout << j.dump() << std::endl;
     }
   } catch (const std::exception& e) {

@@ -327,6 +327,28 @@ TEST_CASE("classes of alike flows: the same times as every flow simulated on its
   }
 }
 
+TEST_CASE("dense random traffic over many events: the same times as the reference") {
+  // Up to 240 GPU pairs per stage with distinct bytes: hundreds of events,
+  // so retired flows are packed away and port lists compacted many times
+  // (fluid_time), with and without a fabric, one shared source group.
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 6; ++trial) {
+    World w(16, 2, 4);
+    if (trial % 2 == 1) w.topo.fabric_gbps = 400 * 5;
+    if (trial % 3 == 2) w.topo.memcpy_gbps = 8 * 100;
+    w.place = RankPlacement(w.topo, w.a, w.b);
+    Traffic tr(w.place);
+    for (int i = 0; i < 320; ++i) {
+      const auto s = static_cast<std::int64_t>(rng() % (trial < 3 ? 16 : 5)), d = static_cast<std::int64_t>(rng() % 16);
+      tr.add(0, s, d, std::uniform_real_distribution<double>(0.001, 1)(rng) * GB);
+    }
+    const auto r = simulate(tr);
+    CAPTURE(trial);
+    CHECK(r.stages[0].events > 20);
+    CHECK(r.stages[0].fluid_seconds == doctest::Approx(reference_fluid(tr, 0)).epsilon(1e-9));
+  }
+}
+
 TEST_CASE("many identical flows collapse to one class with the exact time") {
   // 64 source GPUs (one per domain) each send 0.1 GB to each of 32
   // destination GPUs: every NIC egress carries 3.2 GB (64 ms), every

@@ -99,9 +99,20 @@ inline std::int64_t real_prefix(const DimPart& p, std::int64_t n) {
 /// coordinate j_d < m_d (the real elements).
 inline std::int64_t real_below(const std::vector<std::int64_t>& e, const std::vector<std::int64_t>& m, std::int64_t x) {
   const std::size_t n = e.size();
-  std::vector<std::int64_t> inner(n + 1, 1);  // product of m over dims > d
+  // On the stack for the usual ranks (this runs per rank and tensor).
+  constexpr std::size_t kSmall = 8;
+  std::array<std::int64_t, kSmall + 1> inner_a{};
+  std::array<std::int64_t, kSmall> stride_a{};
+  std::vector<std::int64_t> inner_v, stride_v;
+  if (n > kSmall) {
+    inner_v.resize(n + 1);
+    stride_v.resize(n);
+  }
+  std::int64_t* inner = n > kSmall ? inner_v.data() : inner_a.data();  // product of m over dims > d
+  std::int64_t* stride = n > kSmall ? stride_v.data() : stride_a.data();
+  inner[n] = 1;
   for (std::size_t d = n; d-- > 0;) inner[d] = inner[d + 1] * m[d];
-  std::vector<std::int64_t> stride(n, 1);
+  for (std::size_t d = 0; d < n; ++d) stride[d] = 1;
   for (std::size_t d = n; d-- > 1;) stride[d - 1] = stride[d] * e[d];
   if (n == 0) return 0;
   if (x >= stride[0] * e[0]) return inner[0];
@@ -145,6 +156,11 @@ class SenderChoice {
     inv_[1] = 1 / place.topology().nvlink_bytes_per_s();
     busy_.assign(static_cast<std::size_t>(stages_) * R_ * 2, 0);
     member_of_.resize(static_cast<std::size_t>(stages_) * R_);
+    // Replica lists by (position, tensor) in a flat array up to 2^26
+    // entries (256 MB; a hash map of millions of such keys costs more and
+    // is slower), else in a hash map.
+    const auto cells = static_cast<std::uint64_t>(src.mesh.size()) * src.tensors.size();
+    if (cells <= (std::uint64_t{1} << 26)) flat_list_.assign(static_cast<std::size_t>(cells), -1);
   }
 
   /// A copy whose sender stays (it reads the destination layout, or comes
@@ -222,8 +238,12 @@ class SenderChoice {
   /// per position would cost gigabytes).
   std::int32_t replicas_of(std::int64_t spos, int st) {
     const auto T = static_cast<std::int64_t>(src_.tensors.size());
-    auto it = replica_list_.find(spos * T + st);
-    if (it != replica_list_.end()) return it->second;
+    const std::int64_t key = spos * T + st;
+    if (!flat_list_.empty()) {
+      if (const std::int32_t l = flat_list_[static_cast<std::size_t>(key)]; l >= 0) return l;
+    } else if (auto it = replica_list_.find(key); it != replica_list_.end()) {
+      return it->second;
+    }
     const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
     std::vector<std::int64_t> parts;
     for (int d = 0; d < sts.rank(); ++d) parts.push_back(sts.dims[static_cast<std::size_t>(d)].part_of(src_.mesh, spos));
@@ -248,7 +268,12 @@ class SenderChoice {
       rep.ranks = std::move(ranks);
       lists_.push_back(std::move(rep));
     }
-    for (auto h : members) replica_list_.emplace(h * T + st, known->second);
+    for (auto h : members) {
+      if (!flat_list_.empty())
+        flat_list_[static_cast<std::size_t>(h * T + st)] = known->second;
+      else
+        replica_list_.emplace(h * T + st, known->second);
+    }
     return known->second;
   }
 
@@ -298,7 +323,8 @@ class SenderChoice {
   std::size_t R_ = 0;
   std::array<double, 2> inv_{};  ///< seconds per byte: NIC, NVLink
   std::vector<double> busy_;     ///< (stage, rank, port: 0 NIC, 1 NVLink) seconds
-  std::unordered_map<std::int64_t, std::int32_t> replica_list_;
+  std::unordered_map<std::int64_t, std::int32_t> replica_list_;  ///< (position x T + tensor) -> list
+  std::vector<std::int32_t> flat_list_;  ///< the same as a flat array (-1: not yet), when it is small enough
   std::vector<Replicas> lists_;
   std::map<std::vector<std::int64_t>, std::int32_t> by_content_;
   std::vector<Tree> trees_;
@@ -431,22 +457,25 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
 
   // Keep the direct copies of owners and ungrouped ranks; per (rank, tensor)
   // their bytes, for the pipeline chunks.
-  std::vector<Copy> kept;
-  kept.reserve(direct.copies.size());
+  // (Kept in place: a second copy of a plan of millions of copies would
+  // double the peak memory.)
+  std::vector<Copy> kept = std::move(direct.copies);
   std::unordered_map<std::int64_t, std::vector<double>> bytes_of;  // dst pos -> per tensor
-  for (const auto& c : direct.copies) {
+  std::size_t n_kept = 0;
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    const Copy& c = kept[i];
     const auto pos = *dst.mesh.position_of(c.dst_rank);
     if (role[static_cast<std::size_t>(pos * T + c.tensor)] >= 0) {
       rep.dropped_bytes += c.bytes();
       continue;
     }
-    kept.push_back(c);
     auto& v = bytes_of[pos];
     if (v.empty()) v.assign(static_cast<std::size_t>(T), 0);
     if (!c.is_local()) v[static_cast<std::size_t>(c.tensor)] += static_cast<double>(c.bytes());
+    if (n_kept != i) kept[n_kept] = c;
+    ++n_kept;
   }
-  direct.copies.clear();
-  direct.copies.shrink_to_fit();
+  kept.resize(n_kept);
   // chunk[(pos, t)]: which pipeline chunk the rank's copies of t go in.
   const int K = opt.pipeline;
   std::unordered_map<std::int64_t, std::vector<std::int32_t>> chunk;
@@ -531,23 +560,44 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
         from.push_back(1);
       }
     }
-  // Order: by stage, then destination rank (stable within).
+  // Order: by stage, then destination rank (stable within): sorted keys
+  // (stage, rank, index), then the permutation applied in place, cycle by
+  // cycle (no second copy of the plan).
+  std::vector<std::tuple<std::int32_t, std::int64_t, std::size_t>> keys(all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) keys[i] = {stage[i], all[i].dst_rank, i};
+  std::sort(keys.begin(), keys.end());
   std::vector<std::size_t> idx(all.size());
-  std::iota(idx.begin(), idx.end(), std::size_t{0});
-  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) {
-    return std::tie(stage[a], all[a].dst_rank) < std::tie(stage[b], all[b].dst_rank);
-  });
-  out.schedule.copies.reserve(all.size());
-  out.stage.reserve(all.size());
-  out.from_dst.reserve(all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) idx[i] = std::get<2>(keys[i]);
+  std::vector<std::tuple<std::int32_t, std::int64_t, std::size_t>>().swap(keys);
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    if (idx[i] == i) continue;
+    const Copy c = all[i];
+    const std::int32_t st = stage[i];
+    const std::uint8_t fr = from[i];
+    std::size_t j = i;
+    for (;;) {
+      const std::size_t k = idx[j];
+      idx[j] = j;
+      if (k == i) {
+        all[j] = c;
+        stage[j] = st;
+        from[j] = fr;
+        break;
+      }
+      all[j] = all[k];
+      stage[j] = stage[k];
+      from[j] = from[k];
+      j = k;
+    }
+  }
   std::int32_t top = 0;
-  for (auto i : idx) {
-    out.schedule.copies.push_back(all[i]);
-    out.stage.push_back(stage[i]);
-    out.from_dst.push_back(from[i]);
+  for (std::size_t i = 0; i < all.size(); ++i) {
     top = std::max(top, stage[i]);
     rep.fan_out_copies += from[i];
   }
+  out.schedule.copies = std::move(all);
+  out.stage = std::move(stage);
+  out.from_dst = std::move(from);
   out.stages = top + 1;
   out.schedule.compute_stats(direct.stats.ranks);
   out.schedule.stats.plan_seconds = direct.stats.plan_seconds;

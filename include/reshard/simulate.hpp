@@ -246,6 +246,45 @@ struct Key4Hash {
   }
 };
 
+/// Dense ids for 4-int keys, in order of first sight: an open-addressing
+/// table (flat arrays; a node-based map of millions of keys spends its
+/// time in the allocator).
+class KeyIds {
+ public:
+  explicit KeyIds(std::size_t expected) {
+    std::size_t cap = 16;
+    while (cap < 2 * expected + 16) cap *= 2;
+    slot_.assign(cap, -1);
+    keys_.reserve(expected);
+  }
+  std::int32_t id(const std::array<std::int32_t, 4>& k) {
+    std::size_t i = Key4Hash{}(k) & (slot_.size() - 1);
+    for (;; i = (i + 1) & (slot_.size() - 1)) {
+      const std::int32_t s = slot_[i];
+      if (s < 0) break;
+      if (keys_[static_cast<std::size_t>(s)] == k) return s;
+    }
+    const auto n = static_cast<std::int32_t>(keys_.size());
+    slot_[i] = n;
+    keys_.push_back(k);
+    if (2 * keys_.size() > slot_.size()) grow();
+    return n;
+  }
+  std::size_t size() const { return keys_.size(); }
+
+ private:
+  void grow() {
+    slot_.assign(slot_.size() * 2, -1);
+    for (std::size_t n = 0; n < keys_.size(); ++n) {
+      std::size_t i = Key4Hash{}(keys_[n]) & (slot_.size() - 1);
+      while (slot_[i] >= 0) i = (i + 1) & (slot_.size() - 1);
+      slot_[i] = static_cast<std::int32_t>(n);
+    }
+  }
+  std::vector<std::int32_t> slot_;
+  std::vector<std::array<std::int32_t, 4>> keys_;
+};
+
 /// Color refinement from the initial colors (flows: bytes; ports: kind and
 /// capacity) until no class splits. Exact (signatures are compared, not only
 /// hashed). Ports of different kinds never share a class, so a flow class
@@ -271,7 +310,7 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
   }
   {
     std::map<std::pair<std::uint8_t, std::uint64_t>, std::int32_t> by_cap;
-    std::unordered_map<std::uint64_t, std::int32_t> by_bytes;
+    KeyIds by_bytes(1024);
     for (std::size_t p = 0; p < P; ++p)
       if (off[p + 1] > off[p]) {
         std::uint64_t bits;
@@ -281,7 +320,7 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
     for (std::size_t f = 0; f < F; ++f) {
       std::uint64_t bits;
       std::memcpy(&bits, &bytes[f], sizeof bits);
-      c.of_flow[f] = by_bytes.emplace(bits, static_cast<std::int32_t>(by_bytes.size())).first->second;
+      c.of_flow[f] = by_bytes.id({static_cast<std::int32_t>(bits & 0xffffffffu), static_cast<std::int32_t>(bits >> 32), 0, 0});
     }
     c.ports = static_cast<std::int32_t>(by_cap.size());
     c.flows = static_cast<std::int32_t>(by_bytes.size());
@@ -291,14 +330,13 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
   for (;;) {
     ++c.rounds;
     // Flows: (own class, the classes of its ports).
-    std::unordered_map<std::array<std::int32_t, 4>, std::int32_t, Key4Hash> fkeys;
-    fkeys.reserve(static_cast<std::size_t>(c.flows) * 2 + 16);
+    KeyIds fkeys(static_cast<std::size_t>(c.flows) * 2 + 16);
     for (std::size_t f = 0; f < F; ++f) {
       std::array<std::int32_t, 4> k{c.of_flow[f], -1, -1, -1};
       for (int s = 0; s < 3; ++s)
         if (ports[f][static_cast<std::size_t>(s)] >= 0)
           k[static_cast<std::size_t>(s) + 1] = c.of_port[static_cast<std::size_t>(ports[f][static_cast<std::size_t>(s)])];
-      c.of_flow[f] = fkeys.emplace(k, static_cast<std::int32_t>(fkeys.size())).first->second;
+      c.of_flow[f] = fkeys.id(k);
     }
     const auto flow_classes = static_cast<std::int32_t>(fkeys.size());
     // Ports: (own class, the multiset of its flows' classes).
@@ -354,115 +392,231 @@ inline Classes refine(const std::vector<FlowPorts>& ports, const std::vector<dou
 /// flows at that share. A port's share only grows as flows elsewhere freeze
 /// (they freeze at a level no higher than its share), so the heap holds
 /// stale shares as lower bounds and a port is re-queued only when it comes
-/// up stale: the cost of an event is one pass over the live flows plus a
-/// heap of ports, with no per-flow heap traffic.
+/// up stale.
+///
+/// Nothing is written per flow while filling: a port freezes all its
+/// unfrozen flows at once, so a flow is frozen exactly when one of its ports
+/// has frozen in this event, and its rate is the level of the first of its
+/// ports to freeze. Each port's list holds inline what freezing one of its
+/// flows touches (the flow's other port and weight there), so an event reads
+/// the lists in order and writes only per-port arrays, which stay in cache;
+/// the live flows' bytes and ports are kept packed in their own order. The
+/// cost of an event is one sequential pass over the live flows' list
+/// entries and one over the live flows (plus a heap of ports).
 inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<std::array<double, 3>>& weight,
                          std::vector<double> remaining, const std::vector<double>& cap, std::int64_t& events) {
   const std::size_t K = ports.size(), P = cap.size();
-  // Flows per port (CSR); retired flows are dropped from a port's list as
-  // it is scanned.
+  if (K >= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+    fail("simulate: {} flow classes in one stage are too many", K);
+  // One entry per (flow, port): the flow, its other port (-1: none; -2: two
+  // others, read from `ports`; kDead: the flow retired), the weight it has
+  // there. A retired flow's entries are marked where they lie (`at`), and a
+  // list is compacted once half of it is dead.
+  struct Entry {
+    std::int32_t other;
+    std::uint32_t w;
+  };
+  constexpr std::int32_t kDead = std::numeric_limits<std::int32_t>::min();
+  auto whole = [](double w) {
+    if (!(w >= 0 && w <= 4294967295.0) || w != std::floor(w)) fail("simulate: flow weight {} (internal error)", w);
+    return static_cast<std::uint32_t>(w);
+  };
   std::vector<std::int64_t> off(P + 1, 0), end(P);
   for (const auto& pp : ports)
     for (auto p : pp)
       if (p >= 0) ++off[static_cast<std::size_t>(p) + 1];
   for (std::size_t p = 0; p < P; ++p) off[p + 1] += off[p];
-  std::vector<std::int32_t> on(static_cast<std::size_t>(off[P]));
+  std::vector<Entry> list(static_cast<std::size_t>(off[P]));
+  std::vector<std::int32_t> list_flow(list.size());  // the flow of each entry (read only to compact)
   for (std::size_t p = 0; p < P; ++p) end[p] = off[p];
-  for (std::size_t k = 0; k < K; ++k)
-    for (auto p : ports[k])
-      if (p >= 0) on[static_cast<std::size_t>(end[static_cast<std::size_t>(p)]++)] = static_cast<std::int32_t>(k);
+  std::vector<std::array<std::int64_t, 3>> at(K, {-1, -1, -1});  // per flow and slot: its entry
+  std::vector<std::int64_t> dead(P, 0);                          // dead entries per list
   std::vector<double> users(P, 0);  // live flows per port, weighted (whole numbers: exact)
-  for (std::size_t k = 0; k < K; ++k)
-    for (int s = 0; s < 3; ++s)
-      if (ports[k][static_cast<std::size_t>(s)] >= 0) users[static_cast<std::size_t>(ports[k][static_cast<std::size_t>(s)])] += weight[k][static_cast<std::size_t>(s)];
-  // What progressive filling touches of a flow, in one cache line: the
-  // ports' lists visit flows in no useful order.
-  struct alignas(64) Hot {
-    FlowPorts port;
-    std::uint32_t frozen;  // the event that froze the flow
-    std::array<double, 3> w;
-    double rate;
-    bool live;
-  };
-  std::vector<Hot> hot(K);
-  for (std::size_t k = 0; k < K; ++k) hot[k] = Hot{ports[k], 0, weight[k], 0.0, true};
-  std::vector<double> finish(K, 0), left(P), unfrozen(P);
-  std::vector<std::size_t> alive(K);
-  for (std::size_t k = 0; k < K; ++k) alive[k] = k;
+  for (std::size_t k = 0; k < K; ++k) {
+    int n = 0;
+    for (auto p : ports[k]) n += p >= 0;
+    for (int s = 0; s < 3; ++s) {
+      const std::int32_t p = ports[k][static_cast<std::size_t>(s)];
+      if (p < 0) continue;
+      users[static_cast<std::size_t>(p)] += weight[k][static_cast<std::size_t>(s)];
+      Entry e{-1, 0};
+      if (n == 3) {
+        e.other = -2;
+      } else if (n == 2) {
+        for (int o = 0; o < 3; ++o)
+          if (o != s && ports[k][static_cast<std::size_t>(o)] >= 0) {
+            e.other = ports[k][static_cast<std::size_t>(o)];
+            e.w = whole(weight[k][static_cast<std::size_t>(o)]);
+          }
+      }
+      at[k][static_cast<std::size_t>(s)] = end[static_cast<std::size_t>(p)];
+      list_flow[static_cast<std::size_t>(end[static_cast<std::size_t>(p)])] = static_cast<std::int32_t>(k);
+      list[static_cast<std::size_t>(end[static_cast<std::size_t>(p)]++)] = e;
+    }
+  }
+  // The live flows, packed in flow order: id (-1: retired, not yet packed
+  // away), bytes left, ports, and the port that froze it in the last event
+  // (fz; P for a retired flow: a port of level 0).
+  std::vector<std::int32_t> fl(K);
+  std::vector<double> rem(std::move(remaining));
+  std::vector<std::int32_t> fz(K, static_cast<std::int32_t>(P));
+  std::vector<FlowPorts> pt(ports);
+  for (std::size_t k = 0; k < K; ++k) fl[k] = static_cast<std::int32_t>(k);
+  std::vector<std::pair<std::size_t, double>> near;  // flows near the window: (place, finish)
+  // Per port, this event: room left, unfrozen flows (weighted), and when it
+  // froze (event, place in the freezing order) at which level; the levels
+  // of the event before are kept (`was`) to advance the flows by its step.
+  std::vector<double> left(P), unfrozen(P), level(P + 1, 0), was(P + 1, 0);
+  std::vector<std::uint32_t> froze(P, 0), order(P, 0);
   using Item = std::pair<double, std::int32_t>;  // (share, port)
   std::vector<Item> heap;
   const auto later = std::greater<Item>();
-  double now = 0;
+  double now = 0, last_step = 0;
   std::uint32_t epoch = 0;
-  while (!alive.empty()) {
+  std::size_t live = K, dead_flows = 0;
+  // One pass over the flows per event does two things: it advances each
+  // flow by the last event's step at its rate then (bytes -= level x step,
+  // as before), and finds this event's rate (the level of the first of its
+  // ports to freeze, kept as the port's id in fz), the first finish and
+  // the flows that may finish in the 1% window (the only ones divided).
+  while (live > 0) {
     ++epoch;
     ++events;
+    level.swap(was);
     left = cap;
     unfrozen = users;
     heap.clear();
     for (std::size_t p = 0; p < P; ++p)
       if (users[p] > 0) heap.push_back({left[p] / users[p], static_cast<std::int32_t>(p)});
     std::make_heap(heap.begin(), heap.end(), later);
+    std::uint32_t seq = 0;
     while (!heap.empty()) {
       std::pop_heap(heap.begin(), heap.end(), later);
       const auto [share, p] = heap.back();
       heap.pop_back();
       const auto up = static_cast<std::size_t>(p);
       if (unfrozen[up] <= 0) continue;
-      const double level = std::max(0.0, left[up]) / unfrozen[up];
-      if (level > share * (1 + 1e-12) + 1e-300) {  // stale: its share grew
-        heap.push_back({level, p});
+      const double lvl = std::max(0.0, left[up]) / unfrozen[up];
+      if (lvl > share * (1 + 1e-12) + 1e-300) {  // stale: its share grew
+        heap.push_back({lvl, p});
         std::push_heap(heap.begin(), heap.end(), later);
         continue;
       }
-      auto w_end = static_cast<std::size_t>(off[up]);
-      const auto list_end = static_cast<std::size_t>(end[up]);
-      for (auto i = static_cast<std::size_t>(off[up]); i < list_end; ++i) {
-        // The list's flows lie all over memory: fetch a few ahead.
-        if (i + 8 < list_end) __builtin_prefetch(&hot[static_cast<std::size_t>(on[i + 8])], 1);
-        Hot& h = hot[static_cast<std::size_t>(on[i])];
-        if (!h.live) continue;
-        on[w_end++] = on[i];
-        if (h.frozen == epoch) continue;
-        h.frozen = epoch;
-        h.rate = level;
-        for (int s = 0; s < 3; ++s) {
-          const std::int32_t q = h.port[static_cast<std::size_t>(s)];
-          if (q < 0) continue;
-          const double w = h.w[static_cast<std::size_t>(s)];
-          left[static_cast<std::size_t>(q)] -= level * w;
-          unfrozen[static_cast<std::size_t>(q)] -= w;
+      froze[up] = epoch;
+      order[up] = seq++;
+      level[up] = lvl;  // this event's levels (the last event's stay in `was`)
+      unfrozen[up] = 0;
+      const Entry* const b = list.data() + off[up];
+      const Entry* const e_end = list.data() + end[up];
+      for (const Entry* e = b; e < e_end; ++e) {
+        const std::int32_t other = e->other;
+        if (other >= 0) {
+          const auto q = static_cast<std::size_t>(other);
+          if (froze[q] == epoch) continue;  // frozen by its other port
+          const double w = e->w;
+          left[q] -= lvl * w;
+          unfrozen[q] -= w;
+        } else if (other == -2) {
+          const auto k = static_cast<std::size_t>(list_flow[static_cast<std::size_t>(e - list.data())]);
+          bool frozen = false;
+          for (auto q : ports[k])
+            if (q >= 0 && q != p && froze[static_cast<std::size_t>(q)] == epoch) frozen = true;
+          if (frozen) continue;
+          for (int s = 0; s < 3; ++s) {
+            const std::int32_t q = ports[k][static_cast<std::size_t>(s)];
+            if (q < 0 || q == p) continue;
+            left[static_cast<std::size_t>(q)] -= lvl * weight[k][static_cast<std::size_t>(s)];
+            unfrozen[static_cast<std::size_t>(q)] -= weight[k][static_cast<std::size_t>(s)];
+          }
         }
       }
-      end[up] = static_cast<std::int64_t>(w_end);
     }
-    double first = std::numeric_limits<double>::infinity();
-    for (auto k : alive) {
-      const double r = hot[k].rate;
-      finish[k] = r > 0 ? remaining[k] / r : std::numeric_limits<double>::infinity();
-      first = std::min(first, finish[k]);
+    const std::size_t n_all = fl.size();
+    const bool pack = 8 * dead_flows > n_all;  // pack retired flows away
+    std::size_t n = 0;
+    // The least finish so far, and its window (which only shrinks as the
+    // least finish falls): a flow outside the window of its visit is
+    // outside the final one; those inside are kept (`near`) and decided
+    // below. Only they are divided, and every flow that could lower the
+    // least finish is among them, so `first` is exact.
+    double first = std::numeric_limits<double>::infinity(), wrun = first;
+    near.clear();
+    for (std::size_t i = 0; i < n_all; ++i) {
+      if (fl[i] < 0) continue;
+      const double r = rem[i] - was[static_cast<std::size_t>(fz[i])] * last_step;
+      std::uint32_t best = std::numeric_limits<std::uint32_t>::max();
+      std::int32_t f = -1;
+      for (auto q : pt[i])
+        if (q >= 0 && froze[static_cast<std::size_t>(q)] == epoch && order[static_cast<std::size_t>(q)] < best) {
+          best = order[static_cast<std::size_t>(q)];
+          f = q;
+        }
+      if (f < 0) fail("simulate: a flow got no bandwidth (internal error)");
+      const std::size_t j = pack ? n++ : i;
+      const double lv = level[static_cast<std::size_t>(f)];
+      if (lv > 0 && r <= wrun * lv * (1 + 1e-9)) {  // (lv = 0: no rate, never done)
+        const double t = r / lv;
+        near.push_back({j, t});
+        if (t < first) {
+          first = t;
+          wrun = first + 0.01 * (now + first);
+        }
+      }
+      rem[j] = r;
+      fz[j] = f;
+      if (pack) {
+        fl[j] = fl[i];
+        pt[j] = pt[i];
+      }
+    }
+    if (pack) {
+      fl.resize(n);
+      rem.resize(n);
+      fz.resize(n);
+      pt.resize(n);
+      dead_flows = 0;
     }
     if (!std::isfinite(first)) fail("simulate: a flow got no bandwidth (internal error)");
     // Flows finishing within 1% of the stage's elapsed time retire together
     // (at the latest of their times): it bounds the rate recomputations to
-    // a few hundred per stage.
+    // a few hundred per stage. The retiring flows finish by the window
+    // (times 1 + 1e-12), so all are in `near` (a looser test on bytes);
+    // their own quotients decide, as each flow's did before.
     double step = first;
     const double window = first + 0.01 * (now + first);
-    for (auto k : alive)
-      if (finish[k] <= window) step = std::max(step, finish[k]);
-    std::size_t n = 0;
-    for (auto k : alive) {
-      if (finish[k] <= step * (1 + 1e-12)) {
-        hot[k].live = false;
-        for (int s = 0; s < 3; ++s)
-          if (ports[k][static_cast<std::size_t>(s)] >= 0)
-            users[static_cast<std::size_t>(ports[k][static_cast<std::size_t>(s)])] -= weight[k][static_cast<std::size_t>(s)];
-      } else {
-        remaining[k] -= hot[k].rate * step;
-        alive[n++] = k;
+    for (const auto& [i, t] : near)
+      if (t <= window) step = std::max(step, t);
+    for (const auto& [i, t] : near) {
+      if (!(t <= step * (1 + 1e-12))) continue;
+      const auto k = static_cast<std::size_t>(fl[i]);
+      fl[i] = -1;
+      fz[i] = static_cast<std::int32_t>(P);
+      --live;
+      ++dead_flows;
+      for (int s = 0; s < 3; ++s) {
+        const std::int32_t q = ports[k][static_cast<std::size_t>(s)];
+        if (q < 0) continue;
+        const auto uq = static_cast<std::size_t>(q);
+        users[uq] -= weight[k][static_cast<std::size_t>(s)];
+        list[static_cast<std::size_t>(at[k][static_cast<std::size_t>(s)])].other = kDead;
+        if (2 * ++dead[uq] > end[uq] - off[uq]) {  // compact the list
+          auto w = off[uq];
+          for (auto j = off[uq]; j < end[uq]; ++j) {
+            const Entry x = list[static_cast<std::size_t>(j)];
+            if (x.other == kDead) continue;
+            const std::int32_t xf = list_flow[static_cast<std::size_t>(j)];
+            const auto xk = static_cast<std::size_t>(xf);
+            for (int t2 = 0; t2 < 3; ++t2)
+              if (ports[xk][static_cast<std::size_t>(t2)] == q) at[xk][static_cast<std::size_t>(t2)] = w;
+            list_flow[static_cast<std::size_t>(w)] = xf;
+            list[static_cast<std::size_t>(w++)] = x;
+          }
+          end[uq] = w;
+          dead[uq] = 0;
+        }
       }
     }
-    alive.resize(n);
+    last_step = step;
     now += step;
   }
   return now;
@@ -612,29 +766,70 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
     domain_gpus[place.domain(r)].insert(place.gpu(r));
   }
   for (auto r : dst.mesh.global_ranks()) domain_gpus[place.domain(r)].insert(place.gpu(r));
-  std::map<std::int64_t, double> gpu_need;  // destination-only GPUs
+  // Per destination position, once: its domain, and for a rank outside the
+  // source mesh its GPU's index among such GPUs (in GPU order), else -1.
+  const std::int64_t D = dst.mesh.size();
+  std::vector<std::int64_t> pos_dom(static_cast<std::size_t>(D));
+  std::vector<std::int32_t> pos_need(static_cast<std::size_t>(D), -1);
+  std::map<std::int64_t, std::int32_t> need_id;  // destination-only GPU -> index
+  for (std::int64_t pos = 0; pos < D; ++pos) {
+    const std::int64_t rank = dst.mesh.global_rank(pos);
+    pos_dom[static_cast<std::size_t>(pos)] = place.domain(rank);
+    if (!src.mesh.position_of(rank)) need_id.emplace(place.gpu(rank), 0);
+  }
+  std::vector<std::int64_t> need_gpu;
+  for (auto& [g, id] : need_id) {
+    id = static_cast<std::int32_t>(need_gpu.size());
+    need_gpu.push_back(g);
+  }
+  for (std::int64_t pos = 0; pos < D; ++pos) {
+    const std::int64_t rank = dst.mesh.global_rank(pos);
+    if (!src.mesh.position_of(rank)) pos_need[static_cast<std::size_t>(pos)] = need_id[place.gpu(rank)];
+  }
+  std::vector<double> gpu_need(need_gpu.size(), 0);  // destination-only GPUs
   // Source GPUs holding a tensor -> unique bytes of such tensors the domains need.
   std::map<std::vector<std::int64_t>, std::pair<double, std::int64_t>> group_bytes;  // (bytes, tensors)
   const std::vector<int> src_of = match_tensors(src, dst);
+  // What a position holds of a tensor: (domain, part) and a linear interval
+  // of the part's local array; sorted, as a map of (domain, part) to its
+  // sorted intervals would list them.
+  struct Held {
+    std::int64_t dom;
+    std::uint64_t lin;
+    std::int64_t lo, hi;
+    bool operator<(const Held& o) const { return std::tie(dom, lin, lo, hi) < std::tie(o.dom, o.lin, o.lo, o.hi); }
+  };
+  std::vector<Held> held;
+  std::vector<std::int64_t> part_ix;
   for (std::size_t t = 0; t < dst.tensors.size(); ++t) {
     double tensor_unique = 0;
     const auto& ts = dst.tensors[t];
     const double scale = (wire ? (*wire)[t] : 1.0) * static_cast<double>(element_bytes(ts.dtype));
     const bool flat = ts.buffer >= 0 && dst.buffers[static_cast<std::size_t>(ts.buffer)].kind == BufferKind::flat;
-    // (domain, part) -> held linear intervals of the part's local array.
-    std::map<std::pair<std::int64_t, std::uint64_t>, std::vector<std::pair<std::int64_t, std::int64_t>>> held;
-    std::map<std::pair<std::int64_t, std::uint64_t>, std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> shape;
-    for (std::int64_t pos = 0; pos < dst.mesh.size(); ++pos) {
+    // Per part: the local extents and real prefixes (the same on every
+    // position holding the part).
+    std::unordered_map<std::uint64_t, std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> shape;
+    held.clear();
+    part_ix.resize(static_cast<std::size_t>(ts.rank()));
+    for (std::int64_t pos = 0; pos < D; ++pos) {
       if (!dst.holds(pos, static_cast<int>(t))) continue;
-      const std::int64_t rank = dst.mesh.global_rank(pos);
       std::uint64_t lin = 0;
-      std::vector<std::int64_t> e(static_cast<std::size_t>(ts.rank())), m(e.size());
       for (int d = 0; d < ts.rank(); ++d) {
         const auto ud = static_cast<std::size_t>(d);
-        lin = lin * static_cast<std::uint64_t>(ts.cuts[ud].k) + static_cast<std::uint64_t>(ts.dims[ud].part_of(dst.mesh, pos));
-        const DimPart part = dst.dim_part(pos, static_cast<int>(t), d);
-        e[ud] = part.local_extent;
-        m[ud] = hier_detail::real_prefix(part, ts.shape[ud]);
+        part_ix[ud] = ts.dims[ud].part_of(dst.mesh, pos);
+        lin = lin * static_cast<std::uint64_t>(ts.cuts[ud].k) + static_cast<std::uint64_t>(part_ix[ud]);
+      }
+      auto [it, fresh] = shape.try_emplace(lin);
+      auto& [e, m] = it->second;
+      if (fresh) {
+        e.resize(static_cast<std::size_t>(ts.rank()));
+        m.resize(e.size());
+        for (int d = 0; d < ts.rank(); ++d) {
+          const auto ud = static_cast<std::size_t>(d);
+          const DimPart part = ts.cuts[ud].part(part_ix[ud]);
+          e[ud] = part.local_extent;
+          m[ud] = hier_detail::real_prefix(part, ts.shape[ud]);
+        }
       }
       std::int64_t lo = 0, hi = 1;
       for (auto x : e) hi *= x;
@@ -644,19 +839,25 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
         lo = s.lin_lo;
         hi = s.lin_hi;
       }
-      const std::int64_t dom = place.domain(rank);
-      held[{dom, lin}].push_back({lo, hi});
-      shape[{dom, lin}] = {e, m};
-      if (!src.mesh.position_of(rank))
-        gpu_need[place.gpu(rank)] +=
+      const std::int64_t dom = pos_dom[static_cast<std::size_t>(pos)];
+      held.push_back(Held{dom, lin, lo, hi});
+      if (const std::int32_t g = pos_need[static_cast<std::size_t>(pos)]; g >= 0)
+        gpu_need[static_cast<std::size_t>(g)] +=
             static_cast<double>(hier_detail::real_below(e, m, hi) - hier_detail::real_below(e, m, lo)) * scale;
     }
-    for (auto& [key, iv] : held) {
-      if (src_domains.count(key.first)) continue;
-      std::sort(iv.begin(), iv.end());
-      const auto& [e, m] = shape[key];
+    std::sort(held.begin(), held.end());
+    for (std::size_t g0 = 0; g0 < held.size();) {
+      std::size_t g1 = g0;
+      while (g1 < held.size() && held[g1].dom == held[g0].dom && held[g1].lin == held[g0].lin) ++g1;
+      const std::int64_t dom = held[g0].dom;
+      if (src_domains.count(dom)) {
+        g0 = g1;
+        continue;
+      }
+      const auto& [e, m] = shape.at(held[g0].lin);
       std::int64_t a = -1, b = -1, real = 0;
-      for (auto [lo, hi] : iv) {
+      for (std::size_t i = g0; i < g1; ++i) {
+        const std::int64_t lo = held[i].lo, hi = held[i].hi;
         if (lo > b) {
           if (a >= 0) real += hier_detail::real_below(e, m, b) - hier_detail::real_below(e, m, a);
           a = lo;
@@ -666,8 +867,9 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
         }
       }
       if (a >= 0) real += hier_detail::real_below(e, m, b) - hier_detail::real_below(e, m, a);
-      lb.unique_bytes[key.first] += static_cast<double>(real) * scale;
+      lb.unique_bytes[dom] += static_cast<double>(real) * scale;
       tensor_unique += static_cast<double>(real) * scale;
+      g0 = g1;
     }
     if (tensor_unique > 0) {
       std::vector<std::int64_t> holders;
@@ -714,7 +916,9 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
       lb.what = fmt::format("source NICs: {:.3f} GB out of {} source GPUs", total_unique / 1e9, src_gpus.size());
     }
   }
-  for (const auto& [g, need] : gpu_need) {
+  for (std::size_t i = 0; i < gpu_need.size(); ++i) {
+    const std::int64_t g = need_gpu[i];
+    const double need = gpu_need[i];
     const double t = need / (topo.nic_bytes_per_s() + topo.nvlink_bytes_per_s());
     if (t > lb.gpu_seconds) lb.gpu_seconds = t;
     if (t > lb.seconds) {
