@@ -12,6 +12,9 @@ Fit (from the two 2-process cases only):
             One host: every process is its own node (all copies are network
             flows), and all flows share the host (fabric_gbps = rate).
   latency = median refit time of the 'tiny' case (one 256-byte message).
+  host_cores = the cores this machine gives these processes (the model
+            stretches each message by processes / cores when there are more
+            processes than cores; topology.hpp, host_cores).
 Then, for every other case and run, reshard-plan --simulate on that topology
 (fitted once: raw = median of the 'large' runs' probes; and per run: raw = that
 run's own probe), against the measured median refit time."""
@@ -21,7 +24,7 @@ build, path = sys.argv[1], sys.argv[2]
 runs = [json.loads(l) for l in open(path) if l.startswith('{')]
 by = {}
 for r in runs:
-    by.setdefault(r['case'], []).append(r['run'])
+    by.setdefault(r['case'], []).append(dict(r['run'], np=r['np']))
 
 large = by['large']
 eta = statistics.median((r['bytes_moved'] / r['seconds'] / 1e9) / r['raw']['tag']['gb_per_s'] for r in large)
@@ -34,12 +37,15 @@ args = {
     'scatter': ['--src', f'{C}/scatter-src.json', '--dst', f'{C}/scatter-dst.json'],
     'tiny-moe': ['--model', '../shared/models/tiny-moe.json', '--train', 'tp=2,dp=1,ep=2', '--infer', 'tp=4'],
     'large': ['--src', 'tests/mpi/layouts/large-train.json', '--dst', 'tests/mpi/layouts/large-infer.json'],
+    'mixed6': ['--src', f'{C}/mixed6-src.json', '--dst', f'{C}/mixed6-dst.json'],
+    'mixed8': ['--src', f'{C}/mixed8-src.json', '--dst', f'{C}/mixed8-dst.json'],
 }
+host_cores = len(os.sched_getaffinity(0))
 
 def predict(case, raw):
     gbps = 8 * eta * raw
     topo = {"base": "loopback", "name": "loopback-fit", "nic_gbps": gbps, "nvlink_gbps": gbps, "fabric_gbps": gbps,
-            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": 0}
+            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": 0, "host_cores": host_cores}
     with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
         json.dump(topo, f)
         name = f.name
@@ -48,17 +54,22 @@ def predict(case, raw):
                              check=True, capture_output=True, text=True).stdout
     finally:
         os.unlink(name)
-    return json.loads(out)['simulation']['predicted_seconds']
+    sim = json.loads(out)['simulation']
+    return sim['predicted_seconds'], sim['messages']
 
 print(f'fit: eta = {eta:.3f} (refit / raw on the 2-process 256 MiB case), raw = {raw_once:.3f} GB/s '
-      f'-> loopback rate {eta * raw_once:.3f} GB/s; latency {latency_us:.1f} us')
-print('| case | processes | measured median (ms) | predicted, fitted once (ms) | ratio | predicted, per-run probe (ms) | ratio |')
-print('|---|---|---|---|---|---|---|')
-for case in ['transpose', 'gather', 'scatter', 'tiny-moe']:
+      f'-> loopback rate {eta * raw_once:.3f} GB/s; latency {latency_us:.1f} us; {host_cores} host cores')
+print('| case | processes | messages sent / predicted | measured median (ms) | measured range (ms) | predicted, fitted once (ms) '
+      '| ratio | predicted, per-run probe (ms) | ratio |')
+print('|---|---|---|---|---|---|---|---|---|')
+for case in ['transpose', 'gather', 'scatter', 'tiny-moe', 'mixed6', 'mixed8']:
     if case not in by: continue
     rs = by[case]
     meas = statistics.median(r['seconds'] for r in rs)
-    once = predict(case, raw_once)
-    per = statistics.median(predict(case, r['raw']['tag']['gb_per_s']) for r in rs)
-    np = rs[0]['src_ranks'] + rs[0]['dst_ranks']
-    print(f'| {case} | {np} | {meas*1e3:.1f} | {once*1e3:.1f} | {once/meas:.2f} | {per*1e3:.1f} | {per/meas:.2f} |')
+    once, msgs = predict(case, raw_once)
+    per = statistics.median(predict(case, r['raw']['tag']['gb_per_s'])[0] for r in rs)
+    np = rs[0]['np']
+    sent = statistics.median(r['messages'] for r in rs)
+    lo, hi = min(r['seconds'] for r in rs), max(r['seconds'] for r in rs)
+    print(f'| {case} | {np} | {sent:g} / {msgs} | {meas*1e3:.1f} | {lo*1e3:.1f}-{hi*1e3:.1f} | {once*1e3:.1f} | {once/meas:.2f} '
+          f'| {per*1e3:.1f} | {per/meas:.2f} |')
