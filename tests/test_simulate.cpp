@@ -116,6 +116,12 @@ TEST_CASE("a shared host: more processes than cores stretch every message") {
   auto r = simulate(tr);
   CHECK(r.stages[0].messages == 2);
   CHECK(r.stages[0].latency_seconds == doctest::Approx(2 * 10e-6 * 2.0));  // 4 processes / 2 cores
+  w.topo.stage_latency_us = 50;  // the barrier too
+  w.place = RankPlacement(w.topo, w.a, w.b);
+  Traffic tb(w.place);
+  tb.add(0, 0, 1, 1e3, CopyForm::packed);
+  CHECK(simulate(tb).stages[0].latency_seconds == doctest::Approx((10e-6 + 50e-6) * 2.0));
+  w.topo.stage_latency_us = 0;
   w.topo.host_cores = 8;  // fewer processes than cores: no effect
   w.place = RankPlacement(w.topo, w.a, w.b);
   Traffic t2(w.place);

@@ -135,7 +135,7 @@ std::string describe_plan(const Schedule& s, std::int64_t only_rank, const Layou
     for (const auto& kv : m) t += kv.second;
     return m.empty() ? 0.0 : t / static_cast<double>(m.size());
   };
-  out += fmt::format("  messages     {} peer pairs (one message each per wave)\n", pairs.size());
+  out += fmt::format("  messages     {} peer pairs (each: a packed message per wave, and one per zero-copy or one-sided piece)\n", pairs.size());
   out += fmt::format("  max send     {}\n", top(sent));
   out += fmt::format("  mean send    {} over {} sending ranks\n", human_bytes(mean(sent)), sent.size());
   out += fmt::format("  max receive  {}\n", top(received));

@@ -11,7 +11,11 @@ Fit (from the two 2-process cases only):
             'large' runs (one 256 MiB contiguous tensor) of refit rate / raw.
             One host: every process is its own node (all copies are network
             flows), and all flows share the host (fabric_gbps = rate).
-  latency = median refit time of the 'tiny' case (one 256-byte message).
+  per message and per refit: 'tiny' (one 256-byte message) takes
+            fixed + message; 'msgs' (64 tensors of 64 KiB, 64 zero-copy
+            messages, 4 MiB) takes fixed + 64 x message + 4 MiB / rate: the
+            medians give latency_us (each message) and stage_latency_us (the
+            refit's fixed cost: its barrier and agreement).
   host_cores = the cores this machine gives these processes (the model
             stretches each message by processes / cores when there are more
             processes than cores; topology.hpp, host_cores).
@@ -29,7 +33,15 @@ for r in runs:
 large = by['large']
 eta = statistics.median((r['bytes_moved'] / r['seconds'] / 1e9) / r['raw']['tag']['gb_per_s'] for r in large)
 raw_once = statistics.median(r['raw']['tag']['gb_per_s'] for r in large)
-latency_us = statistics.median(r['seconds'] for r in by['tiny']) * 1e6
+tiny_s = statistics.median(r['seconds'] for r in by['tiny'])
+if 'msgs' in by:
+    msgs_s = statistics.median(r['seconds'] for r in by['msgs'])
+    msgs_bytes = statistics.median(r['bytes_moved'] for r in by['msgs'])
+    latency_us = max(0.0, (msgs_s - tiny_s - msgs_bytes / (eta * raw_once * 1e9)) / 63) * 1e6
+else:  # runs from before the 'msgs' case: all of 'tiny' per message
+    msgs_s = float('nan')
+    latency_us = tiny_s * 1e6
+fixed_us = max(0.0, tiny_s * 1e6 - latency_us)
 C = 'bench/calibration'
 args = {
     'transpose': ['--src', f'{C}/transpose-src.json', '--dst', f'{C}/transpose-dst.json'],
@@ -45,7 +57,7 @@ host_cores = len(os.sched_getaffinity(0))
 def predict(case, raw):
     gbps = 8 * eta * raw
     topo = {"base": "loopback", "name": "loopback-fit", "nic_gbps": gbps, "nvlink_gbps": gbps, "fabric_gbps": gbps,
-            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": 0, "host_cores": host_cores}
+            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": fixed_us, "host_cores": host_cores}
     with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
         json.dump(topo, f)
         name = f.name
@@ -58,7 +70,8 @@ def predict(case, raw):
     return sim['predicted_seconds'], sim['messages']
 
 print(f'fit: eta = {eta:.3f} (refit / raw on the 2-process 256 MiB case), raw = {raw_once:.3f} GB/s '
-      f'-> loopback rate {eta * raw_once:.3f} GB/s; latency {latency_us:.1f} us; {host_cores} host cores')
+      f'-> loopback rate {eta * raw_once:.3f} GB/s; tiny {tiny_s*1e6:.1f} us, msgs {msgs_s*1e3:.2f} ms -> {latency_us:.1f} us per '
+      f'message + {fixed_us:.1f} us per refit; {host_cores} host cores')
 print('| case | processes | messages sent / predicted | measured median (ms) | measured range (ms) | predicted, fitted once (ms) '
       '| ratio | predicted, per-run probe (ms) | ratio |')
 print('|---|---|---|---|---|---|---|---|---|')

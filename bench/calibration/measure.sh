@@ -18,6 +18,7 @@ C=bench/calibration
 run large 2 --src tests/mpi/layouts/large-train.json --dst tests/mpi/layouts/large-infer.json --iterations 5
 run tiny 2 --src $C/tiny-src.json --dst $C/tiny-dst.json --iterations 21
 run many 2 --src $C/many-src.json --dst $C/many-dst.json --iterations 21
+run msgs 2 --src $C/msgs-src.json --dst $C/msgs-dst.json --iterations 21
 run transpose 4 --src $C/transpose-src.json --dst $C/transpose-dst.json --iterations 5
 run gather 3 --src $C/gather-src.json --dst $C/gather-dst.json --iterations 5
 run scatter 4 --src $C/scatter-src.json --dst $C/scatter-dst.json --iterations 5

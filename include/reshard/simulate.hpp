@@ -28,7 +28,8 @@
 //   a stage adds the slowest GPU's message cost and one stage_latency_us
 //   barrier (stages run one after another, CONTRACT.md §2). On a shared host
 //   (topology host_cores > 0) with more processes than cores, every message
-//   costs processes / cores times as much (topology.hpp, host_cores).
+//   and barrier costs processes / cores times as much (topology.hpp,
+//   host_cores).
 //
 // Lower bound (refit_lower_bound): the most loaded bottleneck's unavoidable
 // bytes over its bandwidth, from the layouts alone (no schedule):
@@ -633,7 +634,8 @@ inline SimResult simulate(const Traffic& tr) {
     st.fluid_seconds = sim_detail::fluid_time(cports, weight, std::move(cbytes), ccap, st.events);
     double msg = 0;
     for (std::size_t g = 0; g < msg_cost_out.size(); ++g) msg = std::max({msg, msg_cost_out[g], msg_cost_in[g]});
-    st.latency_seconds = msg + topo.stage_latency_us * 1e-6;
+    // The barrier is handshakes between processes too: stretched alike on a shared host.
+    st.latency_seconds = msg + topo.stage_latency_us * 1e-6 * oversubscribed;
     st.seconds = st.fluid_seconds + st.latency_seconds;
     res.seconds += st.seconds;
     res.bound_seconds += st.bound_seconds;

@@ -69,9 +69,10 @@ struct Topology {
   std::int64_t zero_copy_min = kDefaultZeroCopyMin;
   /// CPU cores that all the refit's processes share (one host: loopback);
   /// 0 = every process has its own core(s), the case on a cluster. With more
-  /// processes than cores, each message costs latency_us x processes / cores:
-  /// a message's handshake runs on both its ends' CPUs (UCX progresses by
-  /// polling), and each process gets only cores / processes of a core.
+  /// processes than cores, each message (and stage barrier) costs
+  /// processes / cores times its latency: a message's handshake runs on both
+  /// its ends' CPUs (UCX progresses by polling), and each process gets only
+  /// cores / processes of a core.
   double host_cores = 0;
   PlacementKind placement = PlacementKind::launch;
   std::vector<std::int64_t> rank_gpus;  ///< placement "gpus": GPU of each global rank
@@ -152,17 +153,19 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     // "Calibration"; bench/calibration/compare.py refits these numbers from
     // a fresh measurement): every process is its own node, so every copy is
     // a network flow, and all flows share the host (fabric): one pair of
-    // processes already fills both cores. Fitted 2026-12-02 under the
-    // session's load (~8 runnable processes): 0.41 GB/s, 40 us per message.
+    // processes already fills both cores. Fitted 2026-12-03 (fuzzers
+    // stopped, no other process busy at the start): 2.89 GB/s, 13.8 us per
+    // message (64 KiB zero-copy) and 130 us per refit (its barrier and
+    // agreement, as the stage latency).
     t.gpus_per_node = 1;
     t.nvlink_domain = 1;
-    t.nic_gbps = 8 * 0.41;
-    t.nvlink_gbps = 8 * 0.41;
-    t.fabric_gbps = 8 * 0.41;
+    t.nic_gbps = 8 * 2.89;
+    t.nvlink_gbps = 8 * 2.89;
+    t.fabric_gbps = 8 * 2.89;
     t.memcpy_gbps = 0;
-    t.latency_us = 40;
-    t.nvlink_latency_us = 40;
-    t.stage_latency_us = 0;
+    t.latency_us = 13.8;
+    t.nvlink_latency_us = 13.8;
+    t.stage_latency_us = 130;
     t.host_cores = 2;  // this machine's cores, shared by every process of a refit
     return t;
   }
