@@ -44,6 +44,12 @@ TEST_CASE("presets") {
   CHECK(h.domain_of_gpu(15) == 1);
   CHECK(h.node_of_gpu(7) == 0);
   CHECK_FALSE(topology_preset("h100-8x200g"));
+  // The executor's message options by default; only loopback shares a host.
+  CHECK(h.staging_budget == kDefaultStagingBudget);
+  CHECK(h.zero_copy_min == kDefaultZeroCopyMin);
+  CHECK(h.host_cores == 0);
+  CHECK(gb.host_cores == 0);
+  CHECK(topology_preset("loopback")->host_cores == 2);
   CHECK_THROWS_WITH_AS(load_topology("no-such-topology"), doctest::Contains("neither a preset"), Error);
 }
 
@@ -57,6 +63,13 @@ TEST_CASE("JSON form: a base preset with overrides") {
   CHECK(t.nic_bytes_per_s() == doctest::Approx(25e9));
   CHECK(t.latency_us == 8);
   CHECK(t.placement == PlacementKind::separate);
+  const auto m = parse_topology(nlohmann::json::parse(R"({"base": "loopback", "host_cores": 16, "staging_budget": 1048576,
+                                                          "zero_copy_min": 4096})"),
+                                "t.json");
+  CHECK(m.host_cores == 16);
+  CHECK(m.staging_budget == 1048576);
+  CHECK(m.zero_copy_min == 4096);
+  CHECK(m.fabric_gbps == topology_preset("loopback")->fabric_gbps);
   const auto e = parse_topology(nlohmann::json::parse(R"({"gpus_per_node": 2, "nvlink_domain": 2, "rank_gpus": [3, 2, 1, 0]})"),
                                 "t.json");
   CHECK(e.placement == PlacementKind::explicit_gpus);
@@ -75,6 +88,10 @@ TEST_CASE("JSON errors name the file and the field") {
   CHECK(error_of(R"({"rank_gpus": [0, "a"]})").find("rank_gpus[1]: expected an integer") != std::string::npos);
   CHECK(error_of(R"({"placement": "gpus"})").find("rank_gpus: placement \"gpus\" needs") != std::string::npos);
   CHECK(error_of(R"({"latency_us": -1})").find("latency_us: -1 must be >= 0") != std::string::npos);
+  CHECK(error_of(R"({"host_cores": -2})").find("host_cores: -2 must be >= 0") != std::string::npos);
+  CHECK(error_of(R"({"staging_budget": 8})").find("staging_budget: 8 must be >= 64") != std::string::npos);
+  CHECK(error_of(R"({"zero_copy_min": 1.5})").find("zero_copy_min: expected an integer") != std::string::npos);
+  CHECK(error_of(R"({"message_bytes": 1024})").find("message_bytes: unknown field") != std::string::npos);
   CHECK(error_of(R"([1, 2])").find("a topology is a JSON object") != std::string::npos);
 }
 

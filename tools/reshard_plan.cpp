@@ -135,7 +135,7 @@ std::string describe_plan(const Schedule& s, std::int64_t only_rank, const Layou
     for (const auto& kv : m) t += kv.second;
     return m.empty() ? 0.0 : t / static_cast<double>(m.size());
   };
-  out += fmt::format("  messages     {} peer pairs (one message each per wave)\n", pairs.size());
+  out += fmt::format("  messages     {} peer pairs (each: a packed message per wave, and one per zero-copy or one-sided piece)\n", pairs.size());
   out += fmt::format("  max send     {}\n", top(sent));
   out += fmt::format("  mean send    {} over {} sending ranks\n", human_bytes(mean(sent)), sent.size());
   out += fmt::format("  max receive  {}\n", top(received));
@@ -220,8 +220,11 @@ std::string describe_topology(const Topology& t, const RankPlacement& place, con
   std::string s = fmt::format("topology {}\n", t.name);
   s += fmt::format("  cluster      {} GPUs per node, {} per NVLink domain; per GPU: NIC {} Gb/s, NVLink {} Gb/s each way\n",
                    t.gpus_per_node, t.nvlink_domain, t.nic_gbps, t.nvlink_gbps);
-  s += fmt::format("  latency      {} us per network message, {} us per NVLink message, {} us per stage; messages <= {}\n",
-                   t.latency_us, t.nvlink_latency_us, t.stage_latency_us, human_bytes(static_cast<double>(t.message_bytes)));
+  s += fmt::format("  latency      {} us per network message, {} us per NVLink message, {} us per stage\n", t.latency_us,
+                   t.nvlink_latency_us, t.stage_latency_us);
+  s += fmt::format("  messages     as the executor forms them: zero-copy from {}, staging budget {} per rank{}\n",
+                   human_bytes(static_cast<double>(t.zero_copy_min)), human_bytes(static_cast<double>(t.staging_budget)),
+                   t.host_cores > 0 ? fmt::format("; {} processes on {} host cores", place.gpus().size(), t.host_cores) : "");
   s += fmt::format("  placement    {}: source on {}; destination on {}\n", kinds[static_cast<int>(t.placement)],
                    gpu_range(place, src.mesh), gpu_range(place, dst.mesh));
   return s;
@@ -256,8 +259,11 @@ nlohmann::json simulation_json(const SimResult& r, const LowerBound& lb) {
     stages.push_back({{"seconds", st.seconds}, {"transfer_seconds", st.fluid_seconds},
                       {"latency_seconds", st.latency_seconds}, {"bound_seconds", st.bound_seconds},
                       {"network_bytes", st.bytes[0]}, {"nvlink_bytes", st.bytes[1]}, {"local_bytes", st.bytes[2]},
-                      {"busiest_gpu", st.bound_gpu}, {"busiest_port", to_string(st.bound_port)}, {"flows", st.flows}});
-  return {{"predicted_seconds", r.seconds}, {"lower_bound_seconds", lb.seconds}, {"lower_bound", lb.what},
+                      {"busiest_gpu", st.bound_gpu}, {"busiest_port", to_string(st.bound_port)}, {"flows", st.flows},
+                      {"messages", st.messages}});
+  std::int64_t messages = 0;
+  for (const auto& st : r.stages) messages += st.messages;
+  return {{"predicted_seconds", r.seconds}, {"messages", messages}, {"lower_bound_seconds", lb.seconds}, {"lower_bound", lb.what},
           {"schedule_bound_seconds", r.bound_seconds}, {"stages", stages}};
 }
 

@@ -11,7 +11,14 @@ Fit (from the two 2-process cases only):
             'large' runs (one 256 MiB contiguous tensor) of refit rate / raw.
             One host: every process is its own node (all copies are network
             flows), and all flows share the host (fabric_gbps = rate).
-  latency = median refit time of the 'tiny' case (one 256-byte message).
+  per message and per refit: 'tiny' (one 256-byte message) takes
+            fixed + message; 'msgs' (64 tensors of 64 KiB, 64 zero-copy
+            messages, 4 MiB) takes fixed + 64 x message + 4 MiB / rate: the
+            medians give latency_us (each message) and stage_latency_us (the
+            refit's fixed cost: its barrier and agreement).
+  host_cores = the cores this machine gives these processes (the model
+            stretches each message by processes / cores when there are more
+            processes than cores; topology.hpp, host_cores).
 Then, for every other case and run, reshard-plan --simulate on that topology
 (fitted once: raw = median of the 'large' runs' probes; and per run: raw = that
 run's own probe), against the measured median refit time."""
@@ -21,12 +28,20 @@ build, path = sys.argv[1], sys.argv[2]
 runs = [json.loads(l) for l in open(path) if l.startswith('{')]
 by = {}
 for r in runs:
-    by.setdefault(r['case'], []).append(r['run'])
+    by.setdefault(r['case'], []).append(dict(r['run'], np=r['np']))
 
 large = by['large']
 eta = statistics.median((r['bytes_moved'] / r['seconds'] / 1e9) / r['raw']['tag']['gb_per_s'] for r in large)
 raw_once = statistics.median(r['raw']['tag']['gb_per_s'] for r in large)
-latency_us = statistics.median(r['seconds'] for r in by['tiny']) * 1e6
+tiny_s = statistics.median(r['seconds'] for r in by['tiny'])
+if 'msgs' in by:
+    msgs_s = statistics.median(r['seconds'] for r in by['msgs'])
+    msgs_bytes = statistics.median(r['bytes_moved'] for r in by['msgs'])
+    latency_us = max(0.0, (msgs_s - tiny_s - msgs_bytes / (eta * raw_once * 1e9)) / 63) * 1e6
+else:  # runs from before the 'msgs' case: all of 'tiny' per message
+    msgs_s = float('nan')
+    latency_us = tiny_s * 1e6
+fixed_us = max(0.0, tiny_s * 1e6 - latency_us)
 C = 'bench/calibration'
 args = {
     'transpose': ['--src', f'{C}/transpose-src.json', '--dst', f'{C}/transpose-dst.json'],
@@ -34,12 +49,15 @@ args = {
     'scatter': ['--src', f'{C}/scatter-src.json', '--dst', f'{C}/scatter-dst.json'],
     'tiny-moe': ['--model', '../shared/models/tiny-moe.json', '--train', 'tp=2,dp=1,ep=2', '--infer', 'tp=4'],
     'large': ['--src', 'tests/mpi/layouts/large-train.json', '--dst', 'tests/mpi/layouts/large-infer.json'],
+    'mixed6': ['--src', f'{C}/mixed6-src.json', '--dst', f'{C}/mixed6-dst.json'],
+    'mixed8': ['--src', f'{C}/mixed8-src.json', '--dst', f'{C}/mixed8-dst.json'],
 }
+host_cores = len(os.sched_getaffinity(0))
 
 def predict(case, raw):
     gbps = 8 * eta * raw
     topo = {"base": "loopback", "name": "loopback-fit", "nic_gbps": gbps, "nvlink_gbps": gbps, "fabric_gbps": gbps,
-            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": 0}
+            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": fixed_us, "host_cores": host_cores}
     with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
         json.dump(topo, f)
         name = f.name
@@ -48,17 +66,23 @@ def predict(case, raw):
                              check=True, capture_output=True, text=True).stdout
     finally:
         os.unlink(name)
-    return json.loads(out)['simulation']['predicted_seconds']
+    sim = json.loads(out)['simulation']
+    return sim['predicted_seconds'], sim['messages']
 
 print(f'fit: eta = {eta:.3f} (refit / raw on the 2-process 256 MiB case), raw = {raw_once:.3f} GB/s '
-      f'-> loopback rate {eta * raw_once:.3f} GB/s; latency {latency_us:.1f} us')
-print('| case | processes | measured median (ms) | predicted, fitted once (ms) | ratio | predicted, per-run probe (ms) | ratio |')
-print('|---|---|---|---|---|---|---|')
-for case in ['transpose', 'gather', 'scatter', 'tiny-moe']:
+      f'-> loopback rate {eta * raw_once:.3f} GB/s; tiny {tiny_s*1e6:.1f} us, msgs {msgs_s*1e3:.2f} ms -> {latency_us:.1f} us per '
+      f'message + {fixed_us:.1f} us per refit; {host_cores} host cores')
+print('| case | processes | messages sent / predicted | measured median (ms) | measured range (ms) | predicted, fitted once (ms) '
+      '| ratio | predicted, per-run probe (ms) | ratio |')
+print('|---|---|---|---|---|---|---|---|---|')
+for case in ['transpose', 'gather', 'scatter', 'tiny-moe', 'mixed6', 'mixed8']:
     if case not in by: continue
     rs = by[case]
     meas = statistics.median(r['seconds'] for r in rs)
-    once = predict(case, raw_once)
-    per = statistics.median(predict(case, r['raw']['tag']['gb_per_s']) for r in rs)
-    np = rs[0]['src_ranks'] + rs[0]['dst_ranks']
-    print(f'| {case} | {np} | {meas*1e3:.1f} | {once*1e3:.1f} | {once/meas:.2f} | {per*1e3:.1f} | {per/meas:.2f} |')
+    once, msgs = predict(case, raw_once)
+    per = statistics.median(predict(case, r['raw']['tag']['gb_per_s'])[0] for r in rs)
+    np = rs[0]['np']
+    sent = statistics.median(r['messages'] for r in rs)
+    lo, hi = min(r['seconds'] for r in rs), max(r['seconds'] for r in rs)
+    print(f'| {case} | {np} | {sent:g} / {msgs} | {meas*1e3:.1f} | {lo*1e3:.1f}-{hi*1e3:.1f} | {once*1e3:.1f} | {once/meas:.2f} '
+          f'| {per*1e3:.1f} | {per/meas:.2f} |')

@@ -18,7 +18,12 @@ C=bench/calibration
 run large 2 --src tests/mpi/layouts/large-train.json --dst tests/mpi/layouts/large-infer.json --iterations 5
 run tiny 2 --src $C/tiny-src.json --dst $C/tiny-dst.json --iterations 21
 run many 2 --src $C/many-src.json --dst $C/many-dst.json --iterations 21
+run msgs 2 --src $C/msgs-src.json --dst $C/msgs-dst.json --iterations 21
 run transpose 4 --src $C/transpose-src.json --dst $C/transpose-dst.json --iterations 5
 run gather 3 --src $C/gather-src.json --dst $C/gather-dst.json --iterations 5
 run scatter 4 --src $C/scatter-src.json --dst $C/scatter-dst.json --iterations 5
 run tiny-moe 6 --model ../shared/models/tiny-moe.json --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 11
+# Oversubscribed checks the fit never sees: many small packed pieces and some
+# 256 KiB zero-copy pieces, 6 and 8 processes on the host's cores.
+run mixed6 6 --src $C/mixed6-src.json --dst $C/mixed6-dst.json --iterations 11
+run mixed8 8 --src $C/mixed8-src.json --dst $C/mixed8-dst.json --iterations 11

@@ -65,6 +65,7 @@
 #include "cuda/device_engine.hpp"
 #include "error.hpp"
 #include "layout.hpp"
+#include "message_rule.hpp"
 #include "schedule.hpp"
 #include "transport.hpp"
 
@@ -72,11 +73,11 @@ namespace reshard {
 
 struct ExecutorOptions {
   /// Staging memory one rank may hold at once (packed sends + staged receives), bytes.
-  std::int64_t staging_budget = std::int64_t{256} << 20;
+  std::int64_t staging_budget = kDefaultStagingBudget;
   /// Contiguous pieces at least this big go without packing.
-  std::int64_t zero_copy_min = std::int64_t{64} << 10;
+  std::int64_t zero_copy_min = kDefaultZeroCopyMin;
   /// Waves in flight: 1 (no overlap across waves) or 2 (pack/unpack one wave while the other moves).
-  int pipeline = 2;
+  int pipeline = kDefaultPipeline;
   /// A refit (and each collective step of setup) fails after this long.
   std::chrono::milliseconds timeout{300'000};
   /// Executors that share a transport and may overlap in time need distinct channels.
@@ -383,15 +384,7 @@ inline void split_box(const MultiBox& b, const ViewMap* const* maps, std::int64_
 }
 
 /// Is one side of a box one unit-stride run (row-major dense over the extents)?
-inline bool contiguous(int rank, const std::int64_t* ext, const std::int64_t* st) {
-  std::int64_t expect = 1;
-  for (int k = rank - 1; k >= 0; --k) {
-    if (ext[k] == 1) continue;
-    if (st[k] != expect) return false;
-    expect *= ext[k];
-  }
-  return true;
-}
+inline bool contiguous(int rank, const std::int64_t* ext, const std::int64_t* st) { return dense_run(rank, ext, st); }
 
 /// Dense-coordinate bounds of one side of a copy.
 inline bool in_bounds(std::int64_t off, int rank, const std::int64_t* ext, const std::int64_t* st, std::int64_t n) {
@@ -926,14 +919,12 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
     }
     // Within the budget, every wave gets its own staging (no reuse, no
     // constraint); over it, each of `pipeline` slots holds one wave.
+    // (message_rule.hpp: the simulator counts messages by the same rule.)
     reuse = total_staged > opt_.staging_budget;
     if (reuse) {
-      const std::int64_t slot = opt_.staging_budget / opt_.pipeline;
       const auto staged_pairs =
           static_cast<std::int64_t>(std::count_if(pairs_.begin(), pairs_.end(), [](const Pair& p) { return p.staged > 0; }));
-      // Each pair's share is rounded down to 16 bytes and then given 16 more,
-      // so reserve 16 per pair to keep the sum within the slot.
-      capacity = slot - 16 * staged_pairs;
+      capacity = staging_capacity(total_staged, staged_pairs, opt_.staging_budget, opt_.pipeline);
       if (capacity <= 0)
         fail_here(fmt::format("a staging budget of {} bytes is too small for {} peer pairs with staged data (needs more than {} bytes)",
                               opt_.staging_budget, staged_pairs, 16 * staged_pairs * opt_.pipeline));
@@ -959,9 +950,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   }
   auto limit = [&](std::int64_t rank, std::int64_t staged) -> std::int64_t {
     const auto& [tot, cap] = load[static_cast<std::size_t>(world_index(rank))];
-    if (cap < 0 || tot <= 0) return exec_detail::kInf;
-    const long double share = static_cast<long double>(cap) * static_cast<long double>(staged) / static_cast<long double>(tot);
-    return (static_cast<std::int64_t>(share) & ~std::int64_t{15}) + 16;
+    return staging_share(cap, tot, staged);
   };
   for (auto& p : pairs_) {
     if (p.staged == 0) continue;
@@ -1012,9 +1001,10 @@ std::vector<std::pair<bool, bool>> Executor<T>::pair_modes(const Pair& p) const 
   std::vector<std::pair<bool, bool>> out(p.copies.size());
   for (std::size_t i = 0; i < p.copies.size(); ++i) {
     const Copy& c = copies_[p.copies[i].copy];
-    const bool big = c.bytes() >= opt_.zero_copy_min;
-    out[i].first = big && exec_detail::contiguous(c.rank, c.extent.data(), c.src_stride.data()) && !(p.send ? mine[i] : theirs[i]);
-    out[i].second = big && exec_detail::contiguous(c.rank, c.extent.data(), c.dst_stride.data()) && !(p.send ? theirs[i] : mine[i]);
+    out[i].first = in_place(c.bytes(), dense_run(c.rank, c.extent.data(), c.src_stride.data()) && !(p.send ? mine[i] : theirs[i]),
+                            opt_.zero_copy_min);
+    out[i].second = in_place(c.bytes(), dense_run(c.rank, c.extent.data(), c.dst_stride.data()) && !(p.send ? theirs[i] : mine[i]),
+                             opt_.zero_copy_min);
   }
   return out;
 }

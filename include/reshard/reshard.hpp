@@ -19,6 +19,7 @@
 #include "reshard/box.hpp"
 #include "reshard/schedule.hpp"
 #include "reshard/plan.hpp"
+#include "reshard/message_rule.hpp"
 #include "reshard/topology.hpp"
 #include "reshard/hierarchical.hpp"
 #include "reshard/staged_executor.hpp"

@@ -4,8 +4,11 @@
 //
 // Model (flow level, max-min fair, fluid):
 // - The copies of a stage are summed per (source GPU, destination GPU) pair
-//   into flows; a pair's bytes travel as ceil(bytes / message_bytes)
-//   messages (the executor's staging waves).
+//   into flows; a pair's bytes travel as the messages the executor forms
+//   (message_rule.hpp: a zero-copy message per large contiguous copy, a
+//   message per piece of a copy contiguous on one side, one packed message
+//   per wave; waves cut by the staging budget, the topology's
+//   staging_budget and zero_copy_min), counted from the pair's sums by form.
 // - A flow between GPUs of different NVLink domains uses the source GPU's NIC
 //   egress and the destination GPU's NIC ingress (nic_gbps each), and the
 //   shared fabric when the topology has a fabric_gbps limit; inside a
@@ -23,7 +26,10 @@
 // - Per-message cost: each GPU pays latency_us (nvlink_latency_us inside a
 //   domain) per message it sends and per message it receives, serially;
 //   a stage adds the slowest GPU's message cost and one stage_latency_us
-//   barrier (stages run one after another, CONTRACT.md §2).
+//   barrier (stages run one after another, CONTRACT.md §2). On a shared host
+//   (topology host_cores > 0) with more processes than cores, every message
+//   and barrier costs processes / cores times as much (topology.hpp,
+//   host_cores).
 //
 // Lower bound (refit_lower_bound): the most loaded bottleneck's unavoidable
 // bytes over its bandwidth, from the layouts alone (no schedule):
@@ -43,8 +49,9 @@
 // (topology.hpp) has one rank per node, so every copy is a network flow; its
 // NIC rate and per-message latency are fitted from raw reshard-refit runs of
 // one large contiguous tensor between 2 processes (rate) and of a tiny
-// tensor (latency); see the README's table for predicted vs measured on
-// other layouts.
+// tensor (latency), and its host_cores is the machine's; see
+// bench/calibration/README.md for predicted vs measured on other layouts,
+// oversubscribed ones among them.
 #include <algorithm>
 #include <array>
 #include <tuple>
@@ -63,6 +70,7 @@
 
 #include "hierarchical.hpp"
 #include "layout.hpp"
+#include "message_rule.hpp"
 #include "schedule.hpp"
 #include "storage.hpp"
 #include "topology.hpp"
@@ -85,6 +93,7 @@ struct PairTraffic {
   std::int64_t src_gpu = 0, dst_gpu = 0;
   double bytes = 0;
   std::int64_t copies = 0;
+  PairForms forms;  ///< the copies by form: the executor's messages (message_rule.hpp)
 };
 
 /// A schedule summed per stage and GPU pair: all the simulator needs. It can
@@ -94,8 +103,15 @@ class Traffic {
   explicit Traffic(const RankPlacement& place) : place_(&place) {}
   const RankPlacement& placement() const { return *place_; }
 
-  /// `bytes` of one copy (after any wire-dtype scaling) from rank to rank.
-  void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes) {
+  /// A copy's form in the executor's messages, at the topology's zero_copy_min.
+  CopyForm form_of(const Copy& c) const {
+    const std::int64_t zcm = place_->topology().zero_copy_min, b = c.bytes();
+    return copy_form(in_place(b, dense_run(c.rank, c.extent.data(), c.src_stride.data()), zcm),
+                     in_place(b, dense_run(c.rank, c.extent.data(), c.dst_stride.data()), zcm));
+  }
+  /// `bytes` of one copy (after any wire-dtype scaling) from rank to rank;
+  /// `form`: form_of() the copy (a bare copy of bytes is packed).
+  void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyForm form = CopyForm::packed) {
     if (stage < 0) fail("simulate: negative stage {}", stage);
     if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
     const std::int64_t a = place_->gpu(src_rank), b = place_->gpu(dst_rank);
@@ -106,6 +122,14 @@ class Traffic {
     p.dst_gpu = b;
     p.bytes += bytes;
     ++p.copies;
+    switch (form) {
+      case CopyForm::zero_copy: ++p.forms.zero_copy; break;
+      case CopyForm::half:
+        ++p.forms.half;
+        p.forms.half_bytes += bytes;
+        break;
+      case CopyForm::packed: p.forms.packed_bytes += bytes; break;
+    }
   }
   /// Adds another Traffic's pairs (same placement): per-thread Traffics of
   /// a streamed plan are summed this way.
@@ -118,6 +142,10 @@ class Traffic {
         p.dst_gpu = q.dst_gpu;
         p.bytes += q.bytes;
         p.copies += q.copies;
+        p.forms.zero_copy += q.forms.zero_copy;
+        p.forms.half += q.forms.half;
+        p.forms.half_bytes += q.forms.half_bytes;
+        p.forms.packed_bytes += q.forms.packed_bytes;
       }
   }
   std::size_t stages() const { return stages_.size(); }
@@ -167,13 +195,14 @@ inline std::vector<double> fp8_wire_scale(const Layout& dst) {
 
 inline void add_traffic(Traffic& tr, const Schedule& s, const std::vector<double>* wire = nullptr) {
   for (const auto& c : s.copies)
-    tr.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0));
+    tr.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0),
+           tr.form_of(c));
 }
 inline void add_traffic(Traffic& tr, const StagedSchedule& s, const std::vector<double>* wire = nullptr) {
   for (std::size_t i = 0; i < s.schedule.copies.size(); ++i) {
     const auto& c = s.schedule.copies[i];
     tr.add(s.stage_of(i), c.src_rank, c.dst_rank,
-           static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0));
+           static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0), tr.form_of(c));
   }
 }
 
@@ -627,10 +656,30 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
 /// Simulates every stage of the traffic on its topology (see the top).
 inline SimResult simulate(const Traffic& tr) {
   const Topology& topo = tr.placement().topology();
+  // Processes per core on a shared host stretch every message (topology.hpp, host_cores).
+  const double oversubscribed =
+      topo.host_cores > 0 ? std::max(1.0, static_cast<double>(tr.placement().gpus().size()) / topo.host_cores) : 1.0;
   SimResult res;
   for (std::size_t s = 0; s < tr.stages(); ++s) {
     StageResult st;
     const auto pairs = tr.pairs(s);
+    // Staged bytes and staged pairs per GPU (= rank: placements give each
+    // rank its own GPU): each pair's share of the staging budget, as the
+    // executor computes it (message_rule.hpp).
+    std::unordered_map<std::int64_t, std::pair<std::int64_t, std::int64_t>> staging;  // GPU -> (bytes, pairs)
+    for (const auto& p : pairs) {
+      if (p.src_gpu == p.dst_gpu || p.forms.staged() <= 0) continue;
+      const auto b = static_cast<std::int64_t>(std::llround(p.forms.staged()));
+      for (auto g : {p.src_gpu, p.dst_gpu}) {
+        auto& [bytes, n] = staging[g];
+        bytes += b;
+        ++n;
+      }
+    }
+    auto limit = [&](std::int64_t g, std::int64_t staged) {
+      const auto& [bytes, n] = staging[g];
+      return staging_share(staging_capacity(bytes, n, topo.staging_budget, kDefaultPipeline), bytes, staged);
+    };
     // Ports: dense ids per (GPU, port kind), only for the GPUs in use.
     std::unordered_map<std::int64_t, std::int32_t> gpu_id;
     std::vector<std::int64_t> gpus;
@@ -662,10 +711,13 @@ inline SimResult simulate(const Traffic& tr) {
       ports.push_back(pp);
       remaining.push_back(p.bytes);
       if (k != LinkKind::local) {
-        const auto msgs = static_cast<std::int64_t>(std::ceil(p.bytes / static_cast<double>(topo.message_bytes)));
-        const double cost = static_cast<double>(std::max<std::int64_t>(1, msgs)) *
+        const auto staged = static_cast<std::int64_t>(std::llround(p.forms.staged()));
+        const std::int64_t share =
+            staged > 0 ? std::max<std::int64_t>(16, std::min({limit(p.src_gpu, staged), limit(p.dst_gpu, staged), staged})) : 1;
+        const auto msgs = std::max<std::int64_t>(1, static_cast<std::int64_t>(pair_messages(p.forms, share)));
+        const double cost = static_cast<double>(msgs) * oversubscribed *
                             (k == LinkKind::network ? topo.latency_us : topo.nvlink_latency_us) * 1e-6;
-        st.messages += std::max<std::int64_t>(1, msgs);
+        st.messages += msgs;
         if (msg_cost_out.size() < gpus.size()) {
           msg_cost_out.resize(gpus.size(), 0);
           msg_cost_in.resize(gpus.size(), 0);
@@ -736,7 +788,8 @@ inline SimResult simulate(const Traffic& tr) {
     st.fluid_seconds = sim_detail::fluid_time(cports, weight, std::move(cbytes), ccap, st.events);
     double msg = 0;
     for (std::size_t g = 0; g < msg_cost_out.size(); ++g) msg = std::max({msg, msg_cost_out[g], msg_cost_in[g]});
-    st.latency_seconds = msg + topo.stage_latency_us * 1e-6;
+    // The barrier is handshakes between processes too: stretched alike on a shared host.
+    st.latency_seconds = msg + topo.stage_latency_us * 1e-6 * oversubscribed;
     st.seconds = st.fluid_seconds + st.latency_seconds;
     res.seconds += st.seconds;
     res.bound_seconds += st.bound_seconds;

@@ -25,8 +25,8 @@
 //   {"name": "my-cluster", "base": "h100-8x400g", "gpus_per_node": 8,
 //    "nvlink_domain": 8, "nic_gbps": 400, "nvlink_gbps": 3600,
 //    "memcpy_gbps": 0, "fabric_gbps": 0, "latency_us": 5, "nvlink_latency_us": 2,
-//    "stage_latency_us": 10, "message_bytes": 268435456,
-//    "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
+//    "stage_latency_us": 10, "staging_budget": 268435456, "zero_copy_min": 65536,
+//    "host_cores": 0, "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,6 +43,7 @@
 
 #include "error.hpp"
 #include "layout.hpp"
+#include "message_rule.hpp"
 
 namespace reshard {
 
@@ -61,9 +62,18 @@ struct Topology {
   double latency_us = 5;            ///< per network message
   double nvlink_latency_us = 2;     ///< per NVLink message
   double stage_latency_us = 10;     ///< per stage barrier of a staged schedule
-  /// A pair's bytes go as messages of at most this size (the executor's
-  /// staging waves); each message pays the latency once.
-  std::int64_t message_bytes = std::int64_t{256} << 20;
+  /// The executor's options that decide how a pair's copies become messages
+  /// (message_rule.hpp; ExecutorOptions): staging bytes per rank, and the
+  /// smallest contiguous piece sent zero-copy. Each message pays the latency.
+  std::int64_t staging_budget = kDefaultStagingBudget;
+  std::int64_t zero_copy_min = kDefaultZeroCopyMin;
+  /// CPU cores that all the refit's processes share (one host: loopback);
+  /// 0 = every process has its own core(s), the case on a cluster. With more
+  /// processes than cores, each message (and stage barrier) costs
+  /// processes / cores times its latency: a message's handshake runs on both
+  /// its ends' CPUs (UCX progresses by polling), and each process gets only
+  /// cores / processes of a core.
+  double host_cores = 0;
   PlacementKind placement = PlacementKind::launch;
   std::vector<std::int64_t> rank_gpus;  ///< placement "gpus": GPU of each global rank
 
@@ -94,7 +104,10 @@ struct Topology {
     for (auto [v, f] : {std::pair{latency_us, "latency_us"}, std::pair{nvlink_latency_us, "nvlink_latency_us"},
                         std::pair{stage_latency_us, "stage_latency_us"}})
       if (!(v >= 0) || !std::isfinite(v)) bad(f, fmt::format("{} must be >= 0", v));
-    if (message_bytes < 1) bad("message_bytes", fmt::format("{} must be >= 1", message_bytes));
+    if (staging_budget < 64) bad("staging_budget", fmt::format("{} must be >= 64 (the executor's minimum)", staging_budget));
+    if (zero_copy_min < 0) bad("zero_copy_min", fmt::format("{} must be >= 0", zero_copy_min));
+    if (!(host_cores >= 0) || !std::isfinite(host_cores))
+      bad("host_cores", fmt::format("{} must be >= 0 (0: no shared host)", host_cores));
     if (placement == PlacementKind::explicit_gpus && rank_gpus.empty())
       bad("rank_gpus", "placement \"gpus\" needs the list of GPUs, one per global rank");
     std::set<std::int64_t> seen;
@@ -140,17 +153,20 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     // "Calibration"; bench/calibration/compare.py refits these numbers from
     // a fresh measurement): every process is its own node, so every copy is
     // a network flow, and all flows share the host (fabric): one pair of
-    // processes already fills both cores. Fitted 2026-12-02 under the
-    // session's load (~8 runnable processes): 0.41 GB/s, 40 us per message.
+    // processes already fills both cores. Fitted 2026-12-03 (fuzzers
+    // stopped, no other process busy at the start): 2.89 GB/s, 13.8 us per
+    // message (64 KiB zero-copy) and 130 us per refit (its barrier and
+    // agreement, as the stage latency).
     t.gpus_per_node = 1;
     t.nvlink_domain = 1;
-    t.nic_gbps = 8 * 0.41;
-    t.nvlink_gbps = 8 * 0.41;
-    t.fabric_gbps = 8 * 0.41;
+    t.nic_gbps = 8 * 2.89;
+    t.nvlink_gbps = 8 * 2.89;
+    t.fabric_gbps = 8 * 2.89;
     t.memcpy_gbps = 0;
-    t.latency_us = 40;
-    t.nvlink_latency_us = 40;
-    t.stage_latency_us = 0;
+    t.latency_us = 13.8;
+    t.nvlink_latency_us = 13.8;
+    t.stage_latency_us = 130;
+    t.host_cores = 2;  // this machine's cores, shared by every process of a refit
     return t;
   }
   return std::nullopt;
@@ -164,12 +180,13 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   if (!j.is_object()) bad("", fmt::format("a topology is a JSON object, not {}", j.type_name()));
   static const std::set<std::string> known = {"name",        "base",          "gpus_per_node",    "nvlink_domain",
                                               "nic_gbps",    "nvlink_gbps",   "memcpy_gbps",      "fabric_gbps", "latency_us",
-                                              "nvlink_latency_us", "stage_latency_us", "message_bytes", "placement",
-                                              "rank_gpus"};
+                                              "nvlink_latency_us", "stage_latency_us", "staging_budget", "zero_copy_min",
+                                              "host_cores", "placement", "rank_gpus"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k))
       bad(k, fmt::format("unknown field (known: name base gpus_per_node nvlink_domain nic_gbps nvlink_gbps "
-                         "memcpy_gbps fabric_gbps latency_us nvlink_latency_us stage_latency_us message_bytes placement rank_gpus)"));
+                         "memcpy_gbps fabric_gbps latency_us nvlink_latency_us stage_latency_us staging_budget zero_copy_min host_cores "
+                         "placement rank_gpus)"));
   Topology t;
   if (auto it = j.find("base"); it != j.end()) {
     if (!it->is_string()) bad("base", fmt::format("expected a preset name (a string), got {}", it->type_name()));
@@ -205,7 +222,9 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   number("latency_us", t.latency_us);
   number("nvlink_latency_us", t.nvlink_latency_us);
   number("stage_latency_us", t.stage_latency_us);
-  integer("message_bytes", t.message_bytes);
+  integer("staging_budget", t.staging_budget);
+  integer("zero_copy_min", t.zero_copy_min);
+  number("host_cores", t.host_cores);
   if (auto it = j.find("rank_gpus"); it != j.end()) {
     if (!it->is_array()) bad("rank_gpus", fmt::format("expected an array of GPU numbers, got {}", it->type_name()));
     t.rank_gpus.clear();
