@@ -7,6 +7,7 @@
 #include "plan_test_util.hpp"
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
+#include "reshard/binding.hpp"
 #include "reshard/executor.hpp"
 #include "reshard/simulate.hpp"
 #include "reshard/presets/presets.hpp"
@@ -583,10 +584,10 @@ std::int64_t executor_messages(const Layout& src, const Layout& dst, const Sched
   world.run([&](LocalTransport& t) {
     std::size_t i = 0;
     while (ranks[i] != t.rank()) ++i;
-    const auto sb = refit_test::bound_buffers(src, t.rank(), smem[i]);
-    const auto db = refit_test::bound_buffers(dst, t.rank(), dmem[i]);
+    const auto sb = bind_buffers(src, t.rank(), refit_test::views(src, smem[i]), "source");
+    const auto db = bind_buffers(dst, t.rank(), refit_test::views(dst, dmem[i]), "destination");
     Executor<LocalTransport> ex;
-    ex.setup(s, sb.pointers(), db.pointers(), t, opt);
+    ex.setup(s, bound_pointers(sb), bound_pointers(db), t, opt);
     sent[i] = ex.run().messages_sent;
     const auto w = refit_test::count_wrong(dst, dmem[i], t.rank(), 0, nullptr);
     std::lock_guard lk(m);
