@@ -171,6 +171,35 @@ inline std::vector<std::int64_t> world_of(const Layout& a, const Layout& b) {
   return {s.begin(), s.end()};
 }
 
+/// Dense memory on both sides for every rank of a pair's world, for tests
+/// that drive executors without a Resharder: run() calls fn(t, i, src, dst)
+/// on rank ranks[i]'s thread with its buffers bound as a Resharder binds
+/// them (binding.hpp).
+struct DenseWorld {
+  std::vector<std::int64_t> ranks;
+  std::vector<SideMemory> src_mem, dst_mem;
+  LocalTrafficStats traffic;  ///< what the transport moved in the last run()
+
+  DenseWorld(const Layout& src, const Layout& dst) : ranks(world_of(src, dst)), src_mem(ranks.size()), dst_mem(ranks.size()) {
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      src_mem[i] = make_side(src, ranks[i], true, 0);
+      dst_mem[i] = make_side(dst, ranks[i], false, 0);
+    }
+  }
+  template <class F>
+  void run(const Layout& src, const Layout& dst, F&& fn) {
+    LocalWorld world(ranks);
+    world.run([&](LocalTransport& t) {
+      std::size_t i = 0;
+      while (ranks[i] != t.rank()) ++i;
+      const auto sb = bind_buffers(src, t.rank(), views(src, src_mem[i]), "source");
+      const auto db = bind_buffers(dst, t.rank(), views(dst, dst_mem[i]), "destination");
+      fn(t, i, bound_pointers(sb), bound_pointers(db));
+    });
+    traffic = world.total_stats();
+  }
+};
+
 struct Outcome {
   std::vector<std::int64_t> ranks;
   std::vector<RefitReport> last;  ///< per rank, the last refit's report

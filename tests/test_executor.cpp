@@ -46,34 +46,23 @@ DirectRun run_direct(const Layout& src, const Layout& dst, ExecutorOptions opt,
                      const std::function<void(std::int64_t, Schedule&)>& edit = {}, int runs = 1) {
   DirectRun out;
   out.schedule = plan(src, dst);
-  out.ranks = refit_test::world_of(src, dst);
-  const auto n = out.ranks.size();
-  std::vector<refit_test::SideMemory> smem(n), dmem(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    smem[i] = refit_test::make_side(src, out.ranks[i], true, 0);
-    dmem[i] = refit_test::make_side(dst, out.ranks[i], false, 0);
-  }
-  out.stats.resize(n);
+  refit_test::DenseWorld w(src, dst);
+  out.ranks = w.ranks;
+  out.stats.resize(w.ranks.size());
   std::mutex m;
-  LocalWorld world(out.ranks);
-  world.run([&](LocalTransport& t) {
-    std::size_t i = 0;
-    while (out.ranks[i] != t.rank()) ++i;
-    // Bound as a Resharder binds (binding.hpp), without one.
-    const auto sb = bind_buffers(src, t.rank(), refit_test::views(src, smem[i]), "source");
-    const auto db = bind_buffers(dst, t.rank(), refit_test::views(dst, dmem[i]), "destination");
+  w.run(src, dst, [&](LocalTransport& t, std::size_t i, auto sb, auto db) {
     Schedule s = out.schedule;
     if (edit) edit(t.rank(), s);
     Executor<LocalTransport> ex;
-    ex.setup(s, bound_pointers(sb), bound_pointers(db), t, opt);
+    ex.setup(s, sb, db, t, opt);
     for (int k = 0; k < runs; ++k) out.stats[i] = ex.run();
     std::string first;
-    const auto wrong = refit_test::count_wrong(dst, dmem[i], t.rank(), 0, &first);
+    const auto wrong = refit_test::count_wrong(dst, w.dst_mem[i], t.rank(), 0, &first);
     std::lock_guard lk(m);
     if (wrong && out.first_wrong.empty()) out.first_wrong = first;
     out.wrong += wrong;
   });
-  out.traffic = world.total_stats();
+  out.traffic = w.traffic;
   return out;
 }
 

@@ -571,25 +571,15 @@ namespace {
 /// Messages the executor sends for a schedule (in-process transport, dense
 /// buffers), all ranks together.
 std::int64_t executor_messages(const Layout& src, const Layout& dst, const Schedule& s, const ExecutorOptions& opt) {
-  const auto ranks = refit_test::world_of(src, dst);
-  std::vector<refit_test::SideMemory> smem(ranks.size()), dmem(ranks.size());
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    smem[i] = refit_test::make_side(src, ranks[i], true, 0);
-    dmem[i] = refit_test::make_side(dst, ranks[i], false, 0);
-  }
-  std::vector<std::int64_t> sent(ranks.size(), 0);
+  refit_test::DenseWorld dw(src, dst);
+  std::vector<std::int64_t> sent(dw.ranks.size(), 0);
   std::int64_t wrong = 0;
   std::mutex m;
-  LocalWorld world(ranks);
-  world.run([&](LocalTransport& t) {
-    std::size_t i = 0;
-    while (ranks[i] != t.rank()) ++i;
-    const auto sb = bind_buffers(src, t.rank(), refit_test::views(src, smem[i]), "source");
-    const auto db = bind_buffers(dst, t.rank(), refit_test::views(dst, dmem[i]), "destination");
+  dw.run(src, dst, [&](LocalTransport& t, std::size_t i, auto sb, auto db) {
     Executor<LocalTransport> ex;
-    ex.setup(s, bound_pointers(sb), bound_pointers(db), t, opt);
+    ex.setup(s, sb, db, t, opt);
     sent[i] = ex.run().messages_sent;
-    const auto w = refit_test::count_wrong(dst, dmem[i], t.rank(), 0, nullptr);
+    const auto w = refit_test::count_wrong(dst, dw.dst_mem[i], t.rank(), 0, nullptr);
     std::lock_guard lk(m);
     wrong += w;
   });

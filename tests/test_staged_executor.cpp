@@ -35,23 +35,13 @@ struct StagedRun {
 /// destination after each run.
 StagedRun run_staged(const Layout& src, const Layout& dst, const StagedSchedule& h, ExecutorOptions opt) {
   StagedRun out;
-  const auto ranks = refit_test::world_of(src, dst);
-  const auto n = ranks.size();
-  std::vector<refit_test::SideMemory> smem(n), dmem(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    smem[i] = refit_test::make_side(src, ranks[i], true, 0);
-    dmem[i] = refit_test::make_side(dst, ranks[i], false, 0);
-  }
+  refit_test::DenseWorld w(src, dst);
+  auto& smem = w.src_mem;
+  auto& dmem = w.dst_mem;
   std::mutex m;
-  LocalWorld world(ranks);
-  world.run([&](LocalTransport& t) {
-    std::size_t i = 0;
-    while (ranks[i] != t.rank()) ++i;
-    // Bound as a Resharder binds (binding.hpp), without one.
-    const auto sb = bind_buffers(src, t.rank(), refit_test::views(src, smem[i]), "source");
-    const auto db = bind_buffers(dst, t.rank(), refit_test::views(dst, dmem[i]), "destination");
+  w.run(src, dst, [&](LocalTransport& t, std::size_t i, auto sb, auto db) {
     StagedExecutor<LocalTransport> ex;
-    ex.setup(h, bound_pointers(sb), bound_pointers(db), t, opt);
+    ex.setup(h, sb, db, t, opt);
     std::int64_t wrong = 0, sent = 0;
     std::string first;
     for (std::uint64_t salt : {0, 1}) {
