@@ -479,7 +479,10 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
   // chunk[(pos, t)]: which pipeline chunk the rank's copies of t go in.
   const int K = opt.pipeline;
   std::unordered_map<std::int64_t, std::vector<std::int32_t>> chunk;
-  for (auto& [pos, v] : bytes_of) {
+  for (auto& entry : bytes_of) {
+    // (No structured binding: clang 14 cannot capture one in the lambda below.)
+    const std::int64_t pos = entry.first;
+    const auto& v = entry.second;
     // Largest tensor first into the emptiest chunk: the chunks of a rank
     // carry equal bytes, and each mixes tensors from all over the model, so
     // every chunk draws on every source group (pipeline stages) at once
