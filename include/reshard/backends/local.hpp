@@ -20,6 +20,7 @@
 //   LocalWorld world(ranks);
 //   world.run([&](LocalTransport& t) { /* one thread per rank */ });
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -242,19 +243,38 @@ class LocalWorld {
   }
 
   /// Rank threads to wake once m_ is released (at most the two parties of
-  /// each transfer a call touched, or one sleeper to take copy work).
+  /// each transfer a call touched, or one sleeper to take copy work). Kept
+  /// in place up to kInline slots: post() and wait_until() are the
+  /// transport's hot path and should not allocate per call.
   struct Wakeups {
-    std::vector<std::size_t> slots;
+    static constexpr std::size_t kInline = 8;
+    std::array<std::size_t, kInline> first{};
+    std::size_t n = 0;
+    std::vector<std::size_t> more;  ///< only when a post() touches more than kInline / 2 transfers
+    void add(std::size_t s) {
+      if (n < kInline)
+        first[n++] = s;
+      else
+        more.push_back(s);
+    }
     void parties(const Transfer& t, const LocalWorld& w) {
-      slots.push_back(w.slot(t.send.group->rank));
-      slots.push_back(w.slot(t.recv.group->rank));
+      add(w.slot(t.send.group->rank));
+      add(w.slot(t.recv.group->rank));
     }
     void notify(LocalWorld& w, std::size_t me) {
-      std::sort(slots.begin(), slots.end());
-      slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-      for (auto s : slots)
-        if (s != me) w.wake_[s].notify_one();
-      slots.clear();
+      auto wake = [&](std::size_t* b, std::size_t* e) {
+        std::sort(b, e);
+        for (auto* it = b, *last = std::unique(b, e); it != last; ++it)
+          if (*it != me) w.wake_[*it].notify_one();
+      };
+      if (more.empty()) {
+        wake(first.data(), first.data() + n);
+      } else {
+        more.insert(more.end(), first.begin(), first.begin() + static_cast<std::ptrdiff_t>(n));
+        wake(more.data(), more.data() + more.size());
+        more.clear();
+      }
+      n = 0;
     }
   };
 
@@ -321,7 +341,7 @@ class LocalWorld {
   void wake_one_sleeper(std::size_t me, Wakeups& wake) const {
     for (std::size_t s = 0; s < asleep_.size(); ++s)
       if (s != me && asleep_[s]) {
-        wake.slots.push_back(s);
+        wake.add(s);
         return;
       }
   }
