@@ -131,6 +131,26 @@ TEST_CASE("a shared host: more processes than cores stretch every message") {
   CHECK(simulate(t2).stages[0].latency_seconds == doctest::Approx(2 * 10e-6));
 }
 
+TEST_CASE("messages in flight: n messages cost n x latency / in-flight, still added to the transfer") {
+  World w(4, 1, 1);
+  w.topo.latency_us = 10;
+  auto run = [&](std::int64_t in_flight) {
+    w.topo.messages_in_flight = in_flight;
+    w.place = RankPlacement(w.topo, w.a, w.b);
+    Traffic tr(w.place);
+    for (int i = 0; i < 12; ++i) tr.add(0, 0, 1, 1e6, CopyForm::zero_copy);  // 12 messages out of GPU 0
+    tr.add(0, 2, 1, 1e6, CopyForm::zero_copy);                                // GPU 1 receives 13
+    return simulate(tr);
+  };
+  const auto one = run(1), four = run(4);
+  CHECK(one.stages[0].messages == 13);
+  CHECK(four.stages[0].messages == 13);
+  CHECK(one.stages[0].latency_seconds == doctest::Approx(13 * 10e-6));
+  CHECK(four.stages[0].latency_seconds == doctest::Approx(13 * 10e-6 / 4));
+  CHECK(four.stages[0].fluid_seconds == doctest::Approx(one.stages[0].fluid_seconds));
+  CHECK(four.seconds == doctest::Approx(four.stages[0].fluid_seconds + 13 * 10e-6 / 4));
+}
+
 TEST_CASE("two sources into one GPU share its NIC ingress") {
   World w(4, 1, 1);
   Traffic tr(w.place);

@@ -50,6 +50,11 @@ TEST_CASE("presets") {
   CHECK(h.host_cores == 0);
   CHECK(gb.host_cores == 0);
   CHECK(topology_preset("loopback")->host_cores == 2);
+  // Cluster NICs keep many messages in flight; the loopback fit measured them one after another.
+  CHECK(h.messages_in_flight == kRdmaMessagesInFlight);
+  CHECK(gb.messages_in_flight == kRdmaMessagesInFlight);
+  CHECK(topology_preset("loopback")->messages_in_flight == 1);
+  CHECK(Topology{}.messages_in_flight == 1);
   CHECK_THROWS_WITH_AS(load_topology("no-such-topology"), doctest::Contains("neither a preset"), Error);
 }
 
@@ -64,9 +69,10 @@ TEST_CASE("JSON form: a base preset with overrides") {
   CHECK(t.latency_us == 8);
   CHECK(t.placement == PlacementKind::separate);
   const auto m = parse_topology(nlohmann::json::parse(R"({"base": "loopback", "host_cores": 16, "staging_budget": 1048576,
-                                                          "zero_copy_min": 4096})"),
+                                                          "zero_copy_min": 4096, "messages_in_flight": 4})"),
                                 "t.json");
   CHECK(m.host_cores == 16);
+  CHECK(m.messages_in_flight == 4);
   CHECK(m.staging_budget == 1048576);
   CHECK(m.zero_copy_min == 4096);
   CHECK(m.fabric_gbps == topology_preset("loopback")->fabric_gbps);
@@ -89,6 +95,8 @@ TEST_CASE("JSON errors name the file and the field") {
   CHECK(error_of(R"({"placement": "gpus"})").find("rank_gpus: placement \"gpus\" needs") != std::string::npos);
   CHECK(error_of(R"({"latency_us": -1})").find("latency_us: -1 must be >= 0") != std::string::npos);
   CHECK(error_of(R"({"host_cores": -2})").find("host_cores: -2 must be >= 0") != std::string::npos);
+  CHECK(error_of(R"({"messages_in_flight": 0})").find("messages_in_flight: 0 must be >= 1") != std::string::npos);
+  CHECK(error_of(R"({"messages_in_flight": 2.5})").find("messages_in_flight: expected an integer") != std::string::npos);
   CHECK(error_of(R"({"staging_budget": 8})").find("staging_budget: 8 must be >= 64") != std::string::npos);
   CHECK(error_of(R"({"zero_copy_min": 1.5})").find("zero_copy_min: expected an integer") != std::string::npos);
   CHECK(error_of(R"({"message_bytes": 1024})").find("message_bytes: unknown field") != std::string::npos);

@@ -220,8 +220,9 @@ std::string describe_topology(const Topology& t, const RankPlacement& place, con
   std::string s = fmt::format("topology {}\n", t.name);
   s += fmt::format("  cluster      {} GPUs per node, {} per NVLink domain; per GPU: NIC {} Gb/s, NVLink {} Gb/s each way\n",
                    t.gpus_per_node, t.nvlink_domain, t.nic_gbps, t.nvlink_gbps);
-  s += fmt::format("  latency      {} us per network message, {} us per NVLink message, {} us per stage\n", t.latency_us,
-                   t.nvlink_latency_us, t.stage_latency_us);
+  s += fmt::format("  latency      {} us per network message, {} us per NVLink message, {} us per stage; {} message{} in flight\n",
+                   t.latency_us, t.nvlink_latency_us, t.stage_latency_us, t.messages_in_flight,
+                   t.messages_in_flight == 1 ? "" : "s");
   s += fmt::format("  messages     as the executor forms them: zero-copy from {}, staging budget {} per rank{}\n",
                    human_bytes(static_cast<double>(t.zero_copy_min)), human_bytes(static_cast<double>(t.staging_budget)),
                    t.host_cores > 0 ? fmt::format("; {} processes on {} host cores", place.gpus().size(), t.host_cores) : "");

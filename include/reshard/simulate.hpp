@@ -24,7 +24,8 @@
 //   exact, and it makes a stage of millions of flows between thousands of
 //   alike GPUs cost as much as its few hundred classes.
 // - Per-message cost: each GPU pays latency_us (nvlink_latency_us inside a
-//   domain) per message it sends and per message it receives, serially;
+//   domain) / messages_in_flight per message it sends and per message it
+//   receives, added to the transfer (not overlapped with it);
 //   a stage adds the slowest GPU's message cost and one stage_latency_us
 //   barrier (stages run one after another, CONTRACT.md §2). On a shared host
 //   (topology host_cores > 0) with more processes than cores, every message
@@ -716,7 +717,8 @@ inline SimResult simulate(const Traffic& tr) {
             staged > 0 ? std::max<std::int64_t>(16, std::min({limit(p.src_gpu, staged), limit(p.dst_gpu, staged), staged})) : 1;
         const auto msgs = std::max<std::int64_t>(1, static_cast<std::int64_t>(pair_messages(p.forms, share)));
         const double cost = static_cast<double>(msgs) * oversubscribed *
-                            (k == LinkKind::network ? topo.latency_us : topo.nvlink_latency_us) * 1e-6;
+                            (k == LinkKind::network ? topo.latency_us : topo.nvlink_latency_us) * 1e-6 /
+                            static_cast<double>(topo.messages_in_flight);
         st.messages += msgs;
         if (msg_cost_out.size() < gpus.size()) {
           msg_cost_out.resize(gpus.size(), 0);

@@ -26,7 +26,7 @@
 //    "nvlink_domain": 8, "nic_gbps": 400, "nvlink_gbps": 3600,
 //    "memcpy_gbps": 0, "fabric_gbps": 0, "latency_us": 5, "nvlink_latency_us": 2,
 //    "stage_latency_us": 10, "staging_budget": 268435456, "zero_copy_min": 65536,
-//    "host_cores": 0, "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
+//    "host_cores": 0, "messages_in_flight": 1, "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -74,6 +74,18 @@ struct Topology {
   /// its ends' CPUs (UCX progresses by polling), and each process gets only
   /// cores / processes of a core.
   double host_cores = 0;
+  /// Messages a GPU keeps in flight at once, so that n messages cost
+  /// n x latency / messages_in_flight (Little's law), still added to the
+  /// transfer time rather than overlapped with it. 1 = one after another,
+  /// the case the loopback fit measures (the CPU moves the bytes and runs
+  /// the handshakes). The executor posts all of a wave's messages before it
+  /// waits (executor.hpp), and an RDMA NIC works on many work requests at
+  /// once (`ucx_info -c`, UCX 1.13: UCX_RC_MLX5_TX_QUEUE_LEN=256 and
+  /// UCX_DC_MLX5_TX_QUEUE_LEN=128 per endpoint), so the cluster presets
+  /// assume 16: 0.31 us a message at 5 us latency, about a put's CPU posting
+  /// cost. Not measured here (no RDMA NIC); the README shows the anchors at
+  /// 1, 4 and 16.
+  std::int64_t messages_in_flight = 1;
   PlacementKind placement = PlacementKind::launch;
   std::vector<std::int64_t> rank_gpus;  ///< placement "gpus": GPU of each global rank
 
@@ -106,6 +118,8 @@ struct Topology {
       if (!(v >= 0) || !std::isfinite(v)) bad(f, fmt::format("{} must be >= 0", v));
     if (staging_budget < 64) bad("staging_budget", fmt::format("{} must be >= 64 (the executor's minimum)", staging_budget));
     if (zero_copy_min < 0) bad("zero_copy_min", fmt::format("{} must be >= 0", zero_copy_min));
+    if (messages_in_flight < 1)
+      bad("messages_in_flight", fmt::format("{} must be >= 1 (1: messages one after another)", messages_in_flight));
     if (!(host_cores >= 0) || !std::isfinite(host_cores))
       bad("host_cores", fmt::format("{} must be >= 0 (0: no shared host)", host_cores));
     if (placement == PlacementKind::explicit_gpus && rank_gpus.empty())
@@ -118,6 +132,9 @@ struct Topology {
     }
   }
 };
+
+/// Messages in flight per GPU on the cluster presets (Topology::messages_in_flight).
+inline constexpr std::int64_t kRdmaMessagesInFlight = 16;
 
 /// The named presets. Nominal line rates; the lower bound and the
 /// prediction use the same numbers, so their ratio does not depend on them.
@@ -136,6 +153,7 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     t.nic_gbps = 400;
     t.nvlink_gbps = 3600;
     t.memcpy_gbps = name == "h100-8x400g" ? 8 * 1500 : 8 * 2200;  // ~half of HBM bandwidth: read + write
+    t.messages_in_flight = kRdmaMessagesInFlight;
     return t;
   }
   if (name == "gb200-nvl72") {
@@ -146,6 +164,7 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     t.nic_gbps = 400;
     t.nvlink_gbps = 7200;
     t.memcpy_gbps = 8 * 3000;
+    t.messages_in_flight = kRdmaMessagesInFlight;
     return t;
   }
   if (name == "loopback") {
@@ -181,12 +200,12 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   static const std::set<std::string> known = {"name",        "base",          "gpus_per_node",    "nvlink_domain",
                                               "nic_gbps",    "nvlink_gbps",   "memcpy_gbps",      "fabric_gbps", "latency_us",
                                               "nvlink_latency_us", "stage_latency_us", "staging_budget", "zero_copy_min",
-                                              "host_cores", "placement", "rank_gpus"};
+                                              "host_cores", "messages_in_flight", "placement", "rank_gpus"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k))
       bad(k, fmt::format("unknown field (known: name base gpus_per_node nvlink_domain nic_gbps nvlink_gbps "
                          "memcpy_gbps fabric_gbps latency_us nvlink_latency_us stage_latency_us staging_budget zero_copy_min host_cores "
-                         "placement rank_gpus)"));
+                         "messages_in_flight placement rank_gpus)"));
   Topology t;
   if (auto it = j.find("base"); it != j.end()) {
     if (!it->is_string()) bad("base", fmt::format("expected a preset name (a string), got {}", it->type_name()));
@@ -225,6 +244,7 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   integer("staging_budget", t.staging_budget);
   integer("zero_copy_min", t.zero_copy_min);
   number("host_cores", t.host_cores);
+  integer("messages_in_flight", t.messages_in_flight);
   if (auto it = j.find("rank_gpus"); it != j.end()) {
     if (!it->is_array()) bad("rank_gpus", fmt::format("expected an array of GPU numbers, got {}", it->type_name()));
     t.rank_gpus.clear();
