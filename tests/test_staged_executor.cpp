@@ -61,6 +61,30 @@ StagedRun run_staged(const Layout& src, const Layout& dst, const StagedSchedule&
   return out;
 }
 
+const std::vector<Topology>& topologies() {
+  static const std::vector<Topology> t = {small_topology(2, 4, PlacementKind::separate), small_topology(1, 3, PlacementKind::launch),
+                                          small_topology(4, 8, PlacementKind::separate), small_topology(2, 2, PlacementKind::launch)};
+  return t;
+}
+
+/// A random layout pair (seed + 900) planned hierarchically on one of the
+/// topologies (seed mod 4) with `pipeline` network chunks.
+struct StagedCase {
+  testgen::RandomLayoutPair pair;
+  const Topology* topo;
+  int pipeline;
+  StagedSchedule h;
+  std::string label() const { return fmt::format("{} pipeline {} stages {}", topo->name, pipeline, h.stages); }
+};
+StagedCase staged_case(std::uint64_t seed, int pipeline) {
+  auto pair = testgen::random_layout_pair(seed + 900);
+  const Topology& topo = topologies()[seed % topologies().size()];
+  HierarchicalOptions ho;
+  ho.pipeline = pipeline;
+  auto h = plan_hierarchical(pair.src, pair.dst, RankPlacement(topo, pair.src, pair.dst), ho);
+  return StagedCase{std::move(pair), &topo, pipeline, std::move(h)};
+}
+
 std::int64_t remote_bytes(const StagedSchedule& h) {
   std::int64_t b = 0;
   for (const auto& c : h.schedule.copies) b += c.is_local() ? 0 : c.bytes();
@@ -70,16 +94,11 @@ std::int64_t remote_bytes(const StagedSchedule& h) {
 }  // namespace
 
 TEST_CASE("hierarchical plans run stage by stage and write every destination element") {
-  const std::vector<Topology> topos = {small_topology(2, 4, PlacementKind::separate), small_topology(1, 3, PlacementKind::launch),
-                                       small_topology(4, 8, PlacementKind::separate), small_topology(2, 2, PlacementKind::launch)};
   int runs = 0, with_fan_out = 0;
   for (std::uint64_t seed = 1; seed <= 60; ++seed) {
-    const auto pair = testgen::random_layout_pair(seed + 900);
-    const Topology& topo = topos[seed % topos.size()];
-    const RankPlacement place(topo, pair.src, pair.dst);
-    HierarchicalOptions ho;
-    ho.pipeline = 1 + static_cast<int>(seed % 3);
-    const StagedSchedule h = plan_hierarchical(pair.src, pair.dst, place, ho);
+    const auto sc = staged_case(seed, 1 + static_cast<int>(seed % 3));
+    const auto& pair = sc.pair;
+    const StagedSchedule& h = sc.h;
     bool fans = false;
     for (std::size_t i = 0; i < h.schedule.copies.size(); ++i) fans |= h.reads_dst(i);
     with_fan_out += fans;
@@ -87,7 +106,7 @@ TEST_CASE("hierarchical plans run stage by stage and write every destination ele
     opt.staging_budget = seed % 2 ? std::int64_t{256} << 20 : 4096;  // one wave, or many
     opt.zero_copy_min = seed % 3 ? 64 * 1024 : 1;
     const StagedRun r = run_staged(pair.src, pair.dst, h, opt);
-    INFO(topo.name << " pipeline " << ho.pipeline << " stages " << h.stages << "\n" << pair.describe());
+    INFO(sc.label() << "\n" << pair.describe());
     CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
     CHECK(r.sent == r.planned);
     CHECK(r.sent == 2 * remote_bytes(h));
@@ -227,12 +246,6 @@ ResharderOptions staged_options(bool double_buffered, bool checksum = false) {
   return o;
 }
 
-const std::vector<Topology>& topologies() {
-  static const std::vector<Topology> t = {small_topology(2, 4, PlacementKind::separate), small_topology(1, 3, PlacementKind::launch),
-                                          small_topology(4, 8, PlacementKind::separate), small_topology(2, 2, PlacementKind::launch)};
-  return t;
-}
-
 /// A fault that fails a fan-out: every data message into a fan-out owner
 /// carrying a piece it later copies on to a member of its domain (the
 /// earliest such stage), corrupted in refit `replay` (checksums catch it).
@@ -272,12 +285,9 @@ bool contains(const std::vector<std::string>& v, const std::string& s) { return 
 TEST_CASE("Resharder runs staged schedules: every element over each version, single- and double-buffered") {
   int runs = 0, with_fan_out = 0;
   for (std::uint64_t seed = 1; seed <= 30; ++seed) {
-    const auto pair = testgen::random_layout_pair(seed + 900);
-    const Topology& topo = topologies()[seed % topologies().size()];
-    const RankPlacement place(topo, pair.src, pair.dst);
-    HierarchicalOptions ho;
-    ho.pipeline = 1 + static_cast<int>(seed % 3);
-    const StagedSchedule h = plan_hierarchical(pair.src, pair.dst, place, ho);
+    const auto sc = staged_case(seed, 1 + static_cast<int>(seed % 3));
+    const auto& pair = sc.pair;
+    const StagedSchedule& h = sc.h;
     bool fans = false;
     for (std::size_t i = 0; i < h.schedule.copies.size(); ++i) fans |= h.reads_dst(i) && !h.schedule.copies[i].is_local();
     with_fan_out += fans;
@@ -289,8 +299,7 @@ TEST_CASE("Resharder runs staged schedules: every element over each version, sin
       const int refits = double_buffered ? 3 : 2;
       FaultPlan none;
       const auto out = staged_refits(pair.src, pair.dst, h, opt, refits, none);
-      INFO(topo.name << " pipeline " << ho.pipeline << " stages " << h.stages << " double_buffered " << double_buffered << "\n"
-                     << pair.describe());
+      INFO(sc.label() << " double_buffered " << double_buffered << "\n" << pair.describe());
       std::int64_t sent = 0;
       for (const auto& r : out) {
         CAPTURE(r.rank);
@@ -321,12 +330,9 @@ TEST_CASE("Resharder runs staged schedules: every element over each version, sin
 TEST_CASE("a failed staged refit is not committed: the destination is stale and names what is missing") {
   int cases = 0, later_stage = 0;
   for (std::uint64_t seed = 1; seed <= 80 && cases < 8; ++seed) {
-    const auto pair = testgen::random_layout_pair(seed + 900);
-    const Topology& topo = topologies()[seed % topologies().size()];
-    const RankPlacement place(topo, pair.src, pair.dst);
-    HierarchicalOptions ho;
-    ho.pipeline = 2 + static_cast<int>(seed % 3);
-    const StagedSchedule h = plan_hierarchical(pair.src, pair.dst, place, ho);
+    const auto sc = staged_case(seed, 2 + static_cast<int>(seed % 3));
+    const auto& pair = sc.pair;
+    const StagedSchedule& h = sc.h;
     const auto fault = fan_out_fault(h, pair.dst);
     if (!fault) continue;
     ++cases;
@@ -334,7 +340,7 @@ TEST_CASE("a failed staged refit is not committed: the destination is stale and 
     FaultPlan plan;
     plan.add(corrupt_into_owner(*fault, static_cast<std::uint64_t>(fault->stage), 1));  // refit 2 (version 2)
     const auto out = staged_refits(pair.src, pair.dst, h, staged_options(false, true), 3, plan);
-    INFO(topo.name << " pipeline " << ho.pipeline << " stages " << h.stages << ": rank " << fault->from << " -> owner " << fault->owner
+    INFO(sc.label() << ": rank " << fault->from << " -> owner " << fault->owner
                    << " stage " << fault->stage << ", member " << fault->member << ", tensor " << fault->tensor << "\n"
                    << pair.describe());
     CHECK_FALSE(plan.injected().empty());
@@ -363,12 +369,9 @@ TEST_CASE("a failed staged refit is not committed: the destination is stale and 
 TEST_CASE("double-buffered staged refits: a failed refit keeps the served set current and intact") {
   int cases = 0;
   for (std::uint64_t seed = 1; seed <= 80 && cases < 4; ++seed) {
-    const auto pair = testgen::random_layout_pair(seed + 900);
-    const Topology& topo = topologies()[seed % topologies().size()];
-    const RankPlacement place(topo, pair.src, pair.dst);
-    HierarchicalOptions ho;
-    ho.pipeline = 2;
-    const StagedSchedule h = plan_hierarchical(pair.src, pair.dst, place, ho);
+    const auto sc = staged_case(seed, 2);
+    const auto& pair = sc.pair;
+    const StagedSchedule& h = sc.h;
     const auto fault = fan_out_fault(h, pair.dst);
     if (!fault) continue;
     ++cases;
@@ -377,7 +380,7 @@ TEST_CASE("double-buffered staged refits: a failed refit keeps the served set cu
     // front set, whose channels carry it for the first time (replay 0).
     plan.add(corrupt_into_owner(*fault, static_cast<std::uint64_t>(fault->stage), 0));
     const auto out = staged_refits(pair.src, pair.dst, h, staged_options(true, true), 3, plan);
-    INFO(topo.name << " stages " << h.stages << "\n" << pair.describe());
+    INFO(sc.label() << "\n" << pair.describe());
     CHECK_FALSE(plan.injected().empty());
     for (const auto& r : out) {
       CAPTURE(r.rank);
@@ -480,10 +483,10 @@ TEST_CASE("after a failed staged refit, setup() on a fresh transport lets the ne
   std::optional<StagedSchedule> h;
   std::optional<FanOutFault> fault;
   for (std::uint64_t seed = 1; seed <= 80 && !fault; ++seed) {
-    pair = testgen::random_layout_pair(seed + 900);
-    const RankPlacement place(topologies()[seed % topologies().size()], pair->src, pair->dst);
-    h = plan_hierarchical(pair->src, pair->dst, place, HierarchicalOptions{});
-    fault = fan_out_fault(*h, pair->dst);
+    auto sc = staged_case(seed, HierarchicalOptions{}.pipeline);
+    fault = fan_out_fault(sc.h, sc.pair.dst);
+    pair = std::move(sc.pair);
+    h = std::move(sc.h);
   }
   REQUIRE(fault.has_value());
   const Layout &src = pair->src, &dst = pair->dst;
