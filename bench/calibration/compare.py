@@ -42,8 +42,12 @@ else:  # runs from before the 'msgs' case: all of 'tiny' per message
     msgs_s = float('nan')
     latency_us = tiny_s * 1e6
 fixed_us = max(0.0, tiny_s * 1e6 - latency_us)
+host_cores = len(os.sched_getaffinity(0))
 C = 'bench/calibration'
 args = {
+    'swap2': ['--src', f'{C}/swap2-src.json', '--dst', f'{C}/swap2-dst.json'],
+    'pieces2': ['--src', f'{C}/pieces2-src.json', '--dst', f'{C}/pieces2-dst.json'],
+    'pairs4': ['--src', f'{C}/pairs4-src.json', '--dst', f'{C}/pairs4-dst.json'],
     'transpose': ['--src', f'{C}/transpose-src.json', '--dst', f'{C}/transpose-dst.json'],
     'gather': ['--src', f'{C}/gather-src.json', '--dst', f'{C}/gather-dst.json'],
     'scatter': ['--src', f'{C}/scatter-src.json', '--dst', f'{C}/scatter-dst.json'],
@@ -52,7 +56,6 @@ args = {
     'mixed6': ['--src', f'{C}/mixed6-src.json', '--dst', f'{C}/mixed6-dst.json'],
     'mixed8': ['--src', f'{C}/mixed8-src.json', '--dst', f'{C}/mixed8-dst.json'],
 }
-host_cores = len(os.sched_getaffinity(0))
 
 def predict(case, raw):
     gbps = 8 * eta * raw
@@ -75,7 +78,7 @@ print(f'fit: eta = {eta:.3f} (refit / raw on the 2-process 256 MiB case), raw = 
 print('| case | processes | messages sent / predicted | measured median (ms) | measured range (ms) | predicted, fitted once (ms) '
       '| ratio | predicted, per-run probe (ms) | ratio |')
 print('|---|---|---|---|---|---|---|---|---|')
-for case in ['transpose', 'gather', 'scatter', 'tiny-moe', 'mixed6', 'mixed8']:
+for case in ['swap2', 'pieces2', 'pairs4', 'transpose', 'gather', 'scatter', 'tiny-moe', 'mixed6', 'mixed8']:
     if case not in by: continue
     rs = by[case]
     meas = statistics.median(r['seconds'] for r in rs)

@@ -19,6 +19,14 @@ run large 2 --src tests/mpi/layouts/large-train.json --dst tests/mpi/layouts/lar
 run tiny 2 --src $C/tiny-src.json --dst $C/tiny-dst.json --iterations 21
 run many 2 --src $C/many-src.json --dst $C/many-dst.json --iterations 21
 run msgs 2 --src $C/msgs-src.json --dst $C/msgs-dst.json --iterations 21
+# 2-process checks the fit never sees (every process has a core, as on a
+# cluster): a bidirectional swap (128 MiB zero-copy each way at once) and a
+# mix of packed and zero-copy pieces one way.
+run swap2 2 --src $C/swap2-src.json --dst $C/swap2-dst.json --iterations 5
+run pieces2 2 --src $C/pieces2-src.json --dst $C/pieces2-dst.json --iterations 11
+# Two independent pairs (0 -> 2, 1 -> 3, 128 MiB contiguous each): 4
+# processes on 2 cores, zero-copy only (no packing).
+run pairs4 4 --src $C/pairs4-src.json --dst $C/pairs4-dst.json --iterations 5
 run transpose 4 --src $C/transpose-src.json --dst $C/transpose-dst.json --iterations 5
 run gather 3 --src $C/gather-src.json --dst $C/gather-dst.json --iterations 5
 run scatter 4 --src $C/scatter-src.json --dst $C/scatter-dst.json --iterations 5
