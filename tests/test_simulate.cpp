@@ -151,6 +151,68 @@ TEST_CASE("messages in flight: n messages cost n x latency / in-flight, still ad
   CHECK(four.seconds == doctest::Approx(four.stages[0].fluid_seconds + 13 * 10e-6 / 4));
 }
 
+TEST_CASE("staging copies: the packers, then the unpackers, bytes at staging_copy_gbps plus a cost per run") {
+  World w(4, 1, 1);
+  auto run = [&](double gbps, double run_ns, double cores) {
+    w.topo.staging_copy_gbps = gbps;
+    w.topo.staging_run_ns = run_ns;
+    w.topo.host_cores = cores;
+    w.place = RankPlacement(w.topo, w.a, w.b);
+    Traffic tr(w.place);
+    tr.add(0, 0, 1, 1e9, CopyShape{CopyForm::packed, 1000, 2000});
+    tr.add(0, 0, 2, 1e9, CopyShape{CopyForm::half, 0, 500});  // in place at the source
+    tr.add(0, 0, 1, 1e9, CopyForm::zero_copy);                // no staging
+    tr.add(0, 3, 3, 1e9, CopyForm::packed);                   // local: box to box
+    return simulate(tr).stages.at(0);
+  };
+  const auto free = run(0, 0, 0);
+  CHECK(free.copy_seconds == 0);
+  // GPU 0 packs 1 GB in 1000 runs; GPU 1 unpacks 1 GB in 2000, GPU 2 1 GB in 500.
+  const auto st = run(80, 100, 0);  // 10 GB/s, 100 ns a run
+  CHECK(st.copy_seconds == doctest::Approx((0.1 + 1000 * 100e-9) + (0.1 + 2000 * 100e-9)));
+  CHECK(st.seconds == doctest::Approx(st.fluid_seconds + st.latency_seconds + st.copy_seconds));
+  CHECK(st.fluid_seconds == doctest::Approx(free.fluid_seconds));
+  // One host core: the two unpackers take turns on it (the one packer does not wait).
+  CHECK(run(80, 100, 1).copy_seconds == doctest::Approx((0.1 + 1000 * 100e-9) + 2 * (0.1 + 2000 * 100e-9)));
+  CHECK(run(0, 100, 0).copy_seconds == doctest::Approx(1000 * 100e-9 + 2000 * 100e-9));  // runs only
+}
+
+TEST_CASE("a copy's shape: its form and the unit-stride runs of its staged sides") {
+  // Rows of an 8x8 tensor over 2 ranks -> columns over 2 others: every
+  // piece is 4 rows of a 4-wide half row at the source (4 runs), and 4
+  // whole rows of the destination's 8x4 shard (one run).
+  Layout src = mesh_layout({{"tp", 2}});
+  add_tensor(src, "w", {8, 8}, {cut({ax(src, "tp")}), {}});
+  src.validate();
+  Layout dst = mesh_layout({{"tp", 2}}, 2);
+  add_tensor(dst, "w", {8, 8}, {{}, cut({ax(dst, "tp")})});
+  dst.validate();
+  Topology topo;
+  const RankPlacement place(topo, src, dst);
+  Traffic tr(place);
+  const Schedule s = plan(src, dst);
+  REQUIRE(s.copies.size() == 4);
+  for (const auto& c : s.copies) {
+    const CopyShape sh = tr.shape_of(c);
+    CHECK(sh.form == CopyForm::packed);  // 16 elements: under zero_copy_min on both sides
+    CHECK(sh.pack_runs == 4);
+    CHECK(sh.unpack_runs == 1);
+  }
+  topo.zero_copy_min = 1;  // now the destination side is written in place
+  const RankPlacement p1(topo, src, dst);
+  Traffic t1(p1);
+  const CopyShape sh = t1.shape_of(s.copies[0]);
+  CHECK(sh.form == CopyForm::half);
+  CHECK(sh.pack_runs == 4);
+  CHECK(sh.unpack_runs == 0);
+  add_traffic(t1, s);
+  const auto pairs = t1.pairs(0);
+  REQUIRE(pairs.size() == 4);
+  CHECK(pairs[0].staging.pack_runs == 4);
+  CHECK(pairs[0].staging.pack_bytes == static_cast<double>(s.copies[0].bytes()));
+  CHECK(pairs[0].staging.unpack_bytes == 0);
+}
+
 TEST_CASE("two sources into one GPU share its NIC ingress") {
   World w(4, 1, 1);
   Traffic tr(w.place);

@@ -69,10 +69,14 @@ TEST_CASE("JSON form: a base preset with overrides") {
   CHECK(t.latency_us == 8);
   CHECK(t.placement == PlacementKind::separate);
   const auto m = parse_topology(nlohmann::json::parse(R"({"base": "loopback", "host_cores": 16, "staging_budget": 1048576,
-                                                          "zero_copy_min": 4096, "messages_in_flight": 4})"),
+                                                          "zero_copy_min": 4096, "messages_in_flight": 4,
+                                                          "staging_copy_gbps": 80, "staging_run_ns": 50})"),
                                 "t.json");
   CHECK(m.host_cores == 16);
   CHECK(m.messages_in_flight == 4);
+  CHECK(m.staging_copy_gbps == 80);
+  CHECK(m.staging_run_ns == 50);
+  CHECK(topology_preset("h100-8x400g")->staging_copy_gbps == 0);  // cluster GPUs: free
   CHECK(m.staging_budget == 1048576);
   CHECK(m.zero_copy_min == 4096);
   CHECK(m.fabric_gbps == topology_preset("loopback")->fabric_gbps);
@@ -95,6 +99,8 @@ TEST_CASE("JSON errors name the file and the field") {
   CHECK(error_of(R"({"placement": "gpus"})").find("rank_gpus: placement \"gpus\" needs") != std::string::npos);
   CHECK(error_of(R"({"latency_us": -1})").find("latency_us: -1 must be >= 0") != std::string::npos);
   CHECK(error_of(R"({"host_cores": -2})").find("host_cores: -2 must be >= 0") != std::string::npos);
+  CHECK(error_of(R"({"staging_copy_gbps": -1})").find("staging_copy_gbps: -1 must be >= 0") != std::string::npos);
+  CHECK(error_of(R"({"staging_run_ns": "x"})").find("staging_run_ns: expected a number") != std::string::npos);
   CHECK(error_of(R"({"messages_in_flight": 0})").find("messages_in_flight: 0 must be >= 1") != std::string::npos);
   CHECK(error_of(R"({"messages_in_flight": 2.5})").find("messages_in_flight: expected an integer") != std::string::npos);
   CHECK(error_of(R"({"staging_budget": 8})").find("staging_budget: 8 must be >= 64") != std::string::npos);

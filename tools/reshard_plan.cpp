@@ -243,8 +243,9 @@ std::string describe_simulation(const SimResult& r, const LowerBound& lb, bool f
   s += fmt::format("  own bound    {} (sum over stages of the busiest port's bytes / rate)\n", human_seconds(r.bound_seconds));
   for (std::size_t i = 0; i < r.stages.size(); ++i) {
     const auto& st = r.stages[i];
-    s += fmt::format("  stage {:<6} {} = transfer {} + messages/barrier {}; network {}, NVLink {}, local {}\n", i,
+    s += fmt::format("  stage {:<6} {} = transfer {} + messages/barrier {}{}; network {}, NVLink {}, local {}\n", i,
                      human_seconds(st.seconds), human_seconds(st.fluid_seconds), human_seconds(st.latency_seconds),
+                     st.copy_seconds > 0 ? fmt::format(" + staging copies {}", human_seconds(st.copy_seconds)) : std::string(),
                      human_bytes(st.bytes[0]), human_bytes(st.bytes[1]), human_bytes(st.bytes[2]));
     if (st.bound_gpu >= 0 || st.bound_gpu == -2)
       s += fmt::format("               busiest: {} {} {} ({}); {} flows, {} messages, {} rate updates\n",
@@ -258,7 +259,7 @@ nlohmann::json simulation_json(const SimResult& r, const LowerBound& lb) {
   nlohmann::json stages = nlohmann::json::array();
   for (const auto& st : r.stages)
     stages.push_back({{"seconds", st.seconds}, {"transfer_seconds", st.fluid_seconds},
-                      {"latency_seconds", st.latency_seconds}, {"bound_seconds", st.bound_seconds},
+                      {"latency_seconds", st.latency_seconds}, {"copy_seconds", st.copy_seconds}, {"bound_seconds", st.bound_seconds},
                       {"network_bytes", st.bytes[0]}, {"nvlink_bytes", st.bytes[1]}, {"local_bytes", st.bytes[2]},
                       {"busiest_gpu", st.bound_gpu}, {"busiest_port", to_string(st.bound_port)}, {"flows", st.flows},
                       {"messages", st.messages}});

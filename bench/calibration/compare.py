@@ -3,7 +3,7 @@
 measured UCX refits (simulate.hpp, "Calibration").
 
   bench/calibration/measure.sh BUILD N > runs.jsonl
-  bench/calibration/compare.py BUILD runs.jsonl
+  bench/calibration/compare.py BUILD runs.jsonl [more.jsonl ...]   (runs pooled)
 
 Fit (from the two 2-process cases only):
   rate    = eta * raw, raw = the UCX tagged-send bandwidth reshard-refit probes
@@ -24,8 +24,8 @@ Then, for every other case and run, reshard-plan --simulate on that topology
 run's own probe), against the measured median refit time."""
 import json, statistics, subprocess, sys, tempfile, os
 
-build, path = sys.argv[1], sys.argv[2]
-runs = [json.loads(l) for l in open(path) if l.startswith('{')]
+build, paths = sys.argv[1], sys.argv[2:]
+runs = [json.loads(l) for path in paths for l in open(path) if l.startswith('{')]
 by = {}
 for r in runs:
     by.setdefault(r['case'], []).append(dict(r['run'], np=r['np']))
@@ -42,6 +42,24 @@ else:  # runs from before the 'msgs' case: all of 'tiny' per message
     msgs_s = float('nan')
     latency_us = tiny_s * 1e6
 fixed_us = max(0.0, tiny_s * 1e6 - latency_us)
+# Staging copies (topology staging_copy_gbps, staging_run_ns): 'many' (1000
+# runs of 256 bytes, 256,000 bytes) and 'packed2' (4096 runs of 16 KiB, 64
+# MiB), each one packed message, pay over 'tiny' their bytes at the rate and
+# their copies, each side (pack at the source, unpack at the destination):
+#   extra = 2 x (bytes / copy_rate + runs x run_cost)
+copy_gbps, run_ns = 0.0, 0.0
+if 'packed2' in by and 'many' in by:
+    def extra(case):
+        rs = by[case]
+        b = statistics.median(r['bytes_moved'] for r in rs)
+        return statistics.median(r['seconds'] for r in rs) - tiny_s - b / (eta * raw_once * 1e9), b
+    (em, bm), (ep, bp) = extra('many'), extra('packed2')
+    # em / 2 = bm / rate + 1000 c;  ep / 2 = bp / rate + 4096 c
+    inv_rate = (ep / 2 - 4096 / 1000 * em / 2) / (bp - 4096 / 1000 * bm)
+    c = (em / 2 - bm * inv_rate) / 1000
+    if inv_rate > 0:
+        copy_gbps = 8 / inv_rate / 1e9
+    run_ns = max(0.0, c * 1e9)
 host_cores = len(os.sched_getaffinity(0))
 C = 'bench/calibration'
 args = {
@@ -60,7 +78,8 @@ args = {
 def predict(case, raw):
     gbps = 8 * eta * raw
     topo = {"base": "loopback", "name": "loopback-fit", "nic_gbps": gbps, "nvlink_gbps": gbps, "fabric_gbps": gbps,
-            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": fixed_us, "host_cores": host_cores}
+            "latency_us": latency_us, "nvlink_latency_us": latency_us, "stage_latency_us": fixed_us, "host_cores": host_cores,
+            "staging_copy_gbps": copy_gbps, "staging_run_ns": run_ns}
     with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
         json.dump(topo, f)
         name = f.name
@@ -74,7 +93,8 @@ def predict(case, raw):
 
 print(f'fit: eta = {eta:.3f} (refit / raw on the 2-process 256 MiB case), raw = {raw_once:.3f} GB/s '
       f'-> loopback rate {eta * raw_once:.3f} GB/s; tiny {tiny_s*1e6:.1f} us, msgs {msgs_s*1e3:.2f} ms -> {latency_us:.1f} us per '
-      f'message + {fixed_us:.1f} us per refit; {host_cores} host cores')
+      f'message + {fixed_us:.1f} us per refit; {host_cores} host cores; staging copies '
+      f'{copy_gbps / 8:.2f} GB/s + {run_ns:.0f} ns per run')
 print('| case | processes | messages sent / predicted | measured median (ms) | measured range (ms) | predicted, fitted once (ms) '
       '| ratio | predicted, per-run probe (ms) | ratio |')
 print('|---|---|---|---|---|---|---|---|---|')

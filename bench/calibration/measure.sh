@@ -19,6 +19,9 @@ run large 2 --src tests/mpi/layouts/large-train.json --dst tests/mpi/layouts/lar
 run tiny 2 --src $C/tiny-src.json --dst $C/tiny-dst.json --iterations 21
 run many 2 --src $C/many-src.json --dst $C/many-dst.json --iterations 21
 run msgs 2 --src $C/msgs-src.json --dst $C/msgs-dst.json --iterations 21
+# 64 MiB packed one way (4096 contiguous 16 KiB tensors, below zero_copy_min:
+# copied into staging and out again): with 'many', the staging copy cost.
+run packed2 2 --src $C/packed2-src.json --dst $C/packed2-dst.json --iterations 11
 # 2-process checks the fit never sees (every process has a core, as on a
 # cluster): a bidirectional swap (128 MiB zero-copy each way at once) and a
 # mix of packed and zero-copy pieces one way.
@@ -35,10 +38,7 @@ run tiny-moe 6 --model ../shared/models/tiny-moe.json --train tp=2,dp=1,ep=2 --i
 # 256 KiB zero-copy pieces, 6 and 8 processes on the host's cores.
 run mixed6 6 --src $C/mixed6-src.json --dst $C/mixed6-dst.json --iterations 11
 run mixed8 8 --src $C/mixed8-src.json --dst $C/mixed8-dst.json --iterations 11
-# Diagnostics for the next model term (bench/calibration/README.md, "What
-# does not"), not predicted by compare.py: the per-refit cost with 4 and 8
-# processes, and 64 MiB packed one way (4096 contiguous 16 KiB tensors, below
-# zero_copy_min: copied into staging and out again).
+# Diagnostics, not predicted by compare.py: the per-refit cost with 4 and 8
+# processes.
 run tiny4 4 --src $C/tiny4-src.json --dst $C/tiny4-dst.json --iterations 21
 run tiny8 8 --src $C/tiny8-src.json --dst $C/tiny8-dst.json --iterations 21
-run packed2 2 --src $C/packed2-src.json --dst $C/packed2-dst.json --iterations 11

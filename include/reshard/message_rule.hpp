@@ -35,6 +35,21 @@ inline bool dense_run(int rank, const std::int64_t* ext, const std::int64_t* st)
   return true;
 }
 
+/// How many unit-stride runs one side of a box is (1 for a dense_run): the
+/// extents outside the innermost dims that are dense, multiplied.
+inline std::int64_t contiguous_runs(int rank, const std::int64_t* ext, const std::int64_t* st) {
+  std::int64_t expect = 1;
+  int k = rank - 1;
+  for (; k >= 0; --k) {
+    if (ext[k] == 1) continue;
+    if (st[k] != expect) break;
+    expect *= ext[k];
+  }
+  std::int64_t runs = 1;
+  for (int j = 0; j <= k; ++j) runs *= ext[j];
+  return runs;
+}
+
 /// Is one side of a copy read or written in place (not staged)? Big enough
 /// and one run (`run`: in dense coordinates and not broken by a view).
 inline bool in_place(std::int64_t bytes, bool run, std::int64_t zero_copy_min) { return bytes >= zero_copy_min && run; }

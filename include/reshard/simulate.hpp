@@ -32,6 +32,10 @@
 //   and barrier costs processes / cores times as much (topology.hpp,
 //   host_cores).
 //
+// - Staging copies (topology staging_copy_gbps, staging_run_ns; 0 = free,
+//   as on a cluster's GPUs): each source GPU packs its staged bytes and
+//   runs, then each destination GPU unpacks them, added to the stage.
+//
 // Lower bound (refit_lower_bound): the most loaded bottleneck's unavoidable
 // bytes over its bandwidth, from the layouts alone (no schedule):
 // - each destination NVLink domain with no source GPU in it must take in
@@ -48,11 +52,11 @@
 //
 // Calibration (loopback UCX on this machine): the "loopback" topology
 // (topology.hpp) has one rank per node, so every copy is a network flow; its
-// NIC rate and per-message latency are fitted from raw reshard-refit runs of
-// one large contiguous tensor between 2 processes (rate) and of a tiny
-// tensor (latency), and its host_cores is the machine's; see
-// bench/calibration/README.md for predicted vs measured on other layouts,
-// oversubscribed ones among them.
+// NIC rate, per-message latency, per-refit cost and staging copy cost are
+// fitted from raw reshard-refit runs between 2 processes (a large
+// contiguous tensor, a tiny one, 64 zero-copy messages, two packed cases),
+// and its host_cores is the machine's; see bench/calibration/README.md for
+// predicted vs measured on other layouts, oversubscribed ones among them.
 #include <algorithm>
 #include <array>
 #include <tuple>
@@ -89,12 +93,31 @@ inline const char* to_string(LinkKind k) {
   return "?";
 }
 
+/// A copy as the simulator counts it: its form in the executor's messages
+/// and, per side, the unit-stride runs its staging copies (0: that side is
+/// read or written in place).
+struct CopyShape {
+  CopyForm form = CopyForm::packed;
+  std::int32_t pack_runs = 1, unpack_runs = 1;
+  /// A bare form: one run per staged side (a half copy staged at its source).
+  static CopyShape of(CopyForm f) {
+    return CopyShape{f, f == CopyForm::zero_copy ? 0 : 1, f == CopyForm::packed ? 1 : 0};
+  }
+};
+
+/// The staging copies of a pair's staged bytes: packed at the source,
+/// unpacked at the destination (bytes and unit-stride runs per side).
+struct StagingWork {
+  double pack_bytes = 0, pack_runs = 0, unpack_bytes = 0, unpack_runs = 0;
+};
+
 /// One stage's traffic between one pair of GPUs.
 struct PairTraffic {
   std::int64_t src_gpu = 0, dst_gpu = 0;
   double bytes = 0;
   std::int64_t copies = 0;
   PairForms forms;  ///< the copies by form: the executor's messages (message_rule.hpp)
+  StagingWork staging;
 };
 
 /// A schedule summed per stage and GPU pair: all the simulator needs. It can
@@ -104,15 +127,27 @@ class Traffic {
   explicit Traffic(const RankPlacement& place) : place_(&place) {}
   const RankPlacement& placement() const { return *place_; }
 
-  /// A copy's form in the executor's messages, at the topology's zero_copy_min.
-  CopyForm form_of(const Copy& c) const {
+  /// A copy's form in the executor's messages, at the topology's
+  /// zero_copy_min, and the runs its staged sides copy.
+  CopyShape shape_of(const Copy& c) const {
     const std::int64_t zcm = place_->topology().zero_copy_min, b = c.bytes();
-    return copy_form(in_place(b, dense_run(c.rank, c.extent.data(), c.src_stride.data()), zcm),
-                     in_place(b, dense_run(c.rank, c.extent.data(), c.dst_stride.data()), zcm));
+    const std::int64_t src_runs = contiguous_runs(c.rank, c.extent.data(), c.src_stride.data());
+    const std::int64_t dst_runs = contiguous_runs(c.rank, c.extent.data(), c.dst_stride.data());
+    const bool src_in_place = in_place(b, dense_run(c.rank, c.extent.data(), c.src_stride.data()), zcm);
+    const bool dst_in_place = in_place(b, dense_run(c.rank, c.extent.data(), c.dst_stride.data()), zcm);
+    auto runs = [](bool in_place_side, std::int64_t r) {
+      return in_place_side ? 0 : static_cast<std::int32_t>(std::min<std::int64_t>(r, std::numeric_limits<std::int32_t>::max()));
+    };
+    return CopyShape{copy_form(src_in_place, dst_in_place), runs(src_in_place, src_runs), runs(dst_in_place, dst_runs)};
   }
   /// `bytes` of one copy (after any wire-dtype scaling) from rank to rank;
-  /// `form`: form_of() the copy (a bare copy of bytes is packed).
+  /// `form`: the copy's form (a bare copy of bytes is packed, one run a side).
   void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyForm form = CopyForm::packed) {
+    add(stage, src_rank, dst_rank, bytes, CopyShape::of(form));
+  }
+  /// `shape`: shape_of() the copy.
+  void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyShape shape) {
+    const CopyForm form = shape.form;
     if (stage < 0) fail("simulate: negative stage {}", stage);
     if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
     const std::int64_t a = place_->gpu(src_rank), b = place_->gpu(dst_rank);
@@ -131,6 +166,14 @@ class Traffic {
         break;
       case CopyForm::packed: p.forms.packed_bytes += bytes; break;
     }
+    if (shape.pack_runs > 0) {
+      p.staging.pack_bytes += bytes;
+      p.staging.pack_runs += shape.pack_runs;
+    }
+    if (shape.unpack_runs > 0) {
+      p.staging.unpack_bytes += bytes;
+      p.staging.unpack_runs += shape.unpack_runs;
+    }
   }
   /// Adds another Traffic's pairs (same placement): per-thread Traffics of
   /// a streamed plan are summed this way.
@@ -147,6 +190,10 @@ class Traffic {
         p.forms.half += q.forms.half;
         p.forms.half_bytes += q.forms.half_bytes;
         p.forms.packed_bytes += q.forms.packed_bytes;
+        p.staging.pack_bytes += q.staging.pack_bytes;
+        p.staging.pack_runs += q.staging.pack_runs;
+        p.staging.unpack_bytes += q.staging.unpack_bytes;
+        p.staging.unpack_runs += q.staging.unpack_runs;
       }
   }
   std::size_t stages() const { return stages_.size(); }
@@ -197,13 +244,13 @@ inline std::vector<double> fp8_wire_scale(const Layout& dst) {
 inline void add_traffic(Traffic& tr, const Schedule& s, const std::vector<double>* wire = nullptr) {
   for (const auto& c : s.copies)
     tr.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0),
-           tr.form_of(c));
+           tr.shape_of(c));
 }
 inline void add_traffic(Traffic& tr, const StagedSchedule& s, const std::vector<double>* wire = nullptr) {
   for (std::size_t i = 0; i < s.schedule.copies.size(); ++i) {
     const auto& c = s.schedule.copies[i];
     tr.add(s.stage_of(i), c.src_rank, c.dst_rank,
-           static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0), tr.form_of(c));
+           static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0), tr.shape_of(c));
   }
 }
 
@@ -221,9 +268,10 @@ inline const char* to_string(Port p) {
 }
 
 struct StageResult {
-  double seconds = 0;          ///< fluid + message latency + barrier
+  double seconds = 0;          ///< fluid + message latency + barrier + staging copies
   double fluid_seconds = 0;    ///< the max-min fair transfer time
   double latency_seconds = 0;  ///< slowest GPU's per-message cost + barrier
+  double copy_seconds = 0;     ///< staging copies: the slowest packer, then the slowest unpacker
   double bound_seconds = 0;    ///< the stage's busiest port: load / rate
   std::int64_t bound_gpu = -1;  ///< -2: the shared fabric
   Port bound_port = Port::nic_in;
@@ -654,6 +702,30 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
 
 }  // namespace sim_detail
 
+/// The staging copies of a stage (Topology::staging_copy_gbps and
+/// staging_run_ns): every source GPU packs its staged bytes, then every
+/// destination GPU unpacks them; each phase takes its slowest GPU, and on a
+/// shared host the GPUs of a phase share host_cores.
+inline double staging_copy_seconds(const std::vector<PairTraffic>& pairs, const Topology& topo) {
+  if (!(topo.staging_copy_gbps > 0) && !(topo.staging_run_ns > 0)) return 0;
+  auto cost = [&](double bytes, double runs) {
+    return (topo.staging_copy_gbps > 0 ? bytes / topo.staging_copy_bytes_per_s() : 0.0) + runs * topo.staging_run_ns * 1e-9;
+  };
+  std::unordered_map<std::int64_t, double> pack, unpack;  // GPU -> seconds
+  for (const auto& p : pairs) {
+    if (p.src_gpu == p.dst_gpu) continue;  // local copies go box to box, unstaged
+    if (p.staging.pack_runs > 0) pack[p.src_gpu] += cost(p.staging.pack_bytes, p.staging.pack_runs);
+    if (p.staging.unpack_runs > 0) unpack[p.dst_gpu] += cost(p.staging.unpack_bytes, p.staging.unpack_runs);
+  }
+  auto phase = [&](const std::unordered_map<std::int64_t, double>& m) {
+    double slowest = 0;
+    for (const auto& [g, c] : m) slowest = std::max(slowest, c);
+    const double share = topo.host_cores > 0 ? std::max(1.0, static_cast<double>(m.size()) / topo.host_cores) : 1.0;
+    return slowest * share;
+  };
+  return phase(pack) + phase(unpack);
+}
+
 /// Simulates every stage of the traffic on its topology (see the top).
 inline SimResult simulate(const Traffic& tr) {
   const Topology& topo = tr.placement().topology();
@@ -792,7 +864,8 @@ inline SimResult simulate(const Traffic& tr) {
     for (std::size_t g = 0; g < msg_cost_out.size(); ++g) msg = std::max({msg, msg_cost_out[g], msg_cost_in[g]});
     // The barrier is handshakes between processes too: stretched alike on a shared host.
     st.latency_seconds = msg + topo.stage_latency_us * 1e-6 * oversubscribed;
-    st.seconds = st.fluid_seconds + st.latency_seconds;
+    st.copy_seconds = staging_copy_seconds(pairs, topo);
+    st.seconds = st.fluid_seconds + st.latency_seconds + st.copy_seconds;
     res.seconds += st.seconds;
     res.bound_seconds += st.bound_seconds;
     res.stages.push_back(st);

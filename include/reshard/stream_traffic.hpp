@@ -44,7 +44,7 @@ namespace stream_detail {
 struct CopyRecord {
   std::int64_t bytes;
   std::int32_t src_rank, dst_rank, tensor;
-  CopyForm form;  ///< Traffic::form_of the planned copy (fits the padding: still 24 bytes)
+  CopyShape shape;  ///< Traffic::shape_of the planned copy
 };
 
 /// prefer_near()'s choose_senders() for a plain (one-stage) plan, over
@@ -126,7 +126,7 @@ inline Traffic streamed_traffic(const Layout& src, const Layout& dst, const Rank
         n = &counts[std::this_thread::get_id()];
       }
       for (const auto& c : cs) {
-        tr->add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * scale(c.tensor), tr->form_of(c));
+        tr->add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * scale(c.tensor), tr->shape_of(c));
         ++n->copies;
         n->bytes += c.bytes();
       }
@@ -148,7 +148,7 @@ inline Traffic streamed_traffic(const Layout& src, const Layout& dst, const Rank
       v.reserve(cs.size());
       for (const auto& c : cs)
         v.push_back(stream_detail::CopyRecord{c.bytes(), static_cast<std::int32_t>(c.src_rank),
-                                              static_cast<std::int32_t>(c.dst_rank), c.tensor, out.form_of(c)});
+                                              static_cast<std::int32_t>(c.dst_rank), c.tensor, out.shape_of(c)});
     });
     rep.plan_seconds = since(t0);
     for (const auto& v : per_dst) {
@@ -161,7 +161,7 @@ inline Traffic streamed_traffic(const Layout& src, const Layout& dst, const Rank
     rep.choose_seconds = since(t0);
     t0 = std::chrono::steady_clock::now();
     for (auto& v : per_dst) {
-      for (const auto& c : v) out.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes) * scale(c.tensor), c.form);
+      for (const auto& c : v) out.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes) * scale(c.tensor), c.shape);
       std::vector<stream_detail::CopyRecord>().swap(v);
     }
     rep.traffic_seconds = since(t0);

@@ -26,7 +26,8 @@
 //    "nvlink_domain": 8, "nic_gbps": 400, "nvlink_gbps": 3600,
 //    "memcpy_gbps": 0, "fabric_gbps": 0, "latency_us": 5, "nvlink_latency_us": 2,
 //    "stage_latency_us": 10, "staging_budget": 268435456, "zero_copy_min": 65536,
-//    "host_cores": 0, "messages_in_flight": 1, "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
+//    "host_cores": 0, "staging_copy_gbps": 0, "staging_run_ns": 0, "messages_in_flight": 1,
+//    "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -74,6 +75,16 @@ struct Topology {
   /// its ends' CPUs (UCX progresses by polling), and each process gets only
   /// cores / processes of a core.
   double host_cores = 0;
+  /// What copying staged bytes into and out of staging costs a GPU's host
+  /// (packing at the source, unpacking at the destination): bytes at
+  /// staging_copy_gbps plus staging_run_ns per unit-stride run, added to the
+  /// stage (the packers first, then the unpackers; on a shared host, the
+  /// GPUs doing it at once share host_cores). 0 and 0 = free: on a cluster
+  /// GPU kernels pack at HBM speed while earlier waves move (executor
+  /// pipeline); on loopback the same cores that move the bytes copy them, so
+  /// the loopback preset has them fitted (bench/calibration/README.md).
+  double staging_copy_gbps = 0;
+  double staging_run_ns = 0;
   /// Messages a GPU keeps in flight at once, so that n messages cost
   /// n x latency / messages_in_flight (Little's law), still added to the
   /// transfer time rather than overlapped with it. 1 = one after another,
@@ -92,6 +103,7 @@ struct Topology {
   double nic_bytes_per_s() const { return nic_gbps * 1e9 / 8; }
   double nvlink_bytes_per_s() const { return nvlink_gbps * 1e9 / 8; }
   double memcpy_bytes_per_s() const { return memcpy_gbps * 1e9 / 8; }
+  double staging_copy_bytes_per_s() const { return staging_copy_gbps * 1e9 / 8; }
   double fabric_bytes_per_s() const { return fabric_gbps * 1e9 / 8; }
   std::int64_t node_of_gpu(std::int64_t g) const { return g / gpus_per_node; }
   std::int64_t domain_of_gpu(std::int64_t g) const { return g / nvlink_domain; }
@@ -118,6 +130,10 @@ struct Topology {
       if (!(v >= 0) || !std::isfinite(v)) bad(f, fmt::format("{} must be >= 0", v));
     if (staging_budget < 64) bad("staging_budget", fmt::format("{} must be >= 64 (the executor's minimum)", staging_budget));
     if (zero_copy_min < 0) bad("zero_copy_min", fmt::format("{} must be >= 0", zero_copy_min));
+    if (!(staging_copy_gbps >= 0) || !std::isfinite(staging_copy_gbps))
+      bad("staging_copy_gbps", fmt::format("{} must be >= 0 (0: staging copies are free)", staging_copy_gbps));
+    if (!(staging_run_ns >= 0) || !std::isfinite(staging_run_ns))
+      bad("staging_run_ns", fmt::format("{} must be >= 0", staging_run_ns));
     if (messages_in_flight < 1)
       bad("messages_in_flight", fmt::format("{} must be >= 1 (1: messages one after another)", messages_in_flight));
     if (!(host_cores >= 0) || !std::isfinite(host_cores))
@@ -172,19 +188,22 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     // "Calibration"; bench/calibration/compare.py refits these numbers from
     // a fresh measurement): every process is its own node, so every copy is
     // a network flow, and all flows share the host (fabric): one pair of
-    // processes already fills both cores. Fitted 2026-12-03 (fuzzers
-    // stopped, no other process busy at the start): 2.89 GB/s, 13.8 us per
-    // message (64 KiB zero-copy) and 130 us per refit (its barrier and
-    // agreement, as the stage latency).
+    // processes already fills both cores. Fitted 2026-12-03 from two quiet
+    // measurements pooled (fuzzers stopped; bench/calibration/runs/):
+    // 2.89 GB/s, 13.0 us per message (64 KiB zero-copy), 127 us per refit
+    // (its barrier and agreement, as the stage latency), and staging copies
+    // on the same cores at 11.1 GB/s plus 75 ns per run.
     t.gpus_per_node = 1;
     t.nvlink_domain = 1;
     t.nic_gbps = 8 * 2.89;
     t.nvlink_gbps = 8 * 2.89;
     t.fabric_gbps = 8 * 2.89;
     t.memcpy_gbps = 0;
-    t.latency_us = 13.8;
-    t.nvlink_latency_us = 13.8;
-    t.stage_latency_us = 130;
+    t.latency_us = 13.0;
+    t.nvlink_latency_us = 13.0;
+    t.stage_latency_us = 127;
+    t.staging_copy_gbps = 8 * 11.1;
+    t.staging_run_ns = 75;
     t.host_cores = 2;  // this machine's cores, shared by every process of a refit
     return t;
   }
@@ -200,12 +219,13 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   static const std::set<std::string> known = {"name",        "base",          "gpus_per_node",    "nvlink_domain",
                                               "nic_gbps",    "nvlink_gbps",   "memcpy_gbps",      "fabric_gbps", "latency_us",
                                               "nvlink_latency_us", "stage_latency_us", "staging_budget", "zero_copy_min",
-                                              "host_cores", "messages_in_flight", "placement", "rank_gpus"};
+                                              "host_cores", "staging_copy_gbps", "staging_run_ns",
+                                              "messages_in_flight", "placement", "rank_gpus"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k))
       bad(k, fmt::format("unknown field (known: name base gpus_per_node nvlink_domain nic_gbps nvlink_gbps "
                          "memcpy_gbps fabric_gbps latency_us nvlink_latency_us stage_latency_us staging_budget zero_copy_min host_cores "
-                         "messages_in_flight placement rank_gpus)"));
+                         "staging_copy_gbps staging_run_ns messages_in_flight placement rank_gpus)"));
   Topology t;
   if (auto it = j.find("base"); it != j.end()) {
     if (!it->is_string()) bad("base", fmt::format("expected a preset name (a string), got {}", it->type_name()));
@@ -244,6 +264,8 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   integer("staging_budget", t.staging_budget);
   integer("zero_copy_min", t.zero_copy_min);
   number("host_cores", t.host_cores);
+  number("staging_copy_gbps", t.staging_copy_gbps);
+  number("staging_run_ns", t.staging_run_ns);
   integer("messages_in_flight", t.messages_in_flight);
   if (auto it = j.find("rank_gpus"); it != j.end()) {
     if (!it->is_array()) bad("rank_gpus", fmt::format("expected an array of GPU numbers, got {}", it->type_name()));
