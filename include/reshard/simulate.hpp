@@ -133,8 +133,8 @@ class Traffic {
     const std::int64_t zcm = place_->topology().zero_copy_min, b = c.bytes();
     const std::int64_t src_runs = contiguous_runs(c.rank, c.extent.data(), c.src_stride.data());
     const std::int64_t dst_runs = contiguous_runs(c.rank, c.extent.data(), c.dst_stride.data());
-    const bool src_in_place = in_place(b, dense_run(c.rank, c.extent.data(), c.src_stride.data()), zcm);
-    const bool dst_in_place = in_place(b, dense_run(c.rank, c.extent.data(), c.dst_stride.data()), zcm);
+    // One run is dense_run (message_rule.hpp): the same walk, not done twice.
+    const bool src_in_place = in_place(b, src_runs == 1, zcm), dst_in_place = in_place(b, dst_runs == 1, zcm);
     auto runs = [](bool in_place_side, std::int64_t r) {
       return in_place_side ? 0 : static_cast<std::int32_t>(std::min<std::int64_t>(r, std::numeric_limits<std::int32_t>::max()));
     };
