@@ -116,6 +116,21 @@ test_targets() {
     grep -v -x -F -f <(printf '%s\n' "${benches[@]}" "__none__")
 }
 
+# Fails unless every regex selects at least one test of the build folder:
+# a selection that matches nothing would pass while checking nothing
+# (ctest --no-tests=error catches only a whole run that selects none).
+expect_tests() {
+  local dir=$1 re n
+  shift
+  for re in "$@"; do
+    n=$(ctest --test-dir "$dir" -N -R "$re" | sed -n 's/^Total Tests: //p')
+    if [ "${n:-0}" -eq 0 ]; then
+      echo "sanitize: no test of $dir matches '$re'" >&2
+      exit 1
+    fi
+  done
+}
+
 # Builds targets of a configured folder at -j$jobs. Not `--target a b c`:
 # the Makefile generator builds those one after another, one file at a time
 # (each is one source file); the group target (RESHARD_TARGET_GROUP in
@@ -136,12 +151,13 @@ if want asan; then
   mapfile -t targets < <(test_targets build-asan)
   build_group build-asan "${targets[@]}"
   stamp "asan: ctest"
-  RESHARD_SEEDS=${RESHARD_SAN_SEEDS:-1:600} ctest --test-dir build-asan --output-on-failure -j"$jobs" -E '^(static_fail|ucx\.mpi)\.'
+  RESHARD_SEEDS=${RESHARD_SAN_SEEDS:-1:600} ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -E '^(static_fail|ucx\.mpi)\.'
   # The mpirun tests' leaks come from inside Open MPI (its op and component
   # tables, kept until exit); the default fast unwinder stops at the first
   # frame in a system library, so LeakSanitizer would see no libmpi frame to
   # match the suppressions: unwind fully there (slower mallocs, 2 tests only).
-  ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0" ctest --test-dir build-asan --output-on-failure -j"$jobs" -R '^ucx\.mpi\.'
+  expect_tests build-asan '^ucx\.mpi\.'
+  ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0" ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -R '^ucx\.mpi\.'
   stamp "asan: passed"
 fi
 
@@ -154,19 +170,20 @@ if want tsan; then
   # refit.default (the 707 MB model, 5 iterations and the traditional
   # baseline) takes over 4 minutes under TSan; the refit.example.* runs take
   # the same executor and transport paths on smaller models.
-  tsan_tests='^(test_executor|test_resharder|refit\.(example|usage)\..*|fuzz\.inputs\.schedule_replay'
+  tsan_parts=(test_executor test_resharder 'refit\.example\..*' 'refit\.usage\..*' 'fuzz\.inputs\.schedule_replay')
   # (help captured first: `grep -q` closing the pipe early would fail it under pipefail)
   tsan_help=$(cmake --build build-tsan --target help)
   if grep -q -x '\.\.\. test_ucx_fork' <<< "$tsan_help"; then
     targets+=(test_ucx_fork)
-    tsan_tests+='|test_ucx_fork'
+    tsan_parts+=(test_ucx_fork)
   fi
-  tsan_tests+=')$'
+  tsan_tests="^($(IFS='|'; echo "${tsan_parts[*]}"))\$"
   build_group build-tsan "${targets[@]}"
   stamp "tsan: ctest"
   # TSan needs the address space layout it expects (no ASLR surprises on new kernels).
   setarch "$(uname -m)" -R true 2>/dev/null && tsan_prefix=(setarch "$(uname -m)" -R) || tsan_prefix=()
-  "${tsan_prefix[@]}" ctest --test-dir build-tsan --output-on-failure -j"$jobs" -R "$tsan_tests"
+  expect_tests build-tsan "${tsan_parts[@]/#/^}"
+  "${tsan_prefix[@]}" ctest --test-dir build-tsan --output-on-failure --no-tests=error -j"$jobs" -R "$tsan_tests"
   stamp "tsan: passed"
 fi
 

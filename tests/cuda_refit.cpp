@@ -1,8 +1,11 @@
 // Refits with the weights in GPU memory: ranks as threads sharing one GPU
-// (cuda::LocalDeviceTransport over managed memory), the executor staging in
-// device memory and packing / unpacking / copying locally with the CUDA
-// kernels (cuda::CudaCopyEngine). Every destination element is checked
-// after every refit (tests/refit_util.hpp's tags). Without a GPU: skipped.
+// (cuda::LocalDeviceTransport, whose world moves bytes with cudaMemcpy), the
+// executor staging in device memory and packing / unpacking / copying
+// locally with the CUDA kernels (cuda::CudaCopyEngine). Buffers are plain
+// cudaMalloc memory (host code touching them would fault, not pass), filled
+// and read back with explicit copies; every destination element is checked
+// after every refit (tests/refit_util.hpp's tags). Suite "gpu": skipped
+// without a GPU (tests/cuda_test_main.cpp).
 //
 // Host code, compiled by g++: only the engine comes from nvcc
 // (test_cuda_refit.cu), the way an application keeps its refit code out of
@@ -22,17 +25,11 @@
 using namespace reshard;
 using namespace refit_test;
 
-/// test_cuda_refit.cu (nvcc): a CudaCopyEngine with managed staging.
-std::shared_ptr<DeviceCopyEngine> make_managed_copy_engine();
+/// test_cuda_refit.cu (nvcc): a CudaCopyEngine with cudaMalloc staging.
+std::shared_ptr<DeviceCopyEngine> make_copy_engine();
 std::int64_t copy_engine_launches(const DeviceCopyEngine& e);
 
 namespace {
-
-bool have_gpu() {
-  static const int n = cuda::visible_devices();
-  if (n == 0) MESSAGE("no GPU visible (cudaGetDeviceCount failed or returned 0): skipped");
-  return n > 0;
-}
 
 using refit_test::cut;
 using refit_test::one_axis;
@@ -43,13 +40,13 @@ struct DeviceOutcome {
   std::string first_wrong;
 };
 
-/// run_refits (refit_util.hpp) with every buffer copied into managed memory
+/// run_refits (refit_util.hpp) with every buffer copied into device memory
 /// and bound as MemoryKind::device.
 DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits, ResharderOptions opt = {}) {
   DeviceOutcome out;
   const auto ranks = world_of(src, dst);
   std::mutex m;
-  LocalWorld world(ranks);
+  LocalWorld world(ranks, cuda::device_world_options());
   world.run([&](LocalTransport& lt) {
     cuda::LocalDeviceTransport t(lt);
     SideMemory sm = make_side(src, t.rank(), true, 0), dm = make_side(dst, t.rank(), false, 0);
@@ -59,7 +56,7 @@ DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits
       ptrs.assign(mem.data.size(), nullptr);
       for (std::size_t b = 0; b < mem.data.size(); ++b) {
         if (!mem.present[b]) continue;
-        cuda::check_cuda(cudaMallocManaged(reinterpret_cast<void**>(&ptrs[b]), std::max<std::size_t>(mem.data[b].size(), 1)), "cudaMallocManaged");
+        cuda::check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptrs[b]), std::max<std::size_t>(mem.data[b].size(), 1)), "cudaMalloc");
         owned.push_back(ptrs[b]);
         BufferView bv = bytes_view(ptrs[b], mem.data[b].size(), static_cast<std::int64_t>(mem.element_bytes[b]));
         bv.memory = MemoryKind::device;
@@ -69,7 +66,7 @@ DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits
     };
     auto upload = [](SideMemory& mem, std::vector<std::byte*>& ptrs) {
       for (std::size_t b = 0; b < ptrs.size(); ++b)
-        if (ptrs[b]) std::memcpy(ptrs[b], mem.data[b].data(), mem.data[b].size());
+        if (ptrs[b]) cuda::check_cuda(cudaMemcpy(ptrs[b], mem.data[b].data(), mem.data[b].size(), cudaMemcpyHostToDevice), "cudaMemcpy up");
     };
     std::vector<std::byte*> sp, dp;
     LocalBuffers bufs;
@@ -77,7 +74,7 @@ DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits
     bufs.dst = bind(dst, dm, dp);
     upload(sm, sp);
     upload(dm, dp);
-    auto engine = make_managed_copy_engine();
+    auto engine = make_copy_engine();
     ResharderOptions o = opt;
     o.executor.device = engine;
     {
@@ -91,7 +88,7 @@ DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits
         }
         const RefitReport rep = r.refit();
         for (std::size_t b = 0; b < dp.size(); ++b)
-          if (dp[b]) std::memcpy(dm.data[b].data(), dp[b], dm.data[b].size());
+          if (dp[b]) cuda::check_cuda(cudaMemcpy(dm.data[b].data(), dp[b], dm.data[b].size(), cudaMemcpyDeviceToHost), "cudaMemcpy down");
         std::string first;
         const auto wrong = count_wrong(dst, dm, t.rank(), static_cast<std::uint64_t>(k), &first);
         std::lock_guard lk(m);
@@ -121,8 +118,7 @@ std::vector<TensorSpec> model(bool split_second) {
 
 }  // namespace
 
-TEST_CASE("device refit tp=2 -> tp=4 (disaggregated): packed, zero-copy and half-staged pieces on the GPU") {
-  if (!have_gpu()) return;
+TEST_CASE("device refit tp=2 -> tp=4 (disaggregated): packed, zero-copy and half-staged pieces on the GPU" * doctest::test_suite("gpu")) {
   auto dst_t = model(true);
   for (auto& t : dst_t)
     for (auto& d : t.dims)
@@ -139,8 +135,7 @@ TEST_CASE("device refit tp=2 -> tp=4 (disaggregated): packed, zero-copy and half
   CHECK(o.launches > 0);
 }
 
-TEST_CASE("device refit, colocated: local copies run as one kernel batch") {
-  if (!have_gpu()) return;
+TEST_CASE("device refit, colocated: local copies run as one kernel batch" * doctest::test_suite("gpu")) {
   auto dst_t = model(false);
   dst_t[0].dims = {{}, cut(2)};
   const Layout src = one_axis("tp", 2, 0, model(true)), dst = one_axis("tp", 2, 0, dst_t);

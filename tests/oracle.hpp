@@ -548,6 +548,7 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
     if (w.empty()) w.assign(dslots.size(), -1);
     const std::optional<std::int64_t> dst_in_src = c.is_local() ? std::nullopt : S.ranks().position(c.dst_rank);
     std::string msg;
+    std::int64_t visited = 0;
     const bool fine = detail::for_each_element(c, [&](const std::vector<std::int64_t>& i, std::int64_t so, std::int64_t dof) {
       const auto at = [&] { return fmt::format("{} at box index [{}]", where(), fmt::join(i, ",")); };
       if (so < 0 || so >= static_cast<std::int64_t>(sslots.size())) {
@@ -595,11 +596,14 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
         return false;
       }
       ++res.elements;
+      ++visited;
       return true;
     });
     if (!fine) return fault(msg);
     ++res.copies;
-    (c.is_local() ? local_bytes : bytes) += c.bytes();
+    // Bytes counted here, from the elements visited and the tensor's dtype
+    // (not the library's Copy::bytes(), which the stats under test use).
+    (c.is_local() ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
   }
   // Completeness: every destination slot holding an element was written.
   for (std::int64_t p = 0; p < D.positions(); ++p) {

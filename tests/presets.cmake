@@ -3,3 +3,6 @@
 if(TARGET test_presets)
   target_compile_definitions(test_presets PRIVATE RESHARD_TEST_MODELS="${CMAKE_CURRENT_SOURCE_DIR}/models")
 endif()
+if(TARGET test_verify)
+  target_compile_definitions(test_verify PRIVATE RESHARD_TEST_MODELS="${CMAKE_CURRENT_SOURCE_DIR}/models")
+endif()

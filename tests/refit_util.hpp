@@ -136,6 +136,21 @@ inline std::int64_t count_wrong(const Layout& L, const SideMemory& m, std::int64
   return wrong;
 }
 
+/// Bytes endpoint `t` has registered outside the given sides' buffers: the
+/// executors' staging, as the transport sees it (independent of the
+/// executor's own staging figures).
+inline std::int64_t registered_outside(const LocalTransport& t, std::initializer_list<const SideMemory*> sides) {
+  std::int64_t out = 0;
+  for (const auto& r : t.registered()) {
+    bool inside = false;
+    for (const SideMemory* m : sides)
+      for (const auto& d : m->data)
+        inside |= !d.empty() && r.data() >= d.data() && r.data() + r.size() <= d.data() + d.size();
+    if (!inside) out += static_cast<std::int64_t>(r.size());
+  }
+  return out;
+}
+
 inline std::map<std::string, BufferView> views(const Layout& L, SideMemory& m) {
   std::map<std::string, BufferView> out;
   for (std::size_t b = 0; b < m.slots.size(); ++b)

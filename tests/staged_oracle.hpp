@@ -120,6 +120,7 @@ inline CheckResult check_staged(const Layout& src, const Layout& dst, const resh
     const auto dst_in_src = S.ranks().position(c.dst_rank);
     const bool local = c.src_rank == c.dst_rank && !from_dst;
     std::string msg;
+    std::int64_t visited = 0;
     const bool fine = oracle::detail::for_each_element(c, [&](const std::vector<std::int64_t>& i, std::int64_t so, std::int64_t dof) {
       const auto at = [&] { return fmt::format("{} at box index [{}]", where(), fmt::join(i, ",")); };
       if (so < 0 || so >= static_cast<std::int64_t>(sslots.size())) {
@@ -175,11 +176,13 @@ inline CheckResult check_staged(const Layout& src, const Layout& dst, const resh
         }
       }
       ++res.elements;
+      ++visited;
       return true;
     });
     if (!fine) return fault(msg);
     ++res.copies;
-    (c.src_rank == c.dst_rank ? local_bytes : bytes) += c.bytes();
+    // Counted from the elements visited (not the library's Copy::bytes()).
+    (c.src_rank == c.dst_rank ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
   }
   for (std::int64_t p = 0; p < D.positions(); ++p) {
     const auto& dr = D.at(p);

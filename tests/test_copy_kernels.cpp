@@ -148,7 +148,10 @@ TEST_CASE("a contiguous box is one memcpy-equivalent and rank > 4 boxes work") {
 TEST_CASE("a range outside the box is an error, not an overrun") {
   std::vector<std::byte> a(64), b(64);
   std::int64_t ext[2] = {4, 4}, st[2] = {4, 1};
-  CHECK_THROWS_AS(pack_range(2, 2, ext, BoxSide{a.data(), 0, st}, 10, 7, b.data()), Error);
-  CHECK_THROWS_AS(unpack_range(2, 2, ext, BoxSide{a.data(), 0, st}, -1, 2, b.data()), Error);
-  CHECK_THROWS_AS(copy_box(2, 0, ext, BoxSide{a.data(), 0, st}, BoxSide{b.data(), 0, st}), Error);
+  CHECK_THROWS_WITH_AS(pack_range(2, 2, ext, BoxSide{a.data(), 0, st}, 10, 7, b.data()),
+                       "copy kernel: element range [10, 17) is outside a box of 16 elements", Error);
+  CHECK_THROWS_WITH_AS(unpack_range(2, 2, ext, BoxSide{a.data(), 0, st}, -1, 2, b.data()),
+                       "copy kernel: element range [-1, 1) is outside a box of 16 elements", Error);
+  CHECK_THROWS_WITH_AS(copy_box(2, 0, ext, BoxSide{a.data(), 0, st}, BoxSide{b.data(), 0, st}),
+                       "copy kernel: box rank 0 is outside 1..32", Error);
 }

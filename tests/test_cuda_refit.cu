@@ -4,8 +4,8 @@
 
 #include "reshard/cuda/device_engine.cuh"
 
-std::shared_ptr<reshard::DeviceCopyEngine> make_managed_copy_engine() {
-  return std::make_shared<reshard::cuda::CudaCopyEngine>(reshard::cuda::CudaCopyEngineOptions{-1, nullptr, true});
+std::shared_ptr<reshard::DeviceCopyEngine> make_copy_engine() {
+  return std::make_shared<reshard::cuda::CudaCopyEngine>(reshard::cuda::CudaCopyEngineOptions{-1, nullptr, false});
 }
 
 std::int64_t copy_engine_launches(const reshard::DeviceCopyEngine& e) {

@@ -382,41 +382,7 @@ TEST_CASE("layouts of different tensors are refused before any setup") {
   auto [src, dst] = llama_block();
   Layout other = make_layout({{"tp", 1}}, 0, {tensor("q", {64, 32})});
   auto e = error_of([&] { Resharder<Layout, LocalTransport> r(src, other); });
-  CHECK(e.find("shape") != std::string::npos);
-}
-
-TEST_CASE("verify.hpp tags every slot the way the oracle lays them out") {
-  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
-    const auto pair = testgen::random_layout_pair(seed);
-    INFO(pair.describe());
-    for (const Layout* L : {&pair.src, &pair.dst}) {
-      for (std::int64_t pos = 0; pos < L->mesh.size(); ++pos) {
-        const auto slots = oracle::local_slots(*L, pos);
-        for (std::size_t b = 0; b < slots.buffers.size(); ++b) {
-          if (!slots.present[b]) continue;
-          const auto E = static_cast<std::size_t>(element_bytes(L->local_buffers()[b].dtype));
-          std::vector<std::byte> mem(slots.buffers[b].size() * E, std::byte{0x11});
-          fill_tags(*L, pos, static_cast<int>(b), mem.data(), TagFill::source, 3);
-          for (std::size_t i = 0; i < slots.buffers[b].size(); ++i) {
-            const auto& sl = slots.buffers[b][i];
-            std::vector<std::byte> want(E, kSourcePadding);
-            if (!sl.padding()) {
-              const auto v = element_tag(tensor_key(L->tensors[static_cast<std::size_t>(sl.tensor)].name), sl.index, 3);
-              std::memcpy(want.data(), &v, E);
-            }
-            REQUIRE(std::memcmp(mem.data() + i * E, want.data(), E) == 0);
-          }
-          // A destination filled with the poison fails every slot; the right values pass.
-          fill_tags(*L, pos, static_cast<int>(b), mem.data(), TagFill::poison, 3);
-          const auto bad = check_tags(*L, pos, static_cast<int>(b), mem.data(), 3);
-          std::int64_t real = 0;
-          for (const auto& sl : slots.buffers[b]) real += !sl.padding();
-          CHECK(bad.wrong == real);
-          CHECK(bad.checked == static_cast<std::int64_t>(slots.buffers[b].size()));
-        }
-      }
-    }
-  }
+  CHECK(e.find("tensor 'q': shape: shape [64, 32] differs from [64, 64]") != std::string::npos);
 }
 
 namespace {

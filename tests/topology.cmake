@@ -15,14 +15,20 @@ if(TARGET reshard-plan)
   add_test(NAME topology.cli.simulate_summary COMMAND ${_p} --topology gb200-nvl72 --simulate --fp8-wire)
   set_tests_properties(topology.cli.simulate_summary PROPERTIES LABELS cli
                        PASS_REGULAR_EXPRESSION "lower bound .*stage 0 ")
-  add_test(NAME topology.cli.bad_field COMMAND ${_p} --topology ${_t}/bad-field.json)
-  set_tests_properties(topology.cli.bad_field PROPERTIES LABELS cli
-                       PASS_REGULAR_EXPRESSION "bad-field.json: nic_gbps: -5 must be a positive number")
-  add_test(NAME topology.cli.unknown COMMAND ${_p} --topology no-such-cluster)
-  set_tests_properties(topology.cli.unknown PROPERTIES LABELS cli
-                       PASS_REGULAR_EXPRESSION "topology 'no-such-cluster': neither a preset")
-  add_test(NAME topology.cli.needs_topology COMMAND ${_p} --hierarchical)
-  set_tests_properties(topology.cli.needs_topology PROPERTIES LABELS cli PASS_REGULAR_EXPRESSION "requires --topology")
-  add_test(NAME topology.cli.no_rank COMMAND ${_p} --topology h100-8x400g --rank 2)
-  set_tests_properties(topology.cli.no_rank PROPERTIES LABELS cli PASS_REGULAR_EXPRESSION "excludes")
+  # Errors: the exit status, nothing on stdout, one stderr line naming the fault
+  # (the same checker as reshard-plan's bad inputs, tests/cli/check_cli.cmake).
+  set(_src --src|${_t}/src.json|--dst|${_t}/dst.json)
+  foreach(entry
+      "bad_field|1|bad-field.json: nic_gbps: -5 must be a positive number|--topology|${_t}/bad-field.json"
+      "unknown|1|topology 'no-such-cluster': neither a preset|--topology|no-such-cluster"
+      "needs_topology|2|--hierarchical requires --topology|--hierarchical"
+      "no_rank|2|--rank excludes --topology|--topology|h100-8x400g|--rank|2")
+    string(REPLACE "|" ";" parts "${entry}")
+    list(POP_FRONT parts name want phrase)
+    string(REPLACE ";" "|" args "${parts}")
+    add_test(NAME topology.cli.${name}
+             COMMAND ${CMAKE_COMMAND} -DEXE=$<TARGET_FILE:reshard-plan> -DMODE=usage "-DARGS=${_src}|${args}"
+                     -DWANT_RC=${want} "-DCONTAINS=${phrase}" -P ${CMAKE_CURRENT_LIST_DIR}/cli/check_cli.cmake)
+    set_tests_properties(topology.cli.${name} PROPERTIES TIMEOUT 60 LABELS cli)
+  endforeach()
 endif()

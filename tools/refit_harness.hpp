@@ -278,10 +278,7 @@ struct Side {
     if (!pos) return all;
     for (std::size_t b = 0; b < mem.size(); ++b) {
       if (!mem[b]) continue;
-      auto r = check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt);
-      all.checked += r.checked;
-      if (r.wrong && all.first_wrong.empty()) all.first_wrong = r.first_wrong;
-      all.wrong += r.wrong;
+      all.add(check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt));
     }
     return all;
   }
@@ -289,8 +286,9 @@ struct Side {
 }  // namespace detail
 
 /// Refits src -> dst `iterations` times on a LocalWorld of both sides' ranks
-/// (one thread each), then the traditional refit the same number of times,
-/// validating every destination element after the last iteration of each.
+/// (one thread each), alternating with the traditional refit, each iteration
+/// with new source values and every destination element validated after
+/// every iteration of each method.
 inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOptions& opt) {
   RunResult res;
   std::set<std::int64_t> world_set;
@@ -357,23 +355,28 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
       slice = std::make_unique<Resharder<Layout, LocalTransport>>(broadcast, dst, s_bufs, t, r3);
     }
     // Iterations alternate between the methods so both see the same machine
-    // (other load drifts over time). The last of each starts from all-wrong
-    // destination memory and is checked element by element.
+    // (other load drifts over time). Each iteration refits new source values
+    // (salt k) into all-wrong destination memory and is checked element by
+    // element (outside the timed window), so a refit that moved nothing, or
+    // last iteration's values, fails.
     for (int k = 0; k < iters; ++k) {
-      const bool last = k == iters - 1;
-      if (last && k > 0) d.fill(TagFill::poison, 0);
+      const auto salt = static_cast<std::uint64_t>(k);
+      if (k > 0) {
+        s.fill(TagFill::source, salt);
+        d.fill(TagFill::poison, salt);
+      }
       t.all_gather({}, far());
       me.t0.push_back(Clock::now());
       me.main = reshard_refit.refit();
       me.t1.push_back(Clock::now());
-      if (last) me.check = d.check(0);
+      me.check.add(d.check(salt), fmt::format("iteration {}", k));
       if (!opt.baseline) continue;
-      if (last) d.fill(TagFill::poison, 0);
+      d.fill(TagFill::poison, salt);
       t.all_gather({}, far());
       me.b0.push_back(Clock::now());
       me.base = {gather->refit(), bcast->refit(), slice->refit()};
       me.b1.push_back(Clock::now());
-      if (last) me.base_check = d.check(0);
+      me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
     }
     t.all_gather({}, far());
   });

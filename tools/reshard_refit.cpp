@@ -6,8 +6,8 @@
 //                 [--topology NAME|FILE [--placement launch|separate] --hierarchical [--pipeline K]]
 // With no arguments: an embedded Llama-like model (8 layers, hidden 2048,
 // bf16, ~700 MB) from Megatron pp=2 x dp=2 x tp=2 to vLLM tp=4 on the
-// in-process transport. Every destination element is checked after the last
-// refit of each method. Exit status: 0 validated, 1 validation failed or
+// in-process transport. Every destination element is checked after every
+// refit of each method (new source values each iteration). Exit status: 0 validated, 1 validation failed or
 // invalid input, 2 usage error.
 #include <cstdio>
 #include <exception>

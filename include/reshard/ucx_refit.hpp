@@ -3,7 +3,7 @@
 // (reshard-refit --transport ucx under mpirun). Mirrors the in-process
 // harness: the same tagged weights (verify.hpp), the reshard refit and the
 // traditional gather + broadcast + slice refit (traditional.hpp) on the same
-// transport, alternating iterations, the last of each checked element by
+// transport, alternating iterations, every one of each checked element by
 // element from all-wrong destination memory. Then the raw UCX bandwidth
 // between the two ranks that exchange the most bytes is measured in the same
 // run, so the report says what fraction of the transport the refit reached.
@@ -124,10 +124,7 @@ struct Side {
     if (!pos) return all;
     for (std::size_t b = 0; b < mem.size(); ++b) {
       if (!mem[b]) continue;
-      auto r = check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt);
-      all.checked += r.checked;
-      if (r.wrong && all.first_wrong.empty()) all.first_wrong = r.first_wrong;
-      all.wrong += r.wrong;
+      all.add(check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt));
     }
     return all;
   }
@@ -263,23 +260,27 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
       bcast = std::make_unique<Resharder<Layout, UcxTransport>>(gathered, broadcast, b_bufs, t, r2);
       slice = std::make_unique<Resharder<Layout, UcxTransport>>(broadcast, dst, s_bufs, t, r3);
     }
-    // Alternate the methods so both see the same machine; the last of each
-    // starts from all-wrong destination memory and is checked.
+    // Alternate the methods so both see the same machine; each iteration
+    // refits new source values (salt k) into all-wrong destination memory and
+    // is checked element by element outside the timed window.
     for (int k = 0; k < iters; ++k) {
-      const bool last = k == iters - 1;
-      if (last && k > 0) d.fill(TagFill::poison, 0);
+      const auto salt = static_cast<std::uint64_t>(k);
+      if (k > 0) {
+        s.fill(TagFill::source, salt);
+        d.fill(TagFill::poison, salt);
+      }
       t.all_gather({}, far());
       me.t0.push_back(ns(Clock::now()));
       me.main = main.refit();
       me.t1.push_back(ns(Clock::now()));
-      if (last) me.check = d.check(0);
+      me.check.add(d.check(salt), fmt::format("iteration {}", k));
       if (!opt.baseline) continue;
-      if (last) d.fill(TagFill::poison, 0);
+      d.fill(TagFill::poison, salt);
       t.all_gather({}, far());
       me.b0.push_back(ns(Clock::now()));
       me.base = {gather->refit(), bcast->refit(), slice->refit()};
       me.b1.push_back(ns(Clock::now()));
-      if (last) me.base_check = d.check(0);
+      me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
     }
     t.all_gather({}, far());
   }

@@ -162,6 +162,14 @@ inline void fill_tags(const Layout& L, std::int64_t pos, int buf, std::byte* dat
 struct TagCheck {
   std::int64_t checked = 0, wrong = 0;
   std::string first_wrong;  ///< the first wrong slot, in words
+
+  /// Adds another check (another buffer, another iteration); `where` prefixes
+  /// its first wrong slot when that becomes the first here.
+  void add(const TagCheck& c, std::string_view where = {}) {
+    checked += c.checked;
+    if (c.wrong && wrong == 0) first_wrong = where.empty() ? c.first_wrong : fmt::format("{}: {}", where, c.first_wrong);
+    wrong += c.wrong;
+  }
 };
 
 /// Checks every slot of a dense destination buffer after a refit.

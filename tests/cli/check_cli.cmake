@@ -1,7 +1,8 @@
 # Checks one run of reshard-plan against CONTRACT.md §2/§3 (run with cmake -P).
 #   -DEXE=reshard-plan -DMODE=bad     -DCASE=tests/bad_inputs/NAME.expect
 #   -DEXE=reshard-plan -DMODE=json|stats|rank|summary -DSRC=a.json -DDST=b.json
-#   -DEXE=reshard-plan -DMODE=usage   -DARGS=a|b|c -DWANT_RC=2
+#   -DEXE=reshard-plan -DMODE=usage   -DARGS=a|b|c -DWANT_RC=2 [-DCONTAINS=phrase|phrase]
+#   -DEXE=reshard-refit -DMODE=refit  -DARGS=a|b|c [-DBASELINE=ON] [-DTIMEOUT=600]
 # bad:     non-zero exit, nothing on stdout, exactly one line on stderr that
 #          names the file and holds every `contains` line of the .expect file.
 # json:    the schedule parses, every copy has exactly the contract's fields
@@ -11,6 +12,11 @@
 # rank:    for every rank of both sides, --rank R gives exactly the full
 #          schedule's copies that R sends or receives; a rank in neither gets none.
 # summary: the people's summary names both files and the plan's figures.
+# usage:   exit status WANT_RC (any program); on an error nothing on stdout and
+#          exactly one stderr line holding every CONTAINS phrase.
+# refit:   reshard-refit --json: exit 0, nothing on stderr (a sanitizer report
+#          fails it), one JSON object whose reshard figures say validated with
+#          every checked element right, and (BASELINE) the baseline's too.
 cmake_minimum_required(VERSION 3.25)
 
 function(die)
@@ -39,7 +45,10 @@ function(split_lines text out)
 endfunction()
 
 function(run_plan out_rc out_stdout out_stderr)
-  execute_process(COMMAND ${EXE} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE so ERROR_VARIABLE se TIMEOUT 120)
+  if(NOT DEFINED TIMEOUT)
+    set(TIMEOUT 120)
+  endif()
+  execute_process(COMMAND ${EXE} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE so ERROR_VARIABLE se TIMEOUT ${TIMEOUT})
   set(${out_rc} "${rc}" PARENT_SCOPE)
   set(${out_stdout} "${so}" PARENT_SCOPE)
   set(${out_stderr} "${se}" PARENT_SCOPE)
@@ -361,7 +370,52 @@ if(MODE STREQUAL "usage")
     if(NOT so STREQUAL "" OR NOT n EQUAL 1)
       die("args '${ARGS}': want nothing on stdout and one line on stderr; stdout '${so}', stderr '${se}'")
     endif()
+    string(REPLACE "|" ";" phrases "${CONTAINS}")
+    foreach(p IN LISTS phrases)
+      string(FIND "${se}" "${p}" at)
+      if(at EQUAL -1)
+        die("args '${ARGS}': the message lacks '${p}': ${se}")
+      endif()
+    endforeach()
   endif()
+  return()
+endif()
+
+if(MODE STREQUAL "refit")
+  string(REPLACE "|" ";" args "${ARGS}")
+  run_plan(rc so se ${args})
+  expect_clean_success("${rc}" "${so}" "${se}" "reshard-refit ${ARGS}")
+  string(JSON kind ERROR_VARIABLE err TYPE "${so}")
+  if(err OR NOT kind STREQUAL "OBJECT")
+    die("stdout is not one JSON object: ${so}")
+  endif()
+  set(methods .)
+  if(BASELINE)
+    list(APPEND methods baseline)
+  endif()
+  foreach(m IN LISTS methods)
+    if(m STREQUAL ".")
+      set(path "")
+      set(what "reshard")
+    else()
+      set(path ${m})
+      set(what ${m})
+    endif()
+    json_get(ok "${so}" ${path} validated)
+    json_get(checked "${so}" ${path} checked_elements)
+    json_get(wrong "${so}" ${path} wrong_elements)
+    if(NOT ok STREQUAL "ON" OR NOT wrong EQUAL 0 OR NOT checked GREATER 0)
+      die("${what}: validated ${ok}, ${wrong} of ${checked} checked elements wrong: ${so}")
+    endif()
+  endforeach()
+  if(NOT BASELINE)
+    string(JSON b ERROR_VARIABLE err GET "${so}" baseline)
+    if(NOT err)
+      die("a baseline ran although the test expects none: ${so}")
+    endif()
+  endif()
+  json_get(moved "${so}" bytes_moved)
+  message(STATUS "validated: ${checked} elements, ${moved} bytes moved")
   return()
 endif()
 

@@ -47,6 +47,9 @@ struct LocalWorldOptions {
   int copy_threads = 0;
   /// Largest piece of one message copied as one task.
   std::size_t task_bytes = 2u << 20;
+  /// How the world moves a task's bytes; nullptr = std::memcpy (host memory).
+  /// A world of ranks sharing one GPU passes a device copy (cuda/local_device.hpp).
+  void (*copy)(void* to, const void* from, std::size_t bytes) = nullptr;
 };
 
 /// Bytes and messages the world moved for one rank.
@@ -110,6 +113,7 @@ class LocalWorld {
     std::lock_guard lk(m_);
     return aborted_;
   }
+  const LocalWorldOptions& options() const { return opt_; }
 
  private:
   friend class LocalTransport;
@@ -153,6 +157,8 @@ class LocalWorld {
     return it->second;
   }
 
+  static void copy_host(void* to, const void* from, std::size_t bytes) { std::memcpy(to, from, bytes); }
+
   RegionHandle register_memory(std::size_t me, void* p, std::size_t bytes) {
     std::lock_guard lk(m_);
     auto& regs = endpoints_[me].regions;
@@ -163,6 +169,13 @@ class LocalWorld {
     std::lock_guard lk(m_);
     auto& regs = endpoints_[me].regions;
     if (h.id < regs.size()) regs[h.id].live = false;
+  }
+  std::vector<std::span<const std::byte>> registered(std::size_t me) const {
+    std::lock_guard lk(m_);
+    std::vector<std::span<const std::byte>> out;
+    for (const Region& r : endpoints_[me].regions)
+      if (r.live) out.emplace_back(r.ptr, r.bytes);
+    return out;
   }
 
   std::string describe(const TransferOp& op, std::int64_t me) const {
@@ -318,7 +331,7 @@ class LocalWorld {
         tasks_.pop_front();
         ++active_copiers_;
         lk.unlock();
-        std::memcpy(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
+        (opt_.copy ? opt_.copy : copy_host)(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
         lk.lock();
         --active_copiers_;
         if (--task.transfer->tasks_left == 0) {
@@ -454,6 +467,9 @@ class LocalTransport {
     return w_->register_memory(me_, p, bytes);
   }
   void deregister_memory(RegionHandle h) { w_->deregister_memory(me_, h); }
+  /// The ranges this endpoint has registered and not deregistered (what a
+  /// test measures staging by, apart from the executor's own figures).
+  std::vector<std::span<const std::byte>> registered() const { return w_->registered(me_); }
 
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
     return w_->all_gather(me_, blob, deadline);

@@ -1,14 +1,14 @@
 #pragma once
 // The in-process transport (backends/local.hpp) for ranks as threads that
-// share one GPU: device buffers must be CUDA managed memory
-// (cudaMallocManaged), because the in-process "network" copies with the CPU.
+// share one GPU: the world moves bytes with cudaMemcpy (device_world_options()),
+// so device buffers are plain cudaMalloc memory (managed memory works too).
 // Everything else is LocalTransport's. For tests and the device check: real
 // multi-GPU refits use the NCCL (or a CUDA-enabled UCX) transport.
 //
-//   LocalWorld world(ranks);
+//   LocalWorld world(ranks, reshard::cuda::device_world_options());
 //   world.run([&](LocalTransport& lt) {
 //     reshard::cuda::LocalDeviceTransport t(lt);
-//     ... Resharder<Layout, LocalDeviceTransport> over managed device buffers ...
+//     ... Resharder<Layout, LocalDeviceTransport> over device buffers ...
 //   });
 //
 // Plain C++; link CUDA::cudart.
@@ -19,11 +19,27 @@
 
 namespace reshard::cuda {
 
+/// The world's byte mover for device memory: cudaMemcpy with unified
+/// addressing (either side may be device, managed or host memory).
+inline void copy_device_bytes(void* to, const void* from, std::size_t bytes) {
+  check_cuda(cudaMemcpy(to, from, bytes, cudaMemcpyDefault), "cudaMemcpy (local-device transport)");
+}
+
+/// LocalWorldOptions for a world whose ranks hold device buffers.
+inline LocalWorldOptions device_world_options(LocalWorldOptions o = {}) {
+  o.copy = &copy_device_bytes;
+  return o;
+}
+
 class LocalDeviceTransport {
  public:
   using request = LocalTransport::request;
 
-  explicit LocalDeviceTransport(LocalTransport t) : t_(t) {}
+  explicit LocalDeviceTransport(LocalTransport t) : t_(t) {
+    if (t_.world().options().copy != &copy_device_bytes)
+      fail("local-device transport: rank {}: the world copies with the CPU; build it with "
+           "LocalWorld(ranks, reshard::cuda::device_world_options())", rank());
+  }
 
   std::int64_t rank() const { return t_.rank(); }
   std::span<const std::int64_t> world_ranks() const { return t_.world_ranks(); }
@@ -34,9 +50,9 @@ class LocalDeviceTransport {
       cudaPointerAttributes a{};
       const cudaError_t e = cudaPointerGetAttributes(&a, p);
       if (e != cudaSuccess) (void)cudaGetLastError();
-      if (e != cudaSuccess || a.type != cudaMemoryTypeManaged)
-        fail("local-device transport: rank {} registers {} bytes at {} as device memory, but it is not CUDA managed memory: the in-process "
-             "transport copies with the CPU, so device buffers must come from cudaMallocManaged", rank(), bytes, p);
+      if (e != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged))
+        fail("local-device transport: rank {} registers {} bytes at {} as device memory, but CUDA does not know it as device or "
+             "managed memory", rank(), bytes, p);
     }
     return t_.register_memory(p, bytes, MemoryKind::host);
   }
