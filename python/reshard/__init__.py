@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from typing import Any, Iterable, Mapping, MutableMapping, Optional, Sequence, Union
 
 from . import _core
@@ -394,7 +395,10 @@ class Resharder:
             g = _generations.get((id(store), prefix), 0)
             _generations[(id(store), prefix)] = g + 1
         self._store = store
-        self._r = _core.UcxResharder(src, dst, int(rank), _prepare(buffers), adapter, f"{prefix}/{g}", float(timeout),
+        self._prefix = f"{prefix}/{g}"
+        self._stall = float(stall_timeout)
+        self._closed = False
+        self._r = _core.UcxResharder(src, dst, int(rank), _prepare(buffers), adapter, self._prefix, float(timeout),
                                      float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget)
 
     def refit(self, version: Optional[int] = None) -> dict:
@@ -408,8 +412,34 @@ class Resharder:
         return self._r.refit(version)
 
     def close(self) -> None:
-        """Waits until every rank closed (collective), then frees the transport. Idempotent."""
+        """Waits until every rank closed (collective), then frees the transport. Idempotent.
+
+        With a store that has ``add`` (TCPStore), each rank then counts itself
+        out and waits until every rank has, so the process hosting the store
+        can exit as soon as its own ``close()`` returns: no rank still needs it.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._r.close(True)
+        add = getattr(self._store, "add", None)
+        if add is None:
+            return
+        key = f"{self._prefix}/closed"
+        world = len(self._r.world)
+        add(key, 1)
+        deadline = time.monotonic() + self._stall * 1.25 + 1
+        while True:
+            try:
+                n = int(add(key, 0))
+            except Exception:
+                return  # the store's host left: it does so only once every rank counted itself out
+            if n >= world:
+                return
+            if time.monotonic() > deadline:
+                raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
+                                     f"{self._stall * 1.25 + 1:.1f} s (a rank died or did not call close())")
+            time.sleep(0.005)
 
     def schedule(self) -> Schedule:
         """This rank's part of the plan."""
