@@ -597,7 +597,14 @@ class PyResharder {
     if (!std::binary_search(ranks_.begin(), ranks_.end(), rank))
       fail("Resharder: rank {} is in neither layout ({} has ranks {}; {} has ranks {})", rank, src_.origin, fmt::join(src_.mesh.global_ranks(), ","),
            dst_.origin, fmt::join(dst_.mesh.global_ranks(), ","));
-    views_ = rank_views(src_, dst_, rank, buffers);
+    // A bad buffer here fails every rank's constructor, after the bootstrap
+    // (the others would otherwise wait for this rank until their deadline).
+    std::string bad;
+    try {
+      views_ = rank_views(src_, dst_, rank, buffers);
+    } catch (const Error& e) {
+      bad = e.what();
+    }
     ResharderOptions ro;
     ro.executor = executor_options(timeout_s, staging_budget);
     UcxOptions uo;
@@ -609,6 +616,13 @@ class PyResharder {
     nb::gil_scoped_release nogil;
     t_ = std::make_unique<UcxTransport>(make_bootstrap(rank, ranks_, std::move(g), "store"), uo);
     try {
+      const auto* p = reinterpret_cast<const std::byte*>(bad.data());
+      const Blobs verdicts = t_->all_gather(std::span<const std::byte>(p, bad.size()), Clock::now() + uo.stall_timeout);
+      if (!bad.empty()) throw Error(bad);
+      for (std::size_t i = 0; i < verdicts.size(); ++i)
+        if (!verdicts[i].empty())
+          throw Error(fmt::format("rank {}: Resharder: rank {} failed to set up: {}", rank, ranks_[i],
+                                  std::string(reinterpret_cast<const char*>(verdicts[i].data()), verdicts[i].size())));
       r_ = std::make_unique<Resharder<Layout, UcxTransport>>(src_, dst_, views_.views, *t_, ro);
     } catch (...) {
       t_.reset();

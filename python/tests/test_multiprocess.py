@@ -1,0 +1,154 @@
+"""reshard.Resharder across processes that no mpirun started: torch.multiprocessing
+(spawn), a torch.distributed.TCPStore on 127.0.0.1, UCX on loopback."""
+import datetime
+import json
+import os
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import oracle
+import reshard
+
+pytestmark = pytest.mark.skipif(not reshard.has_ucx, reason="reshard built without UCX")
+
+POISON = -7.0
+# Debian's UCX 1.13 on one host: TCP over loopback, shared memory, self.
+UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def layouts(models):
+    cfg = models / "tiny-llama.json"
+    src = reshard.megatron_layout(cfg, "tp=2")
+    return src, reshard.vllm_layout(cfg, "tp=1", first_rank=len(src.ranks))
+
+
+def worker(rank, port, models, mode, q):
+    """One process of the job. Modes: ok (two refits with changed weights), dies (rank 2 exits
+    before the second refit), bad (rank 1 gives a wrong dtype)."""
+    try:
+        import reshard as rs  # noqa: F401  (spawned: a fresh interpreter)
+
+        store = torch.distributed.TCPStore("127.0.0.1", port, None, rank == 0, timeout=datetime.timedelta(seconds=60),
+                                           wait_for_workers=False)
+        src, dst = layouts(models)
+        cfg = json.loads((models / "tiny-llama.json").read_text())
+        full = oracle.full_tensors(src, seed=11)
+        bufs = {}
+        if rank in src.ranks:
+            bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
+        if rank in dst.ranks:
+            bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        if mode == "bad" and rank == 1:
+            n = next(iter(bufs))
+            bufs[n] = bufs[n].float()
+        t0 = time.monotonic()
+        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, transport="ucx", store=store, stall_timeout=10)
+        reports = [r.refit()]
+        checked = 0
+        if rank in dst.ranks:
+            checked += oracle.check(bufs, oracle.vllm_llama_buffers(cfg, full, 1, len(src.ranks), rank), POISON, "refit 1")
+        # New weights, written in place into the bound source tensors.
+        full2 = oracle.full_tensors(src, seed=12)
+        if rank in src.ranks:
+            for n, (v, _) in oracle.contract_buffers(src, full2, rank).items():
+                bufs[n].copy_(v)
+        if mode == "dies" and rank == 2:
+            os._exit(3)
+        t0 = time.monotonic()
+        reports.append(r.refit())
+        if rank in dst.ranks:
+            checked += oracle.check(bufs, oracle.vllm_llama_buffers(cfg, full2, 1, len(src.ranks), rank), POISON, "refit 2")
+        r.close()
+        q.put((rank, "ok", reports, checked, time.monotonic() - t0))
+    except reshard.Error as e:
+        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
+    except BaseException:
+        q.put((rank, "crash", traceback.format_exc(), None, None))
+
+
+def run_job(models, ranks, mode, timeout=90):
+    for k, v in UCX_ENV.items():
+        os.environ.setdefault(k, v)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = {r: ctx.Process(target=worker, args=(r, port, models, mode, q)) for r in ranks}
+    for p in procs.values():
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < len(ranks) and time.monotonic() < deadline:
+            try:
+                res = q.get(timeout=1)
+                results[res[0]] = res
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs.values()) and q.empty():
+                    break
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results, {r: p.exitcode for r, p in procs.items()}
+
+
+def test_two_refits_across_processes(models):
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "ok")
+    assert set(results) == set(ranks), (results, codes)
+    for r, res in results.items():
+        assert res[1] == "ok", res
+        reports = res[2]
+        assert [x["version"] for x in reports] == [1, 2]
+        if r in dst.ranks:
+            assert res[3] > 0
+    sent = sum(res[2][1]["bytes_moved"] for res in results.values())
+    assert sent == reshard.plan(src, dst).stats["bytes"]
+
+
+def test_peer_dies_mid_job(models):
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "dies")
+    assert codes[2] == 3
+    for r in (0, 1):
+        res = results[r]
+        assert res[1] == "error", res
+        assert "rank 2" in res[3], res[3]
+        assert res[4] < 30, f"rank {r} took {res[4]:.1f} s to notice"
+
+
+def test_rank_never_arrives(models):
+    results, codes = run_job(models, [0, 1], "ok")
+    for r in (0, 1):
+        res = results[r]
+        assert res[1] == "error", res
+        assert "rank 2 never arrived" in res[3], res[3]
+        assert res[4] < 30
+
+
+def test_bad_buffer_fails_every_rank(models):
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "bad")
+    assert "dtype f32 but the layout stores bf16" in results[1][3]
+    for r in (0, 2):
+        res = results[r]
+        assert res[1] == "error", res
+        assert "rank 1 failed to set up" in res[3] and "dtype f32" in res[3], res[3]
+        assert res[4] < 30
