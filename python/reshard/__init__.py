@@ -375,13 +375,17 @@ class Resharder:
     ``timeout`` bounds one refit (seconds); ``stall_timeout`` is how long a
     wait tolerates no progress; ``protocol`` is ``"tag"`` or ``"put"``;
     ``ucx_config`` sets UCX options over the environment's, e.g.
-    ``{"TLS": "tcp,self"}``.
+    ``{"TLS": "tcp,self"}``; ``fast_data_endpoint`` moves data on a second
+    endpoint per peer without peer-failure handling, which lets UCX 1.13 use
+    CMA zero-copy between processes of one host (about 2-3x faster there) but
+    makes a peer that dies mid-copy abort this process instead of raising:
+    leave it off unless that trade is wanted (UcxOptions::fast_data_endpoint).
     """
 
     def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",
                  store: Any = None, *, prefix: str = "reshard", timeout: float = 300.0, stall_timeout: float = 10.0,
                  protocol: str = "tag", ucx_config: Optional[Mapping[str, str]] = None,
-                 staging_budget: Optional[int] = None) -> None:
+                 staging_budget: Optional[int] = None, fast_data_endpoint: bool = False) -> None:
         if transport != "ucx":
             raise Error(f"Resharder: transport '{transport}' is not available from Python (use 'ucx'; "
                         "refit_local runs every rank in one process)")
@@ -399,7 +403,8 @@ class Resharder:
         self._stall = float(stall_timeout)
         self._closed = False
         self._r = _core.UcxResharder(src, dst, int(rank), _prepare(buffers), adapter, self._prefix, float(timeout),
-                                     float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget)
+                                     float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget,
+                                     bool(fast_data_endpoint))
 
     def refit(self, version: Optional[int] = None) -> dict:
         """Moves the weights (collective: every rank calls it). Returns this rank's report.

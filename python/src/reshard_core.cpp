@@ -534,12 +534,25 @@ struct StoreGather {
     const std::size_t n = ranks.size();
     Blobs out(n);
     std::vector<char> have(n, 0);
+    auto absent = [&] {
+      std::vector<std::int64_t> a;
+      for (std::size_t i = 0; i < n; ++i)
+        if (!have[i]) a.push_back(ranks[i]);
+      return a;
+    };
     auto python = [&](auto&& fn) {
       nb::gil_scoped_acquire gil;
       try {
         fn();
       } catch (nb::python_error& e) {
-        throw TransportError(fmt::format("store bootstrap: rank {}: round {}: the store failed: {}", me, r, e.what()));
+        // The exception's type and first line (torch appends its C++ stack).
+        std::string text = nb::str(e.value()).c_str();
+        text = text.substr(0, text.find('\n'));
+        const auto a = absent();
+        throw TransportError(fmt::format("store bootstrap: rank {}: round {}: the store failed ({}: {}){}", me, r,
+                                         nb::inst_name(e.value()).c_str(), text,
+                                         a.empty() ? std::string() : fmt::format(" while rank{} {} had not arrived", a.size() == 1 ? "" : "s",
+                                                                                 fmt::join(a, ", "))));
       }
     };
     python([&] {
@@ -571,13 +584,12 @@ struct StoreGather {
       if (std::all_of(have.begin(), have.end(), [](char c) { return c != 0; })) break;
       if (idle) idle();
       if (Clock::now() >= deadline) {
-        std::vector<std::int64_t> absent;
-        for (std::size_t i = 0; i < n; ++i)
-          if (!have[i]) absent.push_back(ranks[i]);
+        const auto missing_ranks = absent();
         throw TransportError(fmt::format(
             "store bootstrap: rank {}: round {} timed out after {:.1f} s: rank{} {} never arrived (dead, stuck, or not running the same "
             "program with the same store prefix '{}')",
-            me, r, std::chrono::duration<double>(Clock::now() - start).count(), absent.size() == 1 ? "" : "s", fmt::join(absent, ", "),
+            me, r, std::chrono::duration<double>(Clock::now() - start).count(), missing_ranks.size() == 1 ? "" : "s",
+            fmt::join(missing_ranks, ", "),
             prefix));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
@@ -591,7 +603,7 @@ class PyResharder {
  public:
   PyResharder(Layout src, Layout dst, std::int64_t rank, nb::handle buffers, nb::object adapter, std::string prefix, double timeout_s,
               double stall_s, std::string protocol, std::vector<std::pair<std::string, std::string>> ucx_config,
-              std::optional<std::int64_t> staging_budget)
+              std::optional<std::int64_t> staging_budget, bool fast_data_endpoint)
       : src_(std::move(src)), dst_(std::move(dst)), rank_(rank), adapter_(std::move(adapter)) {
     ranks_ = world_of(src_, dst_);
     if (!std::binary_search(ranks_.begin(), ranks_.end(), rank))
@@ -612,6 +624,7 @@ class PyResharder {
     if (!(stall_s > 0)) fail("Resharder: stall_timeout must be positive (seconds); got {}", stall_s);
     uo.stall_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(stall_s * 1000));
     uo.ucx_config = std::move(ucx_config);
+    uo.fast_data_endpoint = fast_data_endpoint;
     StoreGather g{adapter_, std::move(prefix), rank, ranks_};
     nb::gil_scoped_release nogil;
     t_ = std::make_unique<UcxTransport>(make_bootstrap(rank, ranks_, std::move(g), "store"), uo);
@@ -772,9 +785,9 @@ NB_MODULE(_core, m) {
 #ifdef RESHARD_HAVE_UCX
   nb::class_<PyResharder>(m, "UcxResharder")
       .def(nb::init<Layout, Layout, std::int64_t, nb::handle, nb::object, std::string, double, double, std::string,
-                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>>(),
+                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool>(),
            "src"_a, "dst"_a, "rank"_a, "buffers"_a, "adapter"_a, "prefix"_a, "timeout"_a, "stall_timeout"_a, "protocol"_a, "ucx_config"_a,
-           "staging_budget"_a = nb::none())
+           "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false)
       .def("refit", &PyResharder::refit, "version"_a = nb::none())
       .def("close", &PyResharder::close, "barrier"_a = true)
       .def_prop_ro("rank", &PyResharder::rank)

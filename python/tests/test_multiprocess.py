@@ -4,6 +4,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import socket
 import time
 import traceback
@@ -138,7 +139,8 @@ def test_rank_never_arrives(models):
     for r in (0, 1):
         res = results[r]
         assert res[1] == "error", res
-        assert "rank 2 never arrived" in res[3], res[3]
+        # Rank 2's absence by deadline, or the store's host (rank 0) having left after its own deadline.
+        assert re.search(r"rank 2 (never|had not) arrived", res[3]), res[3]
         assert res[4] < 30
 
 
