@@ -257,3 +257,34 @@ def test_listing_and_allocate(examples):
         reshard.buffers_from_state_dict({}, dst, 9)
     layout_json = json.loads(src.to_json())
     assert reshard.plan(reshard.layout_from_json(layout_json), dst).to_json() == reshard.plan(src, dst).to_json()
+
+
+def test_gil_released_during_refit_local(models):
+    """Another Python thread runs while refit_local plans and moves data."""
+    import threading
+    import time
+
+    src = reshard.megatron_layout(models / "tiny-moe.json", "tp=1,pp=2,ep=2,dp=2")
+    dst = reshard.vllm_layout(models / "tiny-moe.json", "tp=4", first_rank=len(src.ranks))
+    bufs = {}
+    for r in src.ranks:
+        bufs[r] = reshard.allocate(src, r, fill=1)
+    for r in dst.ranks:
+        bufs[r] = reshard.allocate(dst, r)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=tick)
+    th.start()
+    time.sleep(0.01)
+    t0 = time.monotonic()
+    reshard.refit_local(src, dst, bufs, iterations=20)
+    t1 = time.monotonic()
+    stop.set()
+    th.join()
+    inside = [t for t in ticks if t0 + 0.1 * (t1 - t0) < t < t1 - 0.1 * (t1 - t0)]
+    assert len(inside) >= 5, f"{len(inside)} ticks of the other thread during {t1 - t0:.3f} s of refit_local"
