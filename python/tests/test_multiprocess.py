@@ -97,7 +97,27 @@ def worker(rank, port, models, mode, q):
         q.put((rank, "crash", traceback.format_exc(), None, None))
 
 
-def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False):
+def colocated_worker(rank, port, examples, q):
+    """Each process is a rank of both sides (examples/colocated): its buffers given as {"src", "dst"}."""
+    t0 = time.monotonic()
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
+        src = reshard.read_layout(examples / "colocated" / "train.json")
+        dst = reshard.read_layout(examples / "colocated" / "infer.json")
+        full = oracle.full_tensors(src, seed=21)
+        bufs = {"src": {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()},
+                "dst": reshard.allocate(dst, rank, fill=POISON)}
+        with reshard.Resharder(src, dst, rank=rank, buffers=bufs, store=store, stall_timeout=10) as r:
+            rep = r.refit()
+        checked = oracle.check(bufs["dst"], oracle.contract_buffers(dst, full, rank), POISON, f"rank {rank}")
+        q.put((rank, "ok", [rep], checked, time.monotonic() - t0))
+    except reshard.Error as e:
+        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
+    except BaseException:
+        q.put((rank, "crash", traceback.format_exc(), None, None))
+
+
+def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, target=None):
     """Runs `ranks` as spawned processes. The TCPStore lives in this process (as torchrun's agent
     or a Ray driver would host it), or on rank 0 with rank0_hosts."""
     for k, v in UCX_ENV.items():
@@ -111,7 +131,10 @@ def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False):
         host = torch.distributed.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
                                           wait_for_workers=False)
         port = (host.port, False)
-    procs = {r: ctx.Process(target=worker, args=(r, port, models, mode, q)) for r in ranks}
+    if target is None:
+        procs = {r: ctx.Process(target=worker, args=(r, port, models, mode, q)) for r in ranks}
+    else:
+        procs = {r: ctx.Process(target=target, args=(r, port, models, q)) for r in ranks}
     for p in procs.values():
         p.start()
     results = {}
@@ -146,6 +169,17 @@ def test_two_refits_across_processes(models):
             assert res[3] > 0
     sent = sum(res[2][1]["bytes_moved"] for res in results.values())
     assert sent == reshard.plan(src, dst).stats["bytes"]
+
+
+def test_colocated_ranks_local_copies(examples):
+    """Every process on both sides: local copies and network copies in one refit over UCX."""
+    src = reshard.read_layout(examples / "colocated" / "train.json")
+    results, codes = run_job(examples, src.ranks, None, target=colocated_worker)
+    assert set(results) == set(src.ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+        assert res[3] > 0
+    assert sum(res[2][0]["local_bytes"] for res in results.values()) > 0
 
 
 def test_any_store_with_set_and_get(models):
