@@ -318,6 +318,12 @@ class _StoreAdapter:
         self.store.set(key, value)
 
     def poll(self, keys: Sequence[str]) -> "list[Optional[bytes]]":
+        keys = list(keys)
+        if self._check is not None and self._check(keys):
+            # All there: one request for all (TCPStore's multi_get) instead of one per rank.
+            multi_get = getattr(self.store, "multi_get", None)
+            values = multi_get(keys) if multi_get is not None else [self.store.get(k) for k in keys]
+            return [v.encode("latin-1") if isinstance(v, str) else bytes(v) for v in values]
         out: "list[Optional[bytes]]" = []
         for k in keys:
             if self._check is not None:
