@@ -386,12 +386,20 @@ class Resharder:
     CMA zero-copy between processes of one host (about 2-3x faster there) but
     makes a peer that dies mid-copy abort this process instead of raising:
     leave it off unless that trade is wanted (UcxOptions::fast_data_endpoint).
+
+    ``double_buffered=True`` (every rank alike; ranks with destination
+    buffers also give ``back_buffers``, a second set of the same names and
+    shapes): each refit writes the set not being served and publishes it only
+    once the new version is complete on every rank; ``serving_set`` says
+    which set inference should read (0: ``buffers``, 1: ``back_buffers``). A
+    failed refit leaves the served set untouched.
     """
 
     def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",
                  store: Any = None, *, prefix: str = "reshard", timeout: float = 300.0, stall_timeout: float = 10.0,
                  protocol: str = "tag", ucx_config: Optional[Mapping[str, str]] = None,
-                 staging_budget: Optional[int] = None, fast_data_endpoint: bool = False) -> None:
+                 staging_budget: Optional[int] = None, fast_data_endpoint: bool = False,
+                 double_buffered: bool = False, back_buffers: Optional[Mapping[str, Any]] = None) -> None:
         if transport != "ucx":
             raise Error(f"Resharder: transport '{transport}' is not available from Python (use 'ucx'; "
                         "refit_local runs every rank in one process)")
@@ -410,7 +418,8 @@ class Resharder:
         self._closed = False
         self._r = _core.UcxResharder(src, dst, int(rank), _prepare(buffers), adapter, self._prefix, float(timeout),
                                      float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget,
-                                     bool(fast_data_endpoint))
+                                     bool(fast_data_endpoint), bool(double_buffered),
+                                     None if back_buffers is None else _prepare(back_buffers))
 
     def refit(self, version: Optional[int] = None) -> dict:
         """Moves the weights (collective: every rank calls it). Returns this rank's report.
@@ -469,6 +478,11 @@ class Resharder:
     def state(self) -> str:
         """``empty`` (no refit committed), ``current``, ``stale`` (a failed refit wrote part of the destination) or ``closed``."""
         return self._r.state
+
+    @property
+    def serving_set(self) -> int:
+        """Double-buffered: the destination set to serve (0: ``buffers``, 1: ``back_buffers``); else 0."""
+        return self._r.serving_set
 
     @property
     def last_good_version(self) -> int:

@@ -301,8 +301,9 @@ struct RankViews {
 /// One rank's buffers: `plain` maps names to tensors (each name is a source
 /// or a destination buffer of this rank, never both), or `src` / `dst` give
 /// the two sides apart. Requires the GIL.
-void add_side(RankViews& out, const Layout& L, std::int64_t rank, nb::handle dict, bool dst) {
-  const char* side = dst ? "destination" : "source";
+void add_side(RankViews& out, const Layout& L, std::int64_t rank, nb::handle dict, bool dst, bool back = false) {
+  const char* side = back ? "back destination" : dst ? "destination" : "source";
+  if (!nb::isinstance<nb::dict>(dict)) fail("rank {}: {} buffers must be a dict of buffer name -> tensor; got a {}", rank, side, nb::inst_name(dict).c_str());
   const auto exp = expected_buffers(L, rank);
   for (auto [k, v] : nb::borrow<nb::dict>(dict)) {
     if (!nb::isinstance<nb::str>(k)) fail("rank {}: {} buffer names must be str; got a {}", rank, side, nb::inst_name(k).c_str());
@@ -310,7 +311,7 @@ void add_side(RankViews& out, const Layout& L, std::int64_t rank, nb::handle dic
     const Expected* e = find_expected(exp, name);
     if (!e)
       fail("rank {}: {} buffer '{}' is not a buffer {} gives this rank (it has: {})", rank, side, name, L.origin, names_of(exp));
-    (dst ? out.views.dst : out.views.src)[name] = view_of_tensor(v, *e, rank, side, dst, out.keep);
+    (back ? out.views.dst_back : dst ? out.views.dst : out.views.src)[name] = view_of_tensor(v, *e, rank, side, dst, out.keep);
   }
 }
 
@@ -603,7 +604,7 @@ class PyResharder {
  public:
   PyResharder(Layout src, Layout dst, std::int64_t rank, nb::handle buffers, nb::object adapter, std::string prefix, double timeout_s,
               double stall_s, std::string protocol, std::vector<std::pair<std::string, std::string>> ucx_config,
-              std::optional<std::int64_t> staging_budget, bool fast_data_endpoint)
+              std::optional<std::int64_t> staging_budget, bool fast_data_endpoint, bool double_buffered, nb::handle back_buffers)
       : src_(std::move(src)), dst_(std::move(dst)), rank_(rank), adapter_(std::move(adapter)) {
     ranks_ = world_of(src_, dst_);
     if (!std::binary_search(ranks_.begin(), ranks_.end(), rank))
@@ -614,11 +615,16 @@ class PyResharder {
     std::string bad;
     try {
       views_ = rank_views(src_, dst_, rank, buffers);
+      if (!back_buffers.is_none()) {
+        if (!double_buffered) fail("rank {}: back_buffers were given but double_buffered is off", rank);
+        add_side(views_, dst_, rank, back_buffers, true, true);
+      }
     } catch (const Error& e) {
       bad = e.what();
     }
     ResharderOptions ro;
     ro.executor = executor_options(timeout_s, staging_budget);
+    ro.double_buffered = double_buffered;
     UcxOptions uo;
     uo.protocol = parse_ucx_protocol(protocol);
     if (!(stall_s > 0)) fail("Resharder: stall_timeout must be positive (seconds); got {}", stall_s);
@@ -678,6 +684,7 @@ class PyResharder {
   const std::vector<std::int64_t>& world() const { return ranks_; }
   std::uint64_t last_good_version() const { return r_ ? r_->last_good_version() : 0; }
   std::string state() const { return r_ ? to_string(r_->state()) : "closed"; }
+  int serving_set() const { return r_ ? r_->serving_set() : 0; }
   const Layout& src() const { return src_; }
   const Layout& dst() const { return dst_; }
   PySchedule schedule() const {
@@ -785,15 +792,17 @@ NB_MODULE(_core, m) {
 #ifdef RESHARD_HAVE_UCX
   nb::class_<PyResharder>(m, "UcxResharder")
       .def(nb::init<Layout, Layout, std::int64_t, nb::handle, nb::object, std::string, double, double, std::string,
-                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool>(),
+                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool, bool, nb::handle>(),
            "src"_a, "dst"_a, "rank"_a, "buffers"_a, "adapter"_a, "prefix"_a, "timeout"_a, "stall_timeout"_a, "protocol"_a, "ucx_config"_a,
-           "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false)
+           "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false, "double_buffered"_a = false,
+           "back_buffers"_a = nb::none())
       .def("refit", &PyResharder::refit, "version"_a = nb::none())
       .def("close", &PyResharder::close, "barrier"_a = true)
       .def_prop_ro("rank", &PyResharder::rank)
       .def_prop_ro("world", &PyResharder::world)
       .def_prop_ro("last_good_version", &PyResharder::last_good_version)
       .def_prop_ro("state", &PyResharder::state)
+      .def_prop_ro("serving_set", &PyResharder::serving_set)
       .def_prop_ro("src", &PyResharder::src)
       .def_prop_ro("dst", &PyResharder::dst)
       .def("schedule", &PyResharder::schedule);

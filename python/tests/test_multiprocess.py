@@ -73,11 +73,20 @@ def worker(rank, port, models, mode, q):
             n = next(iter(bufs))
             bufs[n] = bufs[n].float()
         t0 = time.monotonic()
-        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, transport="ucx", store=store, stall_timeout=10)
+        double = mode == "double"
+        back = reshard.allocate(dst, rank, fill=POISON) if double and rank in dst.ranks else None
+        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, transport="ucx", store=store, stall_timeout=10,
+                              double_buffered=double, back_buffers=back)
         reports = [r.refit()]
         checked = 0
         if rank in dst.ranks:
-            checked += oracle.check(bufs, oracle.vllm_llama_buffers(cfg, full, 1, len(src.ranks), rank), POISON, "refit 1")
+            v1 = oracle.vllm_llama_buffers(cfg, full, 1, len(src.ranks), rank)
+            if double:  # the back set was written and is now served; the front one untouched
+                assert r.serving_set == 1
+                checked += oracle.check(back, v1, POISON, "refit 1 (back set)")
+                assert all((t == POISON).all() for t in bufs.values())
+            else:
+                checked += oracle.check(bufs, v1, POISON, "refit 1")
         # New weights, written in place into the bound source tensors.
         full2 = oracle.full_tensors(src, seed=12)
         if rank in src.ranks:
@@ -89,6 +98,9 @@ def worker(rank, port, models, mode, q):
         reports.append(r.refit())
         if rank in dst.ranks:
             checked += oracle.check(bufs, oracle.vllm_llama_buffers(cfg, full2, 1, len(src.ranks), rank), POISON, "refit 2")
+            if double:
+                assert r.serving_set == 0
+                oracle.check(back, v1, POISON, "back set after refit 2")
         r.close()
         q.put((rank, "ok", reports, checked, time.monotonic() - t0))
     except reshard.Error as e:
@@ -169,6 +181,17 @@ def test_two_refits_across_processes(models):
             assert res[3] > 0
     sent = sum(res[2][1]["bytes_moved"] for res in results.values())
     assert sent == reshard.plan(src, dst).stats["bytes"]
+
+
+def test_double_buffered(models):
+    """Each refit writes the set not served and publishes it whole: inference reads serving_set."""
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "double")
+    assert set(results) == set(ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+    assert results[2][3] > 0
 
 
 def test_colocated_ranks_local_copies(examples):
