@@ -3,7 +3,7 @@
 # Idempotent: packages already present are left alone and apt is not touched.
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config nlohmann-json3-dev doctest-dev libcli11-dev libfmt-dev
-      libucx-dev ucx-utils openmpi-bin libopenmpi-dev python3)
+      libucx-dev ucx-utils openmpi-bin libopenmpi-dev python3 python3-dev python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

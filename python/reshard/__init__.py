@@ -1,0 +1,500 @@
+"""reshard: refit model weights between parallel layouts from Python.
+
+The package binds the header-only C++ library (``include/reshard``); it does
+no planning or data movement of its own. Layouts come from JSON files
+(``shared/CONTRACT.md`` section 1) or from the Megatron-Core / vLLM presets;
+``plan`` computes which rank sends which strided piece to which rank;
+``refit_local`` runs every rank as a thread of this process; ``Resharder`` is
+one process's endpoint of a multi-process refit over UCX, bootstrapped
+through a key-value store (``torch.distributed.TCPStore`` or any object with
+``set(key, bytes)`` and ``get(key) -> bytes``): no ``mpirun``.
+
+Tensors are passed through DLPack (torch, numpy, ...), host memory only in
+this build, and are never copied: source tensors are read and destination
+tensors written in place. A contiguous tensor of the buffer's dtype and
+element count is accepted whatever its shape; a non-contiguous one must have
+the buffer's local shape. Every failure is a :class:`reshard.Error` (or a
+subclass) carrying the C++ message.
+
+Example (one process, all ranks as threads)::
+
+    import reshard
+    src = reshard.read_layout("examples/llama-block/train.json")
+    dst = reshard.read_layout("examples/llama-block/infer.json")
+    bufs = {r: reshard.allocate(src, r) for r in src.ranks}
+    ...  # fill the source tensors
+    for r in dst.ranks:
+        bufs.setdefault(r, {}).update(reshard.allocate(dst, r))
+    report = reshard.refit_local(src, dst, bufs)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Iterable, Mapping, MutableMapping, Optional, Sequence, Union
+
+from . import _core
+from ._core import Error, Layout, LayoutError, RefitNotCommitted, TransportError
+
+__all__ = [
+    "Error",
+    "LayoutError",
+    "TransportError",
+    "RefitNotCommitted",
+    "Layout",
+    "Schedule",
+    "Resharder",
+    "read_layout",
+    "layout_from_json",
+    "megatron_layout",
+    "vllm_layout",
+    "model_layouts",
+    "plan",
+    "refit_local",
+    "buffer_specs",
+    "allocate",
+    "torch_dtype",
+    "numpy_dtype",
+    "buffers_from_state_dict",
+    "has_ucx",
+]
+
+__version__ = "0.1.0"
+
+#: Whether this build has the UCX transport (``Resharder(transport="ucx")``).
+has_ucx: bool = bool(_core.has_ucx)
+
+PathLike = Union[str, "os.PathLike[str]"]
+#: One rank's buffers: ``{buffer name: tensor}``, or ``{"src": {...}, "dst": {...}}``
+#: when a rank has a buffer of the same name on both sides (colocated layouts).
+RankBuffers = Mapping[str, Any]
+
+
+# --- layouts -------------------------------------------------------------------
+
+
+def read_layout(path: PathLike) -> Layout:
+    """Reads and validates a layout file (CONTRACT.md section 1).
+
+    Raises :class:`LayoutError` naming the file, tensor and field at fault.
+    """
+    return _core.read_layout(os.fspath(path))
+
+
+def layout_from_json(text: Union[str, bytes, Mapping[str, Any]], origin: str = "<json>") -> Layout:
+    """A layout from JSON text (or an already parsed dict); ``origin`` names it in messages."""
+    if isinstance(text, Mapping):
+        text = json.dumps(text)
+    if isinstance(text, bytes):
+        text = text.decode()
+    return _core.layout_from_json(text, origin)
+
+
+def megatron_layout(config_path: PathLike, spec: str, first_rank: int = 0, *, group_experts: bool = False) -> Layout:
+    """The training layout of a HuggingFace ``config.json`` under a Megatron-Core spec.
+
+    ``spec`` is as on the command line, e.g. ``"tp=2,pp=2,dp=2,ep=4"`` (ranks
+    ordered pp, dp, cp, tp). ``group_experts`` stacks each MoE layer's experts
+    into 3-D tensors (``reshard-plan --group-experts``); both sides must agree.
+    """
+    return _core.megatron_layout(os.fspath(config_path), spec, first_rank, group_experts)
+
+
+def vllm_layout(config_path: PathLike, spec: str, first_rank: int = 0, *, group_experts: bool = False) -> Layout:
+    """The inference layout of a HuggingFace ``config.json`` under a vLLM spec (``"tp=4,dp=2"``).
+
+    ``first_rank`` is the global rank of its first process: the training
+    world size when the two sides are disaggregated, 0 when colocated.
+    """
+    return _core.vllm_layout(os.fspath(config_path), spec, first_rank, group_experts)
+
+
+def model_layouts(config_path: PathLike, train: str, infer: str, *, colocate: bool = False,
+                  group_experts: bool = False) -> "tuple[Layout, Layout]":
+    """Both layouts as ``reshard-plan --model CONFIG --train SPEC --infer SPEC`` builds them.
+
+    The inference side starts at the training world size unless ``colocate``.
+    """
+    src = megatron_layout(config_path, train, 0, group_experts=group_experts)
+    dst = vllm_layout(config_path, infer, 0 if colocate else len(src.ranks), group_experts=group_experts)
+    return src, dst
+
+
+# --- plans ---------------------------------------------------------------------
+
+
+class Schedule:
+    """A planned refit: every copy (ranks, buffers, offsets, extents, strides on both sides).
+
+    ``stats`` is the dict ``reshard-plan --stats`` prints (``bytes``,
+    ``local_bytes``, ``copies``, ``max_send_bytes``, ``max_recv_bytes``,
+    ``ranks``, ``plan_seconds``); ``to_json()`` is ``reshard-plan --json``.
+    """
+
+    __slots__ = ("_s", "_stats")
+
+    def __init__(self, core: "_core.Schedule") -> None:
+        self._s = core
+        self._stats: Optional[dict] = None
+
+    @property
+    def stats(self) -> dict:
+        """The schedule's figures, with exactly the keys of ``reshard-plan --stats``."""
+        if self._stats is None:
+            self._stats = json.loads(self._s.stats_json)
+        return dict(self._stats)
+
+    def to_json(self) -> str:
+        """The schedule in the contract's format (``reshard.schedule/1``, CONTRACT.md section 2)."""
+        return self._s.to_json()
+
+    @property
+    def copies(self) -> int:
+        """How many copies the schedule holds."""
+        return self._s.copies
+
+    @property
+    def only_rank(self) -> Optional[int]:
+        """The rank this schedule was planned for, or None for a full plan."""
+        return self._s.only_rank
+
+    def __len__(self) -> int:
+        return self._s.copies
+
+    def __repr__(self) -> str:
+        st = self.stats
+        who = "" if self.only_rank is None else f" for rank {self.only_rank}"
+        return (f"<reshard.Schedule{who} {self._s.src_origin} -> {self._s.dst_origin}: {st['copies']} copies, "
+                f"{st['bytes']} B over the network, {st['local_bytes']} B local, {st['ranks']} ranks>")
+
+
+def plan(src: Layout, dst: Layout, rank: Optional[int] = None) -> Schedule:
+    """Plans the refit from ``src`` to ``dst``; ``rank`` plans only what that global rank sends and receives."""
+    return Schedule(_core.plan(src, dst, rank))
+
+
+# --- buffers -------------------------------------------------------------------
+
+
+def buffer_specs(layout: Layout, rank: int) -> "list[dict]":
+    """The buffers ``layout`` gives global rank ``rank``: what to allocate.
+
+    One dict per buffer: ``name``, ``shape`` (the local shape), ``elements``,
+    ``dtype`` (contract name: ``bf16``, ``f32`` ...), ``bytes`` and ``tensors``
+    (the global tensors whose pieces it holds, in order). Empty when the rank
+    is not in the layout.
+    """
+    return layout.buffers(rank)
+
+
+_TORCH_DTYPES = {
+    "f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8e4m3": "float8_e4m3fn",
+    "fp8e5m2": "float8_e5m2", "i64": "int64", "i32": "int32", "u32": "uint32", "i8": "int8", "u8": "uint8",
+}
+_NUMPY_DTYPES = {
+    "f64": "float64", "f32": "float32", "f16": "float16", "i64": "int64", "i32": "int32", "u32": "uint32", "i8": "int8",
+    "u8": "uint8", "fp8e4m3": "uint8", "fp8e5m2": "uint8",
+}
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype of a contract dtype name (``"bf16"`` -> ``torch.bfloat16``)."""
+    import torch
+
+    try:
+        return getattr(torch, _TORCH_DTYPES[dtype])
+    except KeyError:
+        raise Error(f"unknown dtype '{dtype}' (expected one of {', '.join(_TORCH_DTYPES)})") from None
+
+
+def numpy_dtype(dtype: str):
+    """The numpy dtype of a contract dtype name; numpy has no bf16 (use torch), FP8 travels as uint8."""
+    import numpy
+
+    if dtype not in _NUMPY_DTYPES:
+        raise Error(f"dtype '{dtype}' has no numpy equivalent" if dtype in _TORCH_DTYPES else f"unknown dtype '{dtype}'")
+    return numpy.dtype(_NUMPY_DTYPES[dtype])
+
+
+def allocate(layout: Layout, rank: int, framework: str = "torch", *, fill: Optional[float] = 0) -> "dict[str, Any]":
+    """Allocates the buffers ``layout`` gives ``rank``, each in its local shape: ``{name: tensor}``.
+
+    ``framework`` is ``"torch"`` or ``"numpy"``; ``fill`` the initial value
+    (None: uninitialised).
+    """
+    out = {}
+    for b in layout.buffers(rank):
+        if framework == "torch":
+            import torch
+
+            t = torch.empty(b["shape"], dtype=torch_dtype(b["dtype"]))
+        elif framework == "numpy":
+            import numpy
+
+            t = numpy.empty(b["shape"], dtype=numpy_dtype(b["dtype"]))
+        else:
+            raise Error(f"allocate: framework must be 'torch' or 'numpy', not '{framework}'")
+        if fill is not None:
+            t[...] = fill
+        out[b["name"]] = t
+    return out
+
+
+def buffers_from_state_dict(state_dict: Mapping[str, Any], layout: Layout, rank: int, prefix: str = "") -> "dict[str, Any]":
+    """Picks this rank's buffers out of a module's ``state_dict()`` by name (``prefix + buffer name``).
+
+    The layout's buffer names are the parameter names of the framework the
+    layout describes (the presets use Megatron-Core's and vLLM's). Raises
+    :class:`Error` naming every buffer the state dict lacks. The tensors are
+    the module's own (``state_dict()`` returns detached views of the
+    parameters): a refit writes the module's parameters in place.
+    """
+    out, missing = {}, []
+    for b in layout.buffers(rank):
+        key = prefix + b["name"]
+        if key in state_dict:
+            out[b["name"]] = state_dict[key]
+        else:
+            missing.append(key)
+    if missing:
+        raise Error(f"rank {rank}: the state dict lacks {len(missing)} buffer(s) of {layout.origin}: {', '.join(missing[:8])}"
+                    + (" ..." if len(missing) > 8 else ""))
+    return out
+
+
+def _detach(t: Any) -> Any:
+    # torch refuses to export tensors that require grad through DLPack;
+    # detach() shares the memory.
+    if getattr(t, "requires_grad", False) and hasattr(t, "detach"):
+        return t.detach()
+    return t
+
+
+def _prepare(bufs: Any) -> Any:
+    if not isinstance(bufs, Mapping):
+        return bufs
+    if set(bufs.keys()) <= {"src", "dst"} and bufs and all(isinstance(v, Mapping) for v in bufs.values()):
+        return {k: {n: _detach(t) for n, t in v.items()} for k, v in bufs.items()}
+    return {n: _detach(t) for n, t in bufs.items()}
+
+
+# --- refits --------------------------------------------------------------------
+
+
+def refit_local(src: Layout, dst: Layout, buffers: Mapping[int, RankBuffers], *, iterations: int = 1,
+                timeout: float = 300.0, staging_budget: Optional[int] = None) -> dict:
+    """Refits ``src`` -> ``dst`` with every rank of both sides as a thread of this process.
+
+    ``buffers`` maps each global rank to its buffers ``{name: tensor}``
+    (``{"src": {...}, "dst": {...}}`` where a rank has a buffer of one name on
+    both sides). Source tensors are read, destination tensors written in
+    place. The GIL is released while the threads run.
+
+    Returns a report: ``bytes_moved`` (bytes between different ranks, per
+    refit), ``seconds`` (median over ``iterations``, first start to last
+    finish), ``local_bytes``, ``messages``, ``plan_seconds``,
+    ``iteration_seconds`` and more.
+    """
+    if not isinstance(buffers, Mapping):
+        raise Error("refit_local: buffers must map each global rank to {buffer name: tensor}")
+    prepared = {r: _prepare(b) for r, b in buffers.items()}
+    return _core.refit_local(src, dst, prepared, iterations, float(timeout), staging_budget)
+
+
+class _StoreAdapter:
+    """What the C++ bootstrap calls: set, poll (non-blocking get) and delete over the caller's store."""
+
+    def __init__(self, store: Any) -> None:
+        if not (hasattr(store, "set") and hasattr(store, "get")):
+            raise Error(f"Resharder: the store must have set(key, bytes) and get(key) -> bytes; got a {type(store).__name__}")
+        self.store = store
+        self._check = getattr(store, "check", None)
+        self._delete = getattr(store, "delete_key", None)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def poll(self, keys: Sequence[str]) -> "list[Optional[bytes]]":
+        keys = list(keys)
+        if self._check is not None and self._check(keys):
+            # All there: one request for all (TCPStore's multi_get) instead of one per rank.
+            multi_get = getattr(self.store, "multi_get", None)
+            values = multi_get(keys) if multi_get is not None else [self.store.get(k) for k in keys]
+            return [v.encode("latin-1") if isinstance(v, str) else bytes(v) for v in values]
+        out: "list[Optional[bytes]]" = []
+        for k in keys:
+            if self._check is not None:
+                v = self.store.get(k) if self._check([k]) else None
+            else:
+                # A store without check(): get() must raise KeyError (or
+                # LookupError) for a missing key; one that blocks instead
+                # bounds the wait by its own timeout only.
+                try:
+                    v = self.store.get(k)
+                except LookupError:
+                    v = None
+            if isinstance(v, str):
+                v = v.encode("latin-1")
+            out.append(None if v is None else bytes(v))
+        return out
+
+    def delete(self, key: str) -> None:
+        if self._delete is not None:
+            try:
+                self._delete(key)
+            except Exception:
+                pass
+
+
+_generations: "dict[tuple[int, str], int]" = {}
+_generations_lock = threading.Lock()
+
+
+class Resharder:
+    """One process's endpoint of a multi-process refit (UCX), bootstrapped through a key-value store.
+
+    Every global rank of both layouts creates one, with the same layouts, the
+    same store and the same ``prefix``, in the same order as its other
+    Resharders on that store (the k-th Resharder of a process meets the k-th
+    of the others: keys ``{prefix}/{k}/...``). Construction is collective:
+    it connects the ranks, plans this rank's part and checks its buffers
+    (a bad buffer on any rank makes every rank's constructor raise).
+
+    ``buffers`` are this rank's tensors ``{name: tensor}`` (source buffers
+    are read, destination buffers written in place; ``{"src": {...},
+    "dst": {...}}`` where a rank has a buffer of one name on both sides).
+    They stay bound: change the source tensors' values in place between
+    refits, do not replace them.
+
+    ``store``: ``torch.distributed.TCPStore`` or any object with
+    ``set(key, bytes)`` and ``get(key) -> bytes`` (with ``check(keys)`` or a
+    ``get`` that raises ``KeyError`` on a missing key, the waits keep their
+    deadlines). A rank that never arrives or dies makes every other rank
+    raise :class:`TransportError` naming it within ``stall_timeout`` plus
+    its quarter and a second (about 13.5 s by default), never a hang; a
+    refit that did not complete on every rank raises
+    :class:`RefitNotCommitted` and never returns a report.
+
+    ``timeout`` bounds one refit (seconds); ``stall_timeout`` is how long a
+    wait tolerates no progress; ``protocol`` is ``"tag"`` or ``"put"``;
+    ``ucx_config`` sets UCX options over the environment's, e.g.
+    ``{"TLS": "tcp,self"}``; ``fast_data_endpoint`` moves data on a second
+    endpoint per peer without peer-failure handling, which lets UCX 1.13 use
+    CMA zero-copy between processes of one host (about 2-3x faster there) but
+    makes a peer that dies mid-copy abort this process instead of raising:
+    leave it off unless that trade is wanted (UcxOptions::fast_data_endpoint).
+
+    ``double_buffered=True`` (every rank alike; ranks with destination
+    buffers also give ``back_buffers``, a second set of the same names and
+    shapes): each refit writes the set not being served and publishes it only
+    once the new version is complete on every rank; ``serving_set`` says
+    which set inference should read (0: ``buffers``, 1: ``back_buffers``). A
+    failed refit leaves the served set untouched.
+    """
+
+    def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",
+                 store: Any = None, *, prefix: str = "reshard", timeout: float = 300.0, stall_timeout: float = 10.0,
+                 protocol: str = "tag", ucx_config: Optional[Mapping[str, str]] = None,
+                 staging_budget: Optional[int] = None, fast_data_endpoint: bool = False,
+                 double_buffered: bool = False, back_buffers: Optional[Mapping[str, Any]] = None) -> None:
+        if transport != "ucx":
+            raise Error(f"Resharder: transport '{transport}' is not available from Python (use 'ucx'; "
+                        "refit_local runs every rank in one process)")
+        if not has_ucx:
+            raise Error("Resharder: this build of reshard has no UCX transport (install libucx-dev and reinstall)")
+        if store is None:
+            raise Error("Resharder: a store is needed for the rendezvous (torch.distributed.TCPStore or an object "
+                        "with set(key, bytes) and get(key) -> bytes)")
+        adapter = _StoreAdapter(store)
+        with _generations_lock:
+            g = _generations.get((id(store), prefix), 0)
+            _generations[(id(store), prefix)] = g + 1
+        self._store = store
+        self._prefix = f"{prefix}/{g}"
+        self._stall = float(stall_timeout)
+        self._closed = False
+        self._r = _core.UcxResharder(src, dst, int(rank), _prepare(buffers), adapter, self._prefix, float(timeout),
+                                     float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget,
+                                     bool(fast_data_endpoint), bool(double_buffered),
+                                     None if back_buffers is None else _prepare(back_buffers))
+
+    def refit(self, version: Optional[int] = None) -> dict:
+        """Moves the weights (collective: every rank calls it). Returns this rank's report.
+
+        The report holds ``bytes_moved`` (bytes this rank sent), ``seconds``,
+        ``version`` (the committed version), ``messages``,
+        ``bytes_received``, ``local_bytes`` and the plan's figures. The GIL
+        is released while data moves.
+        """
+        return self._r.refit(version)
+
+    def close(self) -> None:
+        """Waits until every rank closed (collective), then frees the transport. Idempotent.
+
+        With a store that has ``add`` (TCPStore), each rank then counts itself
+        out and waits until every rank has, so the process hosting the store
+        can exit as soon as its own ``close()`` returns: no rank still needs it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._r.close(True)
+        add = getattr(self._store, "add", None)
+        if add is None:
+            return
+        key = f"{self._prefix}/closed"
+        world = len(self._r.world)
+        add(key, 1)
+        deadline = time.monotonic() + self._stall * 1.25 + 1
+        while True:
+            try:
+                n = int(add(key, 0))
+            except Exception:
+                return  # the store's host left: it does so only once every rank counted itself out
+            if n >= world:
+                return
+            if time.monotonic() > deadline:
+                raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
+                                     f"{self._stall * 1.25 + 1:.1f} s (a rank died or did not call close())")
+            time.sleep(0.005)
+
+    def schedule(self) -> Schedule:
+        """This rank's part of the plan."""
+        return Schedule(self._r.schedule())
+
+    @property
+    def rank(self) -> int:
+        return self._r.rank
+
+    @property
+    def world(self) -> "list[int]":
+        """Every global rank of both layouts (the processes of this refit)."""
+        return self._r.world
+
+    @property
+    def state(self) -> str:
+        """``empty`` (no refit committed), ``current``, ``stale`` (a failed refit wrote part of the destination) or ``closed``."""
+        return self._r.state
+
+    @property
+    def serving_set(self) -> int:
+        """Double-buffered: the destination set to serve (0: ``buffers``, 1: ``back_buffers``); else 0."""
+        return self._r.serving_set
+
+    @property
+    def last_good_version(self) -> int:
+        return self._r.last_good_version
+
+    def __enter__(self) -> "Resharder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+
+    def __repr__(self) -> str:
+        return (f"<reshard.Resharder rank {self.rank} of {len(self.world)}: {self._r.src.origin} -> {self._r.dst.origin}, "
+                f"state {self.state}, version {self.last_good_version}>")

@@ -1,0 +1,810 @@
+// reshard._core: the Python binding of the header-only library (nanobind).
+// Thin by design: layouts, plans, bound buffers, the in-process world and the
+// UCX transport are the C++ library's; this file only converts between
+// Python objects (DLPack tensors, dicts, a key-value store) and its types.
+//
+//  * Tensors arrive through DLPack (nb::ndarray): host memory only in this
+//    build, checked against the layout (dtype, element count, or shape and
+//    strides), and handed to the executors as BufferViews over the tensor's
+//    own memory: no copy is ever made.
+//  * Every C++ wait runs with the GIL released; the store bootstrap
+//    re-acquires it only around each call into the Python store.
+//  * reshard::Error and its subclasses become reshard.Error and its
+//    subclasses (python/reshard/__init__.py re-exports them), message intact.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "reshard/backends/bootstrap.hpp"
+#include "reshard/backends/local.hpp"
+#include "reshard/binding.hpp"
+#include "reshard/json_io.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/presets/presets.hpp"
+#include "reshard/resharder.hpp"
+#include "reshard/storage.hpp"
+#ifdef RESHARD_HAVE_UCX
+#include "reshard/backends/ucx.hpp"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace reshard;
+
+namespace {
+
+// --- exceptions ------------------------------------------------------------
+
+PyObject* g_error = nullptr;          // reshard.Error
+PyObject* g_layout_error = nullptr;   // reshard.LayoutError(Error)
+PyObject* g_transport_error = nullptr;  // reshard.TransportError(Error)
+PyObject* g_not_committed = nullptr;  // reshard.RefitNotCommitted(TransportError)
+
+void translate(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const RefitNotCommitted& e) {
+    PyErr_SetString(g_not_committed, e.what());
+  } catch (const TransportError& e) {
+    PyErr_SetString(g_transport_error, e.what());
+  } catch (const LayoutError& e) {
+    PyErr_SetString(g_layout_error, e.what());
+  } catch (const Error& e) {
+    PyErr_SetString(g_error, e.what());
+  }
+  // Anything else goes on to nanobind's own translators.
+}
+
+// --- dtypes ------------------------------------------------------------------
+
+namespace dl = nb::dlpack;
+
+/// The DLPack type of a layout dtype.
+dl::dtype dl_of(DType d) {
+  auto t = [](dl::dtype_code c, int bits) { return dl::dtype{static_cast<std::uint8_t>(c), static_cast<std::uint8_t>(bits), 1}; };
+  switch (d) {
+    case DType::f64: return t(dl::dtype_code::Float, 64);
+    case DType::f32: return t(dl::dtype_code::Float, 32);
+    case DType::bf16: return t(dl::dtype_code::Bfloat, 16);
+    case DType::f16: return t(dl::dtype_code::Float, 16);
+    case DType::fp8e4m3: return t(dl::dtype_code::Float8_E4M3FN, 8);
+    case DType::fp8e5m2: return t(dl::dtype_code::Float8_E5M2, 8);
+    case DType::i64: return t(dl::dtype_code::Int, 64);
+    case DType::i32: return t(dl::dtype_code::Int, 32);
+    case DType::u32: return t(dl::dtype_code::UInt, 32);
+    case DType::i8: return t(dl::dtype_code::Int, 8);
+    case DType::u8: return t(dl::dtype_code::UInt, 8);
+  }
+  return {};
+}
+
+std::string dl_name(dl::dtype t) {
+  const auto c = static_cast<dl::dtype_code>(t.code);
+  std::string base;
+  switch (c) {
+    case dl::dtype_code::Int: base = fmt::format("i{}", t.bits); break;
+    case dl::dtype_code::UInt: base = fmt::format("u{}", t.bits); break;
+    case dl::dtype_code::Float: base = fmt::format("f{}", t.bits); break;
+    case dl::dtype_code::Bfloat: base = fmt::format("bf{}", t.bits); break;
+    case dl::dtype_code::Bool: base = "bool"; break;
+    case dl::dtype_code::Complex: base = fmt::format("complex{}", t.bits); break;
+    case dl::dtype_code::Float8_E4M3FN: base = "fp8e4m3"; break;
+    case dl::dtype_code::Float8_E5M2: base = "fp8e5m2"; break;
+    default: base = fmt::format("DLPack type code {} ({} bits)", t.code, t.bits);
+  }
+  if (t.lanes != 1) base += fmt::format(" x{} lanes", t.lanes);
+  return base;
+}
+
+/// The tensor's dtype is the layout's; FP8 buffers also take u8 tensors
+/// (a byte carrier: numpy and some torch versions export no FP8 through DLPack).
+bool dtype_ok(DType d, dl::dtype t) {
+  if (t == dl_of(d)) return true;
+  if ((d == DType::fp8e4m3 || d == DType::fp8e5m2) && t == dl_of(DType::u8)) return true;
+  return false;
+}
+
+const char* device_name(int type) {
+  switch (type) {
+    case 1: return "cpu";
+    case 2: return "cuda";
+    case 3: return "cuda pinned host";
+    case 4: return "opencl";
+    case 7: return "vulkan";
+    case 8: return "metal";
+    case 10: return "rocm";
+    case 13: return "cuda managed";
+    default: return "an unknown device";
+  }
+}
+
+// --- layouts -------------------------------------------------------------------
+
+Layout layout_from_text(const std::string& text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    layout_fail(ErrorContext{origin, "", ""}, "malformed JSON: {}", e.what());
+  }
+  return parse_layout(j, origin);
+}
+
+std::string layout_repr(const Layout& L) {
+  std::vector<std::string> axes;
+  for (const auto& a : L.mesh.axes) axes.push_back(fmt::format("{}={}", a.name, a.size));
+  const auto ranks = L.mesh.global_ranks();
+  std::string rs;
+  if (!L.mesh.ranks.empty()) rs = ranks.size() <= 8 ? fmt::format("[{}]", fmt::join(ranks, ", ")) : fmt::format("[{}, ...]", ranks.front());
+  else rs = ranks.size() == 1 ? fmt::format("{}", ranks.front()) : fmt::format("{}-{}", ranks.front(), ranks.back());
+  return fmt::format("<reshard.Layout '{}': mesh {} (ranks {}), {} tensors, {} buffers>", L.origin, fmt::join(axes, " x "), rs,
+                     L.tensors.size(), L.local_buffers().size());
+}
+
+/// This rank's buffers under L (what a caller allocates): name, shape,
+/// elements, dtype, the tensors in it.
+nb::list list_buffers(const Layout& L, std::int64_t rank) {
+  nb::list out;
+  const auto pos = L.mesh.position_of(rank);
+  if (!pos) return out;
+  const auto& lbs = L.local_buffers();
+  for (std::size_t b = 0; b < lbs.size(); ++b) {
+    const auto shape = buffer_shape(L, *pos, static_cast<int>(b));
+    if (shape.empty()) continue;
+    nb::dict d;
+    d["name"] = lbs[b].name;
+    d["shape"] = nb::tuple(nb::cast(shape));
+    d["elements"] = product(shape);
+    d["dtype"] = std::string(to_string(lbs[b].dtype));
+    d["bytes"] = product(shape) * element_bytes(lbs[b].dtype);
+    std::vector<std::string> parts;
+    for (int t : lbs[b].tensors) parts.push_back(L.tensors[static_cast<std::size_t>(t)].name);
+    d["tensors"] = parts;
+    out.append(d);
+  }
+  return out;
+}
+
+// --- buffers -------------------------------------------------------------------
+
+/// Tensors are kept alive (a reference to the caller's object) while C++ uses their memory.
+using Keep = std::vector<nb::object>;
+/// One side of one rank: which buffers the layout gives it.
+struct Expected {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  DType dtype;
+};
+
+std::vector<Expected> expected_buffers(const Layout& L, std::int64_t rank) {
+  std::vector<Expected> out;
+  const auto pos = L.mesh.position_of(rank);
+  if (!pos) return out;
+  const auto& lbs = L.local_buffers();
+  for (std::size_t b = 0; b < lbs.size(); ++b) {
+    auto shape = buffer_shape(L, *pos, static_cast<int>(b));
+    if (!shape.empty()) out.push_back({lbs[b].name, std::move(shape), lbs[b].dtype});
+  }
+  return out;
+}
+
+const Expected* find_expected(const std::vector<Expected>& v, const std::string& name) {
+  for (const auto& e : v)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+std::string names_of(const std::vector<Expected>& v) {
+  if (v.empty()) return "none";
+  std::vector<std::string> n;
+  for (const auto& e : v) n.push_back(e.name);
+  return fmt::format("{}", fmt::join(n, ", "));
+}
+
+/// Checks one tensor against the buffer the layout gives this rank and
+/// returns a view of the tensor's own memory. Accepted: a contiguous tensor
+/// of the buffer's dtype and element count (any shape), or a strided tensor
+/// of exactly the buffer's shape (non-negative strides). Requires the GIL.
+template <class A>
+BufferView view_of_array(const A& a, const Expected& e, const std::string& what) {
+  const std::int64_t need = product(e.shape);
+  const std::string expect = fmt::format("{} elements of {}, shape [{}]", need, to_string(e.dtype), fmt::join(e.shape, ", "));
+  if (a.device_type() != 1)
+    fail("{}: the tensor is in {} memory (DLPack device type {}, id {}): this build of reshard moves host memory only "
+         "(CUDA tensors need the CUDA copy engine, not wired into the Python module); expected a CPU tensor ({})",
+         what, device_name(a.device_type()), a.device_type(), a.device_id(), expect);
+  if (!dtype_ok(e.dtype, a.dtype()))
+    fail("{}: dtype {} but the layout stores {} (expected {})", what, dl_name(a.dtype()), to_string(e.dtype), expect);
+  const std::size_t nd = a.ndim();
+  std::vector<std::int64_t> shape(nd), strides(nd);
+  for (std::size_t i = 0; i < nd; ++i) {
+    shape[i] = static_cast<std::int64_t>(a.shape(i));
+    strides[i] = a.stride(i);
+  }
+  const auto size = static_cast<std::int64_t>(a.size());
+  bool contiguous = true;
+  {
+    std::int64_t s = 1;
+    for (std::size_t i = nd; i-- > 0;) {
+      if (shape[i] != 1 && strides[i] != s) contiguous = false;
+      s *= shape[i];
+    }
+  }
+  const auto eb = element_bytes(e.dtype);
+  auto* data = const_cast<void*>(static_cast<const void*>(a.data()));
+  const std::string got = fmt::format("shape [{}], strides [{}] ({} elements{})", fmt::join(shape, ", "), fmt::join(strides, ", "), size,
+                                      contiguous ? ", contiguous" : ", not contiguous");
+  BufferView v;
+  v.data = data;
+  v.element_bytes = eb;
+  if (contiguous) {
+    if (size != need) fail("{}: {} elements but the layout gives this rank {}; got {}", what, size, expect, got);
+    v.elements = size;
+    return v;
+  }
+  if (shape != e.shape)
+    fail("{}: a tensor that is not contiguous must have the buffer's shape exactly (expected {}); got {}", what, expect, got);
+  for (auto s : strides)
+    if (s < 0) fail("{}: negative strides are not supported; got {}", what, got);
+  v.shape = shape;
+  v.strides = strides;
+  return v;  // bind_buffers checks that the strides map no two elements to one place
+}
+
+BufferView view_of_tensor(nb::handle obj, const Expected& e, std::int64_t rank, const char* side, bool writable, Keep& keep) {
+  const std::string what = fmt::format("rank {}: {} buffer '{}'", rank, side, e.name);
+  nb::ndarray<nb::ro> ro;
+  const bool any = nb::try_cast(obj, ro, false);
+  if (!any)
+    fail("{}: expected a tensor ({} elements of {}) through DLPack (torch.Tensor, numpy.ndarray, ...); got a {}", what, product(e.shape),
+         to_string(e.dtype), nb::inst_name(obj).c_str());
+  BufferView v;
+  if (writable) {
+    nb::ndarray<> w;
+    if (!nb::try_cast(obj, w, false)) {
+      v = view_of_array(ro, e, what);  // the dtype and shape errors first, if any
+      fail("{}: the tensor is read-only; a destination buffer is written in place", what);
+    }
+    v = view_of_array(w, e, what);
+  } else {
+    v = view_of_array(ro, e, what);
+  }
+  keep.push_back(nb::borrow(obj));
+  return v;
+}
+
+struct RankViews {
+  LocalBuffers views;
+  Keep keep;  ///< the tensors, alive while their memory is used
+};
+
+/// One rank's buffers: `plain` maps names to tensors (each name is a source
+/// or a destination buffer of this rank, never both), or `src` / `dst` give
+/// the two sides apart. Requires the GIL.
+void add_side(RankViews& out, const Layout& L, std::int64_t rank, nb::handle dict, bool dst, bool back = false) {
+  const char* side = back ? "back destination" : dst ? "destination" : "source";
+  if (!nb::isinstance<nb::dict>(dict)) fail("rank {}: {} buffers must be a dict of buffer name -> tensor; got a {}", rank, side, nb::inst_name(dict).c_str());
+  const auto exp = expected_buffers(L, rank);
+  for (auto [k, v] : nb::borrow<nb::dict>(dict)) {
+    if (!nb::isinstance<nb::str>(k)) fail("rank {}: {} buffer names must be str; got a {}", rank, side, nb::inst_name(k).c_str());
+    const std::string name = nb::cast<std::string>(k);
+    const Expected* e = find_expected(exp, name);
+    if (!e)
+      fail("rank {}: {} buffer '{}' is not a buffer {} gives this rank (it has: {})", rank, side, name, L.origin, names_of(exp));
+    (back ? out.views.dst_back : dst ? out.views.dst : out.views.src)[name] = view_of_tensor(v, *e, rank, side, dst, out.keep);
+  }
+}
+
+RankViews rank_views(const Layout& src, const Layout& dst, std::int64_t rank, nb::handle given) {
+  RankViews out;
+  if (!nb::isinstance<nb::dict>(given)) fail("rank {}: buffers must be a dict of buffer name -> tensor; got a {}", rank, nb::inst_name(given).c_str());
+  nb::dict d = nb::borrow<nb::dict>(given);
+  // The split form {"src": {...}, "dst": {...}} (an extension: colocated
+  // ranks may have a buffer of the same name on both sides).
+  if (d.size() > 0 && d.size() <= 2) {
+    bool split = true;
+    for (auto [k, v] : d)
+      if (!nb::isinstance<nb::str>(k) || !nb::isinstance<nb::dict>(v) || (nb::cast<std::string>(k) != "src" && nb::cast<std::string>(k) != "dst"))
+        split = false;
+    if (split) {
+      if (d.contains("src")) add_side(out, src, rank, d["src"], false);
+      if (d.contains("dst")) add_side(out, dst, rank, d["dst"], true);
+      return out;
+    }
+  }
+  const auto es = expected_buffers(src, rank), ed = expected_buffers(dst, rank);
+  nb::dict s, t;
+  for (auto [k, v] : d) {
+    if (!nb::isinstance<nb::str>(k)) fail("rank {}: buffer names must be str; got a {}", rank, nb::inst_name(k).c_str());
+    const std::string name = nb::cast<std::string>(k);
+    const bool in_s = find_expected(es, name) != nullptr, in_d = find_expected(ed, name) != nullptr;
+    if (in_s && in_d)
+      fail("rank {}: buffer '{}' is a source buffer ({}) and a destination buffer ({}) of this rank: give the two apart as "
+           "{{'src': {{...}}, 'dst': {{...}}}}",
+           rank, name, src.origin, dst.origin);
+    if (!in_s && !in_d)
+      fail("rank {}: buffer '{}' is neither a source buffer of {} (this rank has: {}) nor a destination buffer of {} (this rank has: {})", rank,
+           name, src.origin, names_of(es), dst.origin, names_of(ed));
+    (in_s ? s : t)[k] = v;
+  }
+  add_side(out, src, rank, s, false);
+  add_side(out, dst, rank, t, true);
+  return out;
+}
+
+// --- schedules -----------------------------------------------------------------
+
+struct PySchedule {
+  std::shared_ptr<const Schedule> s;
+  std::string src_origin, dst_origin;
+};
+
+std::string schedule_json(const Schedule& s) {
+  std::ostringstream os;
+  write_schedule_json(os, s);
+  return os.str();
+}
+
+PySchedule make_plan(const Layout& src, const Layout& dst, std::optional<std::int64_t> rank, int threads) {
+  PlanOptions po;
+  po.only_rank = rank ? *rank : -1;
+  po.threads = threads;
+  if (rank && *rank < 0) fail("plan: rank {} is negative", *rank);
+  Schedule s;
+  {
+    nb::gil_scoped_release nogil;
+    s = plan(src, dst, po);
+  }
+  return PySchedule{std::make_shared<const Schedule>(std::move(s)), src.origin, dst.origin};
+}
+
+// --- reports -------------------------------------------------------------------
+
+nb::dict report_dict(const RefitReport& r) {
+  nb::dict d;
+  d["bytes_moved"] = r.bytes_sent;
+  d["bytes_sent"] = r.bytes_sent;
+  d["bytes_received"] = r.bytes_received;
+  d["local_bytes"] = r.local_bytes;
+  d["messages_sent"] = r.messages_sent;
+  d["messages_received"] = r.messages_received;
+  d["messages"] = r.messages_sent;
+  d["waves"] = r.waves;
+  d["peak_staging_bytes"] = r.peak_staging_bytes;
+  d["seconds"] = r.seconds;
+  d["plan_bytes_sent"] = r.plan_bytes_sent;
+  d["plan_bytes_received"] = r.plan_bytes_received;
+  d["plan_local_bytes"] = r.plan_local_bytes;
+  d["version"] = r.version;
+  d["refit_index"] = r.refit_index;
+  return d;
+}
+
+std::vector<std::int64_t> world_of(const Layout& src, const Layout& dst) {
+  std::set<std::int64_t> w;
+  for (auto r : src.mesh.global_ranks()) w.insert(r);
+  for (auto r : dst.mesh.global_ranks()) w.insert(r);
+  return {w.begin(), w.end()};
+}
+
+ExecutorOptions executor_options(double timeout_s, std::optional<std::int64_t> staging_budget) {
+  ExecutorOptions eo;
+  if (!(timeout_s > 0)) fail("timeout must be positive (seconds); got {}", timeout_s);
+  eo.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+  if (staging_budget) {
+    if (*staging_budget <= 0) fail("staging_budget must be positive (bytes); got {}", *staging_budget);
+    eo.staging_budget = *staging_budget;
+  }
+  return eo;
+}
+
+/// Every rank of both layouts as a thread of this process (LocalWorld).
+nb::dict refit_local(const Layout& src, const Layout& dst, nb::handle buffers, int iterations, double timeout_s,
+                     std::optional<std::int64_t> staging_budget) {
+  if (!nb::isinstance<nb::dict>(buffers)) fail("refit_local: buffers must be a dict of global rank -> {{buffer name: tensor}}");
+  if (iterations < 1) fail("refit_local: iterations must be at least 1; got {}", iterations);
+  const auto ranks = world_of(src, dst);
+  std::map<std::int64_t, RankViews> views;
+  for (auto [k, v] : nb::borrow<nb::dict>(buffers)) {
+    if (!nb::isinstance<nb::int_>(k)) fail("refit_local: buffers are keyed by global rank (int); got a {} key", nb::inst_name(k).c_str());
+    const auto r = nb::cast<std::int64_t>(k);
+    if (!std::binary_search(ranks.begin(), ranks.end(), r))
+      fail("refit_local: rank {} is in neither layout ({} has ranks {}; {} has ranks {})", r, src.origin, fmt::join(src.mesh.global_ranks(), ","),
+           dst.origin, fmt::join(dst.mesh.global_ranks(), ","));
+    views.emplace(r, rank_views(src, dst, r, v));
+  }
+  // Each rank's own check first, so a bad buffer is named before any thread starts.
+  for (auto r : ranks) {
+    static const std::map<std::string, BufferView> none;
+    auto it = views.find(r);
+    auto s = bind_buffers(src, r, it == views.end() ? none : it->second.views.src, "source");
+    auto d = bind_buffers(dst, r, it == views.end() ? none : it->second.views.dst, "destination");
+    check_no_overlap(r, {&s}, {&d});
+  }
+  ResharderOptions ro;
+  ro.executor = executor_options(timeout_s, staging_budget);
+  std::vector<RefitReport> reports(ranks.size());
+  std::vector<std::vector<Clock::time_point>> t0(ranks.size()), t1(ranks.size());
+  double plan_seconds = 0;
+  std::int64_t transport_bytes = 0;
+  {
+    nb::gil_scoped_release nogil;
+    PlanOptions po;
+    po.threads = 0;
+    ro.schedule = std::make_shared<const Schedule>(plan(src, dst, po));
+    plan_seconds = ro.schedule->stats.plan_seconds;
+    LocalWorld world(ranks);
+    world.run([&](LocalTransport& t) {
+      const auto i = static_cast<std::size_t>(std::lower_bound(ranks.begin(), ranks.end(), t.rank()) - ranks.begin());
+      static const LocalBuffers none;
+      auto it = views.find(t.rank());
+      Resharder<Layout, LocalTransport> r(src, dst, it == views.end() ? none : it->second.views, t, ro);
+      for (int k = 0; k < iterations; ++k) {
+        t.all_gather({}, Clock::now() + ro.executor.timeout);
+        t0[i].push_back(Clock::now());
+        reports[i] = r.refit();
+        t1[i].push_back(Clock::now());
+      }
+    });
+    transport_bytes = world.total_stats().bytes_sent;
+  }
+  RefitReport sum;
+  std::int64_t max_rank = 0;
+  for (const auto& r : reports) {
+    sum.bytes_sent += r.bytes_sent;
+    sum.bytes_received += r.bytes_received;
+    sum.local_bytes += r.local_bytes;
+    sum.messages_sent += r.messages_sent;
+    sum.plan_bytes_sent += r.plan_bytes_sent;
+    sum.waves = std::max(sum.waves, r.waves);
+    sum.peak_staging_bytes = std::max(sum.peak_staging_bytes, r.peak_staging_bytes);
+    max_rank = std::max({max_rank, r.bytes_sent, r.bytes_received});
+  }
+  std::vector<double> secs;
+  for (int k = 0; k < iterations; ++k) {
+    auto a = Clock::time_point::max(), b = Clock::time_point::min();
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      a = std::min(a, t0[i][static_cast<std::size_t>(k)]);
+      b = std::max(b, t1[i][static_cast<std::size_t>(k)]);
+    }
+    secs.push_back(std::chrono::duration<double>(b - a).count());
+  }
+  auto sorted = secs;
+  std::sort(sorted.begin(), sorted.end());
+  const auto n = sorted.size();
+  nb::dict d;
+  d["transport"] = "local";
+  d["bytes_moved"] = sum.bytes_sent;
+  d["local_bytes"] = sum.local_bytes;
+  d["plan_bytes"] = sum.plan_bytes_sent;
+  d["messages"] = sum.messages_sent;
+  d["waves"] = sum.waves;
+  d["peak_staging_bytes"] = sum.peak_staging_bytes;
+  d["max_rank_bytes"] = max_rank;
+  d["seconds"] = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  d["iteration_seconds"] = secs;
+  d["plan_seconds"] = plan_seconds;
+  d["ranks"] = ranks;
+  d["src_ranks"] = src.mesh.size();
+  d["dst_ranks"] = dst.mesh.size();
+  d["transport_bytes"] = transport_bytes;
+  d["version"] = reports.empty() ? 0 : reports.front().version;
+  return d;
+}
+
+// --- the UCX endpoint with a key-value store bootstrap -------------------------
+
+#ifdef RESHARD_HAVE_UCX
+/// The all-gather over a store, through the Python adapter
+/// (reshard._StoreAdapter: set(key, bytes), poll(keys) -> [bytes | None],
+/// delete(key)). Keys: "{prefix}/{round}/{rank}". Waits with the GIL
+/// released, calling the transport's idle callback, until the deadline;
+/// then a TransportError naming the ranks that never arrived.
+struct StoreGather {
+  nb::handle adapter;  ///< borrowed: the owning PyResharder holds the reference
+  std::string prefix;
+  std::int64_t me = -1;
+  std::vector<std::int64_t> ranks;
+  std::uint64_t round = 0;
+
+  std::string key(std::uint64_t r, std::int64_t rank) const { return fmt::format("{}/{}/{}", prefix, r, rank); }
+
+  Blobs operator()(std::span<const std::byte> mine, Deadline deadline, const Bootstrap::Idle& idle) {
+    const std::uint64_t r = round++;
+    const auto start = Clock::now();
+    const std::size_t n = ranks.size();
+    Blobs out(n);
+    std::vector<char> have(n, 0);
+    auto absent = [&] {
+      std::vector<std::int64_t> a;
+      for (std::size_t i = 0; i < n; ++i)
+        if (!have[i]) a.push_back(ranks[i]);
+      return a;
+    };
+    auto python = [&](auto&& fn) {
+      nb::gil_scoped_acquire gil;
+      try {
+        fn();
+      } catch (nb::python_error& e) {
+        // The exception's type and first line (torch appends its C++ stack).
+        std::string text = nb::str(e.value()).c_str();
+        text = text.substr(0, text.find('\n'));
+        const auto a = absent();
+        throw TransportError(fmt::format("store bootstrap: rank {}: round {}: the store failed ({}: {}){}", me, r,
+                                         nb::inst_name(e.value()).c_str(), text,
+                                         a.empty() ? std::string() : fmt::format(" while rank{} {} had not arrived", a.size() == 1 ? "" : "s",
+                                                                                 fmt::join(a, ", "))));
+      }
+    };
+    python([&] {
+      adapter.attr("set")(key(r, me), nb::bytes(reinterpret_cast<const char*>(mine.data()), mine.size()));
+      // Every rank has read round r - 2 once it posts round r - 1, which this rank read.
+      if (r >= 2) adapter.attr("delete")(key(r - 2, me));
+    });
+    long sleep_us = 50;
+    while (true) {
+      std::vector<std::size_t> missing;
+      for (std::size_t i = 0; i < n; ++i)
+        if (!have[i]) missing.push_back(i);
+      if (missing.empty()) break;
+      python([&] {
+        nb::list keys;
+        for (auto i : missing) keys.append(key(r, ranks[i]));
+        nb::object got = adapter.attr("poll")(keys);
+        std::size_t j = 0;
+        for (nb::handle v : got) {
+          if (j >= missing.size()) break;
+          const auto i = missing[j++];
+          if (v.is_none()) continue;
+          nb::bytes b = nb::borrow<nb::bytes>(v);
+          const auto* p = reinterpret_cast<const std::byte*>(b.c_str());
+          out[i].assign(p, p + b.size());
+          have[i] = 1;
+        }
+      });
+      if (std::all_of(have.begin(), have.end(), [](char c) { return c != 0; })) break;
+      if (idle) idle();
+      if (Clock::now() >= deadline) {
+        const auto missing_ranks = absent();
+        throw TransportError(fmt::format(
+            "store bootstrap: rank {}: round {} timed out after {:.1f} s: rank{} {} never arrived (dead, stuck, or not running the same "
+            "program with the same store prefix '{}')",
+            me, r, std::chrono::duration<double>(Clock::now() - start).count(), missing_ranks.size() == 1 ? "" : "s",
+            fmt::join(missing_ranks, ", "),
+            prefix));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      sleep_us = std::min<long>(sleep_us * 2, 5'000);
+    }
+    return out;
+  }
+};
+
+class PyResharder {
+ public:
+  PyResharder(Layout src, Layout dst, std::int64_t rank, nb::handle buffers, nb::object adapter, std::string prefix, double timeout_s,
+              double stall_s, std::string protocol, std::vector<std::pair<std::string, std::string>> ucx_config,
+              std::optional<std::int64_t> staging_budget, bool fast_data_endpoint, bool double_buffered, nb::handle back_buffers)
+      : src_(std::move(src)), dst_(std::move(dst)), rank_(rank), adapter_(std::move(adapter)) {
+    ranks_ = world_of(src_, dst_);
+    if (!std::binary_search(ranks_.begin(), ranks_.end(), rank))
+      fail("Resharder: rank {} is in neither layout ({} has ranks {}; {} has ranks {})", rank, src_.origin, fmt::join(src_.mesh.global_ranks(), ","),
+           dst_.origin, fmt::join(dst_.mesh.global_ranks(), ","));
+    // A bad buffer here fails every rank's constructor, after the bootstrap
+    // (the others would otherwise wait for this rank until their deadline).
+    std::string bad;
+    try {
+      views_ = rank_views(src_, dst_, rank, buffers);
+      if (!back_buffers.is_none()) {
+        if (!double_buffered) fail("rank {}: back_buffers were given but double_buffered is off", rank);
+        add_side(views_, dst_, rank, back_buffers, true, true);
+      }
+    } catch (const Error& e) {
+      bad = e.what();
+    }
+    ResharderOptions ro;
+    ro.executor = executor_options(timeout_s, staging_budget);
+    ro.double_buffered = double_buffered;
+    UcxOptions uo;
+    uo.protocol = parse_ucx_protocol(protocol);
+    if (!(stall_s > 0)) fail("Resharder: stall_timeout must be positive (seconds); got {}", stall_s);
+    uo.stall_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(stall_s * 1000));
+    uo.ucx_config = std::move(ucx_config);
+    uo.fast_data_endpoint = fast_data_endpoint;
+    StoreGather g{adapter_, std::move(prefix), rank, ranks_};
+    nb::gil_scoped_release nogil;
+    t_ = std::make_unique<UcxTransport>(make_bootstrap(rank, ranks_, std::move(g), "store"), uo);
+    try {
+      const auto* p = reinterpret_cast<const std::byte*>(bad.data());
+      const Blobs verdicts = t_->all_gather(std::span<const std::byte>(p, bad.size()), Clock::now() + uo.stall_timeout);
+      if (!bad.empty()) throw Error(bad);
+      for (std::size_t i = 0; i < verdicts.size(); ++i)
+        if (!verdicts[i].empty())
+          throw Error(fmt::format("rank {}: Resharder: rank {} failed to set up: {}", rank, ranks_[i],
+                                  std::string(reinterpret_cast<const char*>(verdicts[i].data()), verdicts[i].size())));
+      r_ = std::make_unique<Resharder<Layout, UcxTransport>>(src_, dst_, views_.views, *t_, ro);
+    } catch (...) {
+      t_.reset();
+      throw;
+    }
+  }
+  ~PyResharder() { close(false); }
+
+  nb::dict refit(std::optional<std::uint64_t> version) {
+    if (!r_) fail("Resharder (rank {}): closed", rank_);
+    RefitReport rep;
+    {
+      nb::gil_scoped_release nogil;
+      rep = version ? r_->refit(*version) : r_->refit();
+    }
+    nb::dict d = report_dict(rep);
+    d["transport"] = "ucx";
+    d["rank"] = rank_;
+    return d;
+  }
+
+  /// Collective: the ranks agree they are done, then the transport goes.
+  void close(bool barrier) {
+    if (!t_) return;
+    if (barrier) {
+      nb::gil_scoped_release nogil;
+      try {
+        t_->all_gather({}, Clock::now() + std::chrono::seconds(30));
+      } catch (...) {
+        r_.reset();
+        t_.reset();
+        throw;
+      }
+    }
+    r_.reset();
+    t_.reset();
+  }
+
+  std::int64_t rank() const { return rank_; }
+  const std::vector<std::int64_t>& world() const { return ranks_; }
+  std::uint64_t last_good_version() const { return r_ ? r_->last_good_version() : 0; }
+  std::string state() const { return r_ ? to_string(r_->state()) : "closed"; }
+  int serving_set() const { return r_ ? r_->serving_set() : 0; }
+  const Layout& src() const { return src_; }
+  const Layout& dst() const { return dst_; }
+  PySchedule schedule() const {
+    if (!r_) fail("Resharder (rank {}): closed", rank_);
+    return PySchedule{std::make_shared<const Schedule>(r_->schedule()), src_.origin, dst_.origin};
+  }
+
+ private:
+  Layout src_, dst_;
+  std::int64_t rank_;
+  std::vector<std::int64_t> ranks_;
+  nb::object adapter_;
+  RankViews views_;
+  std::unique_ptr<UcxTransport> t_;
+  std::unique_ptr<Resharder<Layout, UcxTransport>> r_;
+};
+#endif
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "reshard's C++ core (see the package reshard for the documented API)";
+  g_error = PyErr_NewException("reshard.Error", PyExc_RuntimeError, nullptr);
+  g_layout_error = PyErr_NewException("reshard.LayoutError", g_error, nullptr);
+  g_transport_error = PyErr_NewException("reshard.TransportError", g_error, nullptr);
+  g_not_committed = PyErr_NewException("reshard.RefitNotCommitted", g_transport_error, nullptr);
+  m.attr("Error") = nb::handle(g_error);
+  m.attr("LayoutError") = nb::handle(g_layout_error);
+  m.attr("TransportError") = nb::handle(g_transport_error);
+  m.attr("RefitNotCommitted") = nb::handle(g_not_committed);
+  nb::register_exception_translator(translate);
+#ifdef RESHARD_HAVE_UCX
+  m.attr("has_ucx") = true;
+#else
+  m.attr("has_ucx") = false;
+#endif
+
+  nb::class_<Layout>(m, "Layout")
+      .def_ro("origin", &Layout::origin)
+      .def_prop_ro("ranks", [](const Layout& L) { return L.mesh.global_ranks(); })
+      .def_prop_ro("mesh",
+                   [](const Layout& L) {
+                     std::vector<std::pair<std::string, std::int64_t>> a;
+                     for (const auto& x : L.mesh.axes) a.emplace_back(x.name, x.size);
+                     return a;
+                   })
+      .def_prop_ro("tensors",
+                   [](const Layout& L) {
+                     std::vector<std::string> n;
+                     for (const auto& t : L.tensors) n.push_back(t.name);
+                     return n;
+                   })
+      .def("tensor",
+           [](const Layout& L, const std::string& name) {
+             const int t = L.find_tensor(name);
+             if (t < 0) fail("{}: no tensor named '{}'", L.origin, name);
+             const auto& ts = L.tensors[static_cast<std::size_t>(t)];
+             nb::dict d;
+             d["name"] = ts.name;
+             d["shape"] = nb::tuple(nb::cast(ts.shape));
+             d["dtype"] = std::string(to_string(ts.dtype));
+             d["buffer"] = ts.buffer >= 0 ? nb::cast(L.buffers[static_cast<std::size_t>(ts.buffer)].name) : nb::none();
+             return d;
+           },
+           "name"_a)
+      .def("buffers", &list_buffers, "rank"_a)
+      .def("to_json", [](const Layout& L) { return layout_to_json(L).dump(1); })
+      .def("__repr__", &layout_repr);
+
+  m.def("read_layout", [](const std::string& path) {
+    nb::gil_scoped_release nogil;
+    return read_layout_file(path);
+  }, "path"_a);
+  m.def("layout_from_json", &layout_from_text, "text"_a, "origin"_a = "<json>");
+  m.def("megatron_layout",
+        [](const std::string& config, const std::string& spec, std::int64_t first_rank, bool group_experts) {
+          nb::gil_scoped_release nogil;
+          return presets::megatron_layout(presets::model_manifest(config, group_experts), presets::parse_parallel_spec(spec, "train spec"),
+                                          first_rank);
+        },
+        "config_path"_a, "spec"_a, "first_rank"_a = 0, "group_experts"_a = false);
+  m.def("vllm_layout",
+        [](const std::string& config, const std::string& spec, std::int64_t first_rank, bool group_experts) {
+          nb::gil_scoped_release nogil;
+          return presets::vllm_layout(presets::model_manifest(config, group_experts), presets::parse_parallel_spec(spec, "infer spec"),
+                                      first_rank);
+        },
+        "config_path"_a, "spec"_a, "first_rank"_a = 0, "group_experts"_a = false);
+
+  nb::class_<PySchedule>(m, "Schedule")
+      .def_prop_ro("stats_json", [](const PySchedule& s) { return stats_json(s.s->stats, true).dump(); })
+      .def("to_json", [](const PySchedule& s) { return schedule_json(*s.s); })
+      .def_prop_ro("copies", [](const PySchedule& s) { return s.s->copies.size(); })
+      .def_prop_ro("only_rank", [](const PySchedule& s) -> std::optional<std::int64_t> {
+        if (s.s->only_rank < 0) return std::nullopt;
+        return s.s->only_rank;
+      })
+      .def_ro("src_origin", &PySchedule::src_origin)
+      .def_ro("dst_origin", &PySchedule::dst_origin);
+  m.def("plan", &make_plan, "src"_a, "dst"_a, "rank"_a = nb::none(), "threads"_a = 0);
+
+  m.def("refit_local", &refit_local, "src"_a, "dst"_a, "buffers"_a, "iterations"_a = 1, "timeout"_a = 300.0,
+        "staging_budget"_a = nb::none());
+
+#ifdef RESHARD_HAVE_UCX
+  nb::class_<PyResharder>(m, "UcxResharder")
+      .def(nb::init<Layout, Layout, std::int64_t, nb::handle, nb::object, std::string, double, double, std::string,
+                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool, bool, nb::handle>(),
+           "src"_a, "dst"_a, "rank"_a, "buffers"_a, "adapter"_a, "prefix"_a, "timeout"_a, "stall_timeout"_a, "protocol"_a, "ucx_config"_a,
+           "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false, "double_buffered"_a = false,
+           "back_buffers"_a = nb::none())
+      .def("refit", &PyResharder::refit, "version"_a = nb::none())
+      .def("close", &PyResharder::close, "barrier"_a = true)
+      .def_prop_ro("rank", &PyResharder::rank)
+      .def_prop_ro("world", &PyResharder::world)
+      .def_prop_ro("last_good_version", &PyResharder::last_good_version)
+      .def_prop_ro("state", &PyResharder::state)
+      .def_prop_ro("serving_set", &PyResharder::serving_set)
+      .def_prop_ro("src", &PyResharder::src)
+      .def_prop_ro("dst", &PyResharder::dst)
+      .def("schedule", &PyResharder::schedule);
+#endif
+}

@@ -1,0 +1,250 @@
+"""reshard.Resharder across processes that no mpirun started: torch.multiprocessing
+(spawn), a torch.distributed.TCPStore on 127.0.0.1, UCX on loopback."""
+import datetime
+import json
+import os
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import oracle
+import reshard
+
+pytestmark = pytest.mark.skipif(not reshard.has_ucx, reason="reshard built without UCX")
+
+POISON = -7.0
+# Debian's UCX 1.13 on one host: TCP over loopback, shared memory, self.
+UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def layouts(models):
+    cfg = models / "tiny-llama.json"
+    src = reshard.megatron_layout(cfg, "tp=2")
+    return src, reshard.vllm_layout(cfg, "tp=1", first_rank=len(src.ranks))
+
+
+class DictStore:
+    """Any object with set(key, bytes) and get(key) -> bytes (KeyError when missing): here a
+    multiprocessing.Manager dict shared by the processes."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def set(self, key, value):
+        self.d[key] = value
+
+    def get(self, key):
+        return self.d[key]
+
+
+def worker(rank, port, models, mode, q):
+    """One process of the job. Modes: ok (two refits with changed weights), dies (rank 2 exits
+    before the second refit), bad (rank 1 gives a wrong dtype). `port` is a TCPStore port, or a
+    Manager dict (the generic store)."""
+    t0 = time.monotonic()
+    try:
+        import reshard as rs  # noqa: F401  (spawned: a fresh interpreter)
+
+        if isinstance(port, tuple):  # (port, True): rank 0 hosts the store; (port, False): the parent does
+            store = torch.distributed.TCPStore("127.0.0.1", port[0], None, port[1] and rank == 0,
+                                               timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        else:
+            store = DictStore(port)
+        src, dst = layouts(models)
+        cfg = json.loads((models / "tiny-llama.json").read_text())
+        full = oracle.full_tensors(src, seed=11)
+        bufs = {}
+        if rank in src.ranks:
+            bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
+        if rank in dst.ranks:
+            bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        if mode == "bad" and rank == 1:
+            n = next(iter(bufs))
+            bufs[n] = bufs[n].float()
+        t0 = time.monotonic()
+        double = mode == "double"
+        back = reshard.allocate(dst, rank, fill=POISON) if double and rank in dst.ranks else None
+        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, transport="ucx", store=store, stall_timeout=10,
+                              double_buffered=double, back_buffers=back)
+        reports = [r.refit()]
+        checked = 0
+        if rank in dst.ranks:
+            v1 = oracle.vllm_llama_buffers(cfg, full, 1, len(src.ranks), rank)
+            if double:  # the back set was written and is now served; the front one untouched
+                assert r.serving_set == 1
+                checked += oracle.check(back, v1, POISON, "refit 1 (back set)")
+                assert all((t == POISON).all() for t in bufs.values())
+            else:
+                checked += oracle.check(bufs, v1, POISON, "refit 1")
+        # New weights, written in place into the bound source tensors.
+        full2 = oracle.full_tensors(src, seed=12)
+        if rank in src.ranks:
+            for n, (v, _) in oracle.contract_buffers(src, full2, rank).items():
+                bufs[n].copy_(v)
+        if mode == "dies" and rank == 2:
+            os._exit(3)
+        t0 = time.monotonic()
+        reports.append(r.refit())
+        if rank in dst.ranks:
+            checked += oracle.check(bufs, oracle.vllm_llama_buffers(cfg, full2, 1, len(src.ranks), rank), POISON, "refit 2")
+            if double:
+                assert r.serving_set == 0
+                oracle.check(back, v1, POISON, "back set after refit 2")
+        r.close()
+        q.put((rank, "ok", reports, checked, time.monotonic() - t0))
+    except reshard.Error as e:
+        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
+    except BaseException:
+        q.put((rank, "crash", traceback.format_exc(), None, None))
+
+
+def colocated_worker(rank, port, examples, q):
+    """Each process is a rank of both sides (examples/colocated): its buffers given as {"src", "dst"}."""
+    t0 = time.monotonic()
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
+        src = reshard.read_layout(examples / "colocated" / "train.json")
+        dst = reshard.read_layout(examples / "colocated" / "infer.json")
+        full = oracle.full_tensors(src, seed=21)
+        bufs = {"src": {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()},
+                "dst": reshard.allocate(dst, rank, fill=POISON)}
+        with reshard.Resharder(src, dst, rank=rank, buffers=bufs, store=store, stall_timeout=10) as r:
+            rep = r.refit()
+        checked = oracle.check(bufs["dst"], oracle.contract_buffers(dst, full, rank), POISON, f"rank {rank}")
+        q.put((rank, "ok", [rep], checked, time.monotonic() - t0))
+    except reshard.Error as e:
+        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
+    except BaseException:
+        q.put((rank, "crash", traceback.format_exc(), None, None))
+
+
+def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, target=None):
+    """Runs `ranks` as spawned processes. The TCPStore lives in this process (as torchrun's agent
+    or a Ray driver would host it), or on rank 0 with rank0_hosts."""
+    for k, v in UCX_ENV.items():
+        os.environ.setdefault(k, v)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    host = None
+    if port is None and rank0_hosts:
+        port = (free_port(), True)
+    elif port is None:
+        host = torch.distributed.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+                                          wait_for_workers=False)
+        port = (host.port, False)
+    if target is None:
+        procs = {r: ctx.Process(target=worker, args=(r, port, models, mode, q)) for r in ranks}
+    else:
+        procs = {r: ctx.Process(target=target, args=(r, port, models, q)) for r in ranks}
+    for p in procs.values():
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < len(ranks) and time.monotonic() < deadline:
+            try:
+                res = q.get(timeout=1)
+                results[res[0]] = res
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs.values()) and q.empty():
+                    break
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results, {r: p.exitcode for r, p in procs.items()}
+
+
+def test_two_refits_across_processes(models):
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "ok", rank0_hosts=True)  # close() lets the host leave safely
+    assert set(results) == set(ranks), (results, codes)
+    for r, res in results.items():
+        assert res[1] == "ok", res
+        reports = res[2]
+        assert [x["version"] for x in reports] == [1, 2]
+        if r in dst.ranks:
+            assert res[3] > 0
+    sent = sum(res[2][1]["bytes_moved"] for res in results.values())
+    assert sent == reshard.plan(src, dst).stats["bytes"]
+
+
+def test_double_buffered(models):
+    """Each refit writes the set not served and publishes it whole: inference reads serving_set."""
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "double")
+    assert set(results) == set(ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+    assert results[2][3] > 0
+
+
+def test_colocated_ranks_local_copies(examples):
+    """Every process on both sides: local copies and network copies in one refit over UCX."""
+    src = reshard.read_layout(examples / "colocated" / "train.json")
+    results, codes = run_job(examples, src.ranks, None, target=colocated_worker)
+    assert set(results) == set(src.ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+        assert res[3] > 0
+    assert sum(res[2][0]["local_bytes"] for res in results.values()) > 0
+
+
+def test_any_store_with_set_and_get(models):
+    """The rendezvous over a plain key-value object (no TCPStore, no check(), no add())."""
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    with mp.get_context("spawn").Manager() as m:
+        results, codes = run_job(models, ranks, "ok", port=m.dict())
+    assert set(results) == set(ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+        assert [x["version"] for x in res[2]] == [1, 2]
+
+
+def test_peer_dies_mid_job(models):
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "dies")
+    assert codes[2] == 3
+    for r in (0, 1):
+        res = results[r]
+        assert res[1] == "error", res
+        assert "rank 2" in res[3], res[3]
+        assert res[4] < 30, f"rank {r} took {res[4]:.1f} s to notice"
+
+
+def test_rank_never_arrives(models):
+    results, codes = run_job(models, [0, 1], "ok")
+    for r in (0, 1):
+        res = results[r]
+        assert res[1] == "error", res
+        assert "rank 2 never arrived" in res[3], res[3]
+        assert res[4] < 30
+
+
+def test_bad_buffer_fails_every_rank(models):
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, "bad")
+    assert "dtype f32 but the layout stores bf16" in results[1][3]
+    for r in (0, 2):
+        res = results[r]
+        assert res[1] == "error", res
+        assert "rank 1 failed to set up" in res[3] and "dtype f32" in res[3], res[3]
+        assert res[4] < 30
