@@ -34,21 +34,13 @@ if(TARGET reshard-plan)
   endforeach()
 
   set(_reshard_ex ${PROJECT_SOURCE_DIR}/examples/llama-block)
-  set(_reshard_usage
-      "no_args|2|"
-      "missing_dst|2|--src|${_reshard_ex}/train.json"
-      "json_and_stats|2|--src|${_reshard_ex}/train.json|--dst|${_reshard_ex}/infer.json|--json|--stats"
-      "negative_rank|2|--src|${_reshard_ex}/train.json|--dst|${_reshard_ex}/infer.json|--rank|-1"
-      "rank_not_a_number|2|--src|${_reshard_ex}/train.json|--dst|${_reshard_ex}/infer.json|--rank|abc"
-      "unknown_option|2|--src|${_reshard_ex}/train.json|--dst|${_reshard_ex}/infer.json|--bogus"
-      "help|0|--help")
-  foreach(entry ${_reshard_usage})
-    string(REPLACE "|" ";" parts "${entry}")
-    list(POP_FRONT parts name want)
-    string(REPLACE ";" "|" args "${parts}")
-    add_test(NAME cli.usage.${name}
-             COMMAND ${CMAKE_COMMAND} -DEXE=${_reshard_plan} -DMODE=usage "-DARGS=${args}" -DWANT_RC=${want}
-                     -P ${_reshard_cli_check})
-    set_tests_properties(cli.usage.${name} PROPERTIES TIMEOUT 60 LABELS cli)
-  endforeach()
+  set(_pair --src|${_reshard_ex}/train.json|--dst|${_reshard_ex}/infer.json)
+  reshard_cli_usage_tests(cli.usage ${_reshard_plan} cli
+      "no_args|2|give --src and --dst, or --model with --train and --infer|"
+      "missing_dst|2|--src requires --dst|--src|${_reshard_ex}/train.json"
+      "json_and_stats|2|--json excludes --stats|${_pair}|--json|--stats"
+      "negative_rank|2|--rank: Value -1 not in range|${_pair}|--rank|-1"
+      "rank_not_a_number|2|--rank: Value abc not in range|${_pair}|--rank|abc"
+      "unknown_option|2|The following argument was not expected: --bogus|${_pair}|--bogus"
+      "help|0||--help")
 endif()

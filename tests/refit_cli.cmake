@@ -30,15 +30,7 @@ if(TARGET reshard-refit)
   set(_moe ${PROJECT_SOURCE_DIR}/examples/moe-experts)
   reshard_refit_test(refit.hierarchical.moe-experts 120 ON
                      "--src|${_moe}/train.json|--dst|${_moe}/infer.json|--topology|h100-8x400g|--placement|separate|--hierarchical|--pipeline|2|--iterations|2|--json|--staging-budget|4096")
-  foreach(entry
+  reshard_cli_usage_tests(refit.usage ${_reshard_refit} refit
       "hierarchical|2|--hierarchical needs --topology|--hierarchical"
       "transport|2|unknown transport 'carrier-pigeon'|--transport|carrier-pigeon")
-    string(REPLACE "|" ";" parts "${entry}")
-    list(POP_FRONT parts name want phrase)
-    string(REPLACE ";" "|" args "${parts}")
-    add_test(NAME refit.usage.${name}
-             COMMAND ${CMAKE_COMMAND} -DEXE=${_reshard_refit} -DMODE=usage "-DARGS=${args}" -DWANT_RC=${want}
-                     "-DCONTAINS=${phrase}" -P ${_reshard_check})
-    set_tests_properties(refit.usage.${name} PROPERTIES TIMEOUT 60 LABELS refit)
-  endforeach()
 endif()

@@ -18,17 +18,9 @@ if(TARGET reshard-plan)
   # Errors: the exit status, nothing on stdout, one stderr line naming the fault
   # (the same checker as reshard-plan's bad inputs, tests/cli/check_cli.cmake).
   set(_src --src|${_t}/src.json|--dst|${_t}/dst.json)
-  foreach(entry
-      "bad_field|1|bad-field.json: nic_gbps: -5 must be a positive number|--topology|${_t}/bad-field.json"
-      "unknown|1|topology 'no-such-cluster': neither a preset|--topology|no-such-cluster"
-      "needs_topology|2|--hierarchical requires --topology|--hierarchical"
-      "no_rank|2|--rank excludes --topology|--topology|h100-8x400g|--rank|2")
-    string(REPLACE "|" ";" parts "${entry}")
-    list(POP_FRONT parts name want phrase)
-    string(REPLACE ";" "|" args "${parts}")
-    add_test(NAME topology.cli.${name}
-             COMMAND ${CMAKE_COMMAND} -DEXE=$<TARGET_FILE:reshard-plan> -DMODE=usage "-DARGS=${_src}|${args}"
-                     -DWANT_RC=${want} "-DCONTAINS=${phrase}" -P ${CMAKE_CURRENT_LIST_DIR}/cli/check_cli.cmake)
-    set_tests_properties(topology.cli.${name} PROPERTIES TIMEOUT 60 LABELS cli)
-  endforeach()
+  reshard_cli_usage_tests(topology.cli $<TARGET_FILE:reshard-plan> cli
+      "bad_field|1|bad-field.json: nic_gbps: -5 must be a positive number|${_src}|--topology|${_t}/bad-field.json"
+      "unknown|1|topology 'no-such-cluster': neither a preset|${_src}|--topology|no-such-cluster"
+      "needs_topology|2|--hierarchical requires --topology|${_src}|--hierarchical"
+      "no_rank|2|--rank excludes --topology|${_src}|--topology|h100-8x400g|--rank|2")
 endif()
