@@ -5,9 +5,10 @@
 // holder is chosen among the replicas (the rank itself when it holds the data,
 // else spread evenly), and the common boxes become strided copies.
 //
-// Every choice is a pure function of (destination rank, tensor, piece), so a
-// process that plans only its own rank (`only_rank`) computes exactly the
-// copies a full plan gives it.
+// Every choice is a pure function of (destination rank, tensor, piece) and of
+// the piece's replica group (the holders of one source part and every piece
+// they serve, found from the layouts alone), so a process that plans only its
+// own rank (`only_rank`) computes exactly the copies a full plan gives it.
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -16,6 +17,7 @@
 #include <deque>
 #include <exception>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -44,6 +46,18 @@ struct PlanOptions {
   /// along the row-major order), one per replica, so every replica sends its
   /// even share. Smaller pieces go whole to one replica, by rotation.
   std::int64_t split_bytes = 64 * 1024;
+  /// Replica balance of the pieces that go whole (below split_bytes, or all
+  /// of them when split_bytes is never reached). A replica group is the R
+  /// holders of one source part; its even share is the network bytes it
+  /// sends / R. When the rotation would leave a replica over balance_limit x
+  /// that share (few pieces of unequal size), the group's whole pieces are
+  /// reassigned, largest first onto the least loaded replica, or, when that
+  /// is not enough, laid end to end and cut into R runs of equal bytes
+  /// (McNaughton's wrap-around): a piece then splits into slabs along one
+  /// dim, none under min_slab_bytes, so small tensors keep one message per
+  /// piece. balance_limit <= 0: rotation only (as before issue 17).
+  double balance_limit = 1.10;
+  std::int64_t min_slab_bytes = 256 * 1024;
   bool coalesce = true;
   /// Threads for a full plan (only_rank < 0): destinations are cut into this
   /// many contiguous ranges, planned independently (every choice is a pure
@@ -629,6 +643,7 @@ class Planner {
     Ctx c{dpos, dt, st, drank, keep_src, keep_pos, &ds, nullptr, &out};
     for (const auto& D : ds.boxes) {
       c.D = &D;
+      c.box = static_cast<std::int32_t>(&D - ds.boxes.data());
       auto& cand = dst_cand_;  // scratch, reused: this runs millions of times
       cand.resize(static_cast<std::size_t>(n));
       bool empty = false;
@@ -654,6 +669,7 @@ class Planner {
     const TensorStorage* ds;
     const HeldBox* D;
     detail::CopySink* out;
+    std::int32_t box = 0;  // D's index in ds->boxes
   };
 
   /// The pieces of source part `parts` that destination box c.D needs.
@@ -709,9 +725,21 @@ class Planner {
       std::optional<std::int64_t> local;
       if (local_pos && std::binary_search(holders.begin(), holders.end(), *local_pos)) local = local_pos;
       const auto R = static_cast<std::int64_t>(holders.size());
-      if (local || R == 1 || needed_elements * ebytes < opt_.split_bytes) {
-        const std::int64_t h = local ? *local : holders[replica(0, holders.size())];
-        emit(c, h, sp, need);
+      // A piece that goes whole: to the group's balanced assignment when the
+      // rotation would overload a replica, else by rotation.
+      auto whole = [&] {
+        if (opt_.balance_limit > 0 && emit_balanced(c, parts, holders, part_key, sp, need)) return;
+        emit(c, holders[replica(0, holders.size())], sp, need);
+      };
+      if (local) {
+        emit(c, *local, sp, need);
+        return;
+      }
+      if (R == 1 || needed_elements * ebytes < opt_.split_bytes) {
+        if (R == 1)
+          emit(c, holders[0], sp, need);
+        else
+          whole();
         return;
       }
       // Cut the needed window into one slab per replica with equal needed
@@ -730,7 +758,7 @@ class Planner {
       for (int d = cut + 1; cut >= 0 && needed.total(cut) < 8 * R && d < n; ++d)
         if (needed.total(d) > needed.total(cut)) cut = d;
       if (cut < 0) {
-        emit(c, holders[replica(0, holders.size())], sp, need);
+        whole();
         return;
       }
       const auto uc = static_cast<std::size_t>(cut);
@@ -837,6 +865,296 @@ class Planner {
       }
     }
     flush();
+  }
+
+  /// One piece of a replica group: what destination dpos's box `box` needs
+  /// of the part, `elements` of it; `cls`: its storage in group_store_.
+  struct GroupPiece {
+    std::int64_t dpos, elements;
+    std::int32_t box, cls;
+    bool even;  // cut into R even slabs by plan_part (large enough, and a dim has >= R needed indices)
+  };
+  /// Where a group's whole pieces go once balanced: replica `replica` (an
+  /// index into the holders) sends the piece of (dpos, box), or with dim >=
+  /// 0 its slab [lo, hi) along that dim (local coordinates of the part).
+  struct ReplicaSlab {
+    std::int64_t dpos;
+    std::int32_t box, replica, dim;
+    std::int64_t lo, hi;
+  };
+  struct ReplicaGroup {
+    bool balanced = false;  // false: the rotation stays (it is within the limit, or nothing does better)
+    std::size_t first = 0, count = 0;  // its slabs in group_slabs_, by (dpos, box)
+  };
+
+  /// Emits the piece c.D needs of part `parts` as its replica group's
+  /// balanced assignment gives it; false when the group keeps the rotation.
+  bool emit_balanced(Ctx& c, std::span<const std::int64_t> parts, std::span<const std::int64_t> holders,
+                     std::uint64_t part_key, const std::vector<DimPart>& sp, const Window& need) {
+    const ReplicaGroup& g = replica_group(c, parts, holders, part_key, sp);
+    if (!g.balanced) return false;
+    const auto first = group_slabs_.begin() + static_cast<std::ptrdiff_t>(g.first);
+    const auto [a, b] = std::equal_range(first, first + static_cast<std::ptrdiff_t>(g.count), ReplicaSlab{c.dpos, c.box, 0, 0, 0, 0},
+                                         [](const ReplicaSlab& x, const ReplicaSlab& y) {
+                                           return std::pair(x.dpos, x.box) < std::pair(y.dpos, y.box);
+                                         });
+    if (a == b) return false;  // not among the group's pieces: cannot happen, the rotation is safe
+    // Copy the slabs out: emit() may not touch group_slabs_, but stay safe.
+    for (auto it = a; it != b; ++it) {
+      const ReplicaSlab r = *it;
+      Window w = need;
+      if (r.dim >= 0) {
+        w[2 * static_cast<std::size_t>(r.dim)] = r.lo;
+        w[2 * static_cast<std::size_t>(r.dim) + 1] = r.hi;
+      }
+      emit(c, holders[static_cast<std::size_t>(r.replica)], sp, w);
+    }
+    return true;
+  }
+
+  /// The replica group of source part `parts` (its holders), computed once
+  /// per plan: every destination piece that meets the part (as plan_rank
+  /// finds them), the rotation's load per replica, and, when that is over
+  /// the limit, a better assignment. A pure function of the part, so a
+  /// one-rank plan finds the same as the full plan.
+  const ReplicaGroup& replica_group(const Ctx& c, std::span<const std::int64_t> parts, std::span<const std::int64_t> holders,
+                                    std::uint64_t part_key, const std::vector<DimPart>& sp) {
+    const auto& sts = src_.tensors[static_cast<std::size_t>(c.st)];
+    const auto& dts = dst_.tensors[static_cast<std::size_t>(c.dt)];
+    const int n = sts.rank();
+    std::uint64_t lin = 0;  // as src_holders keys it
+    for (std::size_t d = 0; d < parts.size(); ++d)
+      lin = lin * static_cast<std::uint64_t>(sts.cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
+    const std::uint64_t key = (static_cast<std::uint64_t>(c.st) << 32) | lin;
+    if (const std::uint32_t i = group_index_.slot(key); i != detail::FlatIndex::kNone) return groups_[i];
+    ReplicaGroup g;
+    g.first = group_slabs_.size();
+    const auto R = static_cast<std::int64_t>(holders.size());
+    const std::int64_t ebytes = element_bytes(sts.dtype);
+    // The destinations whose pieces meet the part.
+    auto& cand = group_cand_;
+    cand.resize(static_cast<std::size_t>(n));
+    for (int d = 0; d < n; ++d) {
+      const auto ud = static_cast<std::size_t>(d);
+      cand[ud].clear();
+      const auto [glo, ghi] = detail::global_window(sp[ud], 0, sp[ud].local_extent);
+      dts.cuts[ud].for_parts_meeting(glo, std::min(ghi, dts.shape[ud]), [&](std::int64_t p) { cand[ud].push_back(p); });
+    }
+    auto& dsts = group_dsts_;
+    dsts.clear();
+    for_each_combination(cand, [&](std::span<const std::int64_t> dparts) {
+      positions_of_part(dst_, c.dt, dparts, group_list_, group_scratch_);
+      dsts.insert(dsts.end(), group_list_.begin(), group_list_.end());
+    });
+    std::sort(dsts.begin(), dsts.end());
+    dsts.erase(std::unique(dsts.begin(), dsts.end()), dsts.end());
+    // Its pieces over the network (a destination holding the part copies locally),
+    // one storage per destination class.
+    auto& pieces = group_pieces_;
+    pieces.clear();
+    group_class_index_.clear();
+    std::size_t classes = 0;
+    auto& runs = group_runs_;
+    if (runs.size() < static_cast<std::size_t>(n)) runs.resize(static_cast<std::size_t>(n));
+    auto& class_pieces = group_class_pieces_;  // per class: (first, count) in class_list
+    auto& class_list = group_class_list_;
+    class_pieces.clear();
+    class_list.clear();
+    for (const std::int64_t p : dsts) {
+      const auto lp = src_.mesh.position_of(dst_.mesh.global_rank(p));
+      if (lp && std::binary_search(holders.begin(), holders.end(), *lp)) continue;
+      auto& ci = group_class_index_.slot(static_cast<std::uint64_t>(dst_classes_.canonical(p, c.dt)));
+      if (ci == detail::FlatIndex::kNone) {
+        ci = static_cast<std::uint32_t>(classes++);
+        if (group_store_.size() < classes) group_store_.emplace_back();
+        TensorStorage& ds = group_store_[ci];
+        dst_storage(p, c.dt, ds);
+        const std::size_t at = class_list.size();
+        for (std::size_t b = 0; b < ds.boxes.size(); ++b) {
+          const HeldBox& D = ds.boxes[b];
+          std::int64_t elements = 1;
+          bool even = false;
+          for (int d = 0; d < n && elements > 0; ++d) {
+            const auto ud = static_cast<std::size_t>(d);
+            runs[ud].clear();
+            intersect_dim(sp[ud], 0, sp[ud].local_extent, ds.parts[ud], D.lo[ud], D.hi[ud], sts.shape[ud], runs[ud]);
+            std::int64_t count = 0;
+            for (const auto& r : runs[ud]) count += r.elements();
+            elements *= count;
+            even |= count >= R;
+          }
+          if (elements <= 0) continue;
+          even &= elements * ebytes >= opt_.split_bytes;
+          class_list.push_back(GroupPiece{0, elements, static_cast<std::int32_t>(b), static_cast<std::int32_t>(ci), even});
+        }
+        class_pieces.emplace_back(at, class_list.size() - at);
+      }
+      const auto [at, count] = class_pieces[ci];
+      for (std::size_t k = at; k < at + count; ++k) {
+        GroupPiece q = class_list[k];
+        q.dpos = p;
+        pieces.push_back(q);
+      }
+    }
+    // The rotation's load (plan_part: replica (dpos + dt + part key) mod R) and the even share.
+    auto& load = group_load_;
+    load.assign(static_cast<std::size_t>(R), 0);
+    std::int64_t even_total = 0, whole_total = 0;
+    for (const auto& q : pieces) {
+      if (q.even) {
+        even_total += q.elements;
+        continue;
+      }
+      whole_total += q.elements;
+      const auto rot = static_cast<std::uint64_t>(q.dpos) + static_cast<std::uint64_t>(c.dt) + part_key;
+      load[static_cast<std::size_t>(rot % static_cast<std::uint64_t>(R))] += q.elements;
+    }
+    const double share = static_cast<double>(even_total + whole_total) / static_cast<double>(R);
+    const double even_each = static_cast<double>(even_total) / static_cast<double>(R);
+    auto worst = [&](const std::vector<std::int64_t>& l) {
+      return even_each + static_cast<double>(*std::max_element(l.begin(), l.end()));
+    };
+    const double limit = opt_.balance_limit * share;
+    const double rotation = worst(load);
+    if (whole_total > 0 && rotation > limit) balance_group(c, g, R, ebytes, part_key, sp, rotation, limit, even_each);
+    g.count = group_slabs_.size() - g.first;
+    const auto idx = static_cast<std::uint32_t>(groups_.size());
+    groups_.push_back(g);
+    group_index_.slot(key) = idx;
+    return groups_.back();
+  }
+
+  /// group_pieces_'s whole pieces reassigned (into group_slabs_, g.balanced
+  /// set) when that beats the rotation's worst replica load `rotation`.
+  void balance_group(const Ctx& c, ReplicaGroup& g, std::int64_t R, std::int64_t ebytes, std::uint64_t part_key,
+                     const std::vector<DimPart>& sp, double rotation, double limit, double even_each) {
+    const auto& pieces = group_pieces_;
+    const auto uR = static_cast<std::size_t>(R);
+    // 1. Whole pieces, largest first onto the least loaded replica (ties:
+    //    the first after the part's own rotation start, so parts spread).
+    std::vector<std::size_t> order;
+    for (std::size_t i = 0; i < pieces.size(); ++i)
+      if (!pieces[i].even) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return pieces[a].elements > pieces[b].elements; });
+    std::vector<std::int64_t> lpt_load(uR, 0);
+    std::vector<std::int32_t> lpt(pieces.size(), -1);
+    const std::size_t start = static_cast<std::size_t>((static_cast<std::uint64_t>(c.dt) + part_key) % uR);
+    for (const std::size_t i : order) {
+      std::size_t best = start;
+      for (std::size_t k = 1; k < uR; ++k) {
+        const std::size_t j = (start + k) % uR;
+        if (lpt_load[j] < lpt_load[best]) best = j;
+      }
+      lpt_load[best] += pieces[i].elements;
+      lpt[i] = static_cast<std::int32_t>(best);
+    }
+    const double lpt_worst = even_each + static_cast<double>(*std::max_element(lpt_load.begin(), lpt_load.end()));
+    // 2. Wrap-around: the whole pieces end to end in (dpos, box) order, cut
+    //    where the running total reaches j/R of it; a cut leaving a slab
+    //    under min_slab_bytes moves to the nearer end of its piece.
+    std::vector<ReplicaSlab> wrap;
+    double wrap_worst = std::numeric_limits<double>::infinity();
+    if (lpt_worst > limit) {
+      std::int64_t total = 0;
+      for (const auto& q : pieces)
+        if (!q.even) total += q.elements;
+      const std::int64_t min_slab = (std::max<std::int64_t>(opt_.min_slab_bytes, 1) + ebytes - 1) / ebytes;
+      std::vector<std::int64_t> wrap_load(uR, 0);
+      std::int64_t done = 0;  // elements assigned so far
+      std::size_t j = 0;
+      auto bound = [&](std::size_t r) {  // floor(total * (r + 1) / R) without overflow
+        const auto m = static_cast<std::int64_t>(r + 1);
+        return total / R * m + total % R * m / R;
+      };
+      const int n = src_.tensors[static_cast<std::size_t>(c.st)].rank();
+      for (const auto& q : pieces) {
+        if (q.even) continue;
+        // The piece's needed indices per dim, to cut it into slabs.
+        const TensorStorage& ds = group_store_[static_cast<std::size_t>(q.cls)];
+        const HeldBox& D = ds.boxes[static_cast<std::size_t>(q.box)];
+        auto& runs = group_runs_;
+        std::array<std::int64_t, kMaxTensorRank> ext{};
+        Window need{};
+        for (int d = 0; d < n; ++d) {
+          const auto ud = static_cast<std::size_t>(d);
+          runs[ud].clear();
+          intersect_dim(sp[ud], 0, sp[ud].local_extent, ds.parts[ud], D.lo[ud], D.hi[ud],
+                        src_.tensors[static_cast<std::size_t>(c.st)].shape[ud], runs[ud]);
+          std::int64_t lo = INT64_MAX, hi = 0;
+          for (const auto& r : runs[ud]) {
+            lo = std::min(lo, r.s0);
+            hi = std::max(hi, r.s0 + (r.count - 1) * r.sper + r.len);
+          }
+          need[2 * ud] = lo;
+          need[2 * ud + 1] = hi;
+          ext[ud] = sp[ud].local_extent;
+        }
+        const NeededBox needed(std::span<const std::vector<RunGroup>>(runs.data(), static_cast<std::size_t>(n)),
+                               std::span<const std::int64_t>(ext.data(), static_cast<std::size_t>(n)));
+        // Slabs along the outermost dim whose index is at most 1/16 of a
+        // replica's share (a cut then lands within 1/32 of its target), else
+        // along the one with the finest index.
+        int dim = -1;
+        for (int d = 0; d < n && dim < 0; ++d)
+          if (needed.total(d) >= 2 && q.elements / needed.total(d) * 16 <= total / R) dim = d;
+        for (int d = 0; d < n && dim < 0; ++d)
+          if (needed.total(d) >= 2 && (dim < 0 || needed.total(d) > needed.total(dim))) dim = d;
+        const std::int64_t per = dim >= 0 ? q.elements / needed.total(dim) : q.elements;  // elements per index
+        const std::int64_t count = dim >= 0 ? needed.total(dim) : 1;
+        std::int64_t at = 0;  // indices of this piece assigned
+        auto give = [&](std::size_t r, std::int64_t a, std::int64_t b) {  // indices [a, b) to replica r
+          ReplicaSlab s{q.dpos, q.box, static_cast<std::int32_t>(r), -1, 0, 0};
+          if (dim >= 0 && (a > 0 || b < count)) {
+            const auto ud = static_cast<std::size_t>(dim);
+            s.dim = dim;
+            s.lo = a == 0 ? need[2 * ud] : needed.first_reaching_on(dim, need[2 * ud], need[2 * ud + 1], a);
+            s.hi = b == count ? need[2 * ud + 1] : needed.first_reaching_on(dim, need[2 * ud], need[2 * ud + 1], b);
+          }
+          wrap.push_back(s);
+          wrap_load[r] += (b - a) * per;
+          done += (b - a) * per;
+        };
+        while (at < count) {
+          const std::int64_t left = (count - at) * per;
+          const std::int64_t room = bound(j) - done;
+          if (j + 1 == uR || left <= room) {
+            give(j, at, count);
+            break;
+          }
+          if (room <= 0) {
+            ++j;
+            continue;
+          }
+          const std::int64_t k = (room + per / 2) / per;  // the cut nearest the boundary
+          if (k > 0 && at + k < count && k * per >= min_slab && (count - at - k) * per >= min_slab) {
+            give(j, at, at + k);
+            at += k;
+            ++j;
+            continue;
+          }
+          // No slab cut here: the rest of the piece goes to the side it overlaps most.
+          if (room >= left - room) {
+            give(j, at, count);
+            ++j;
+            break;
+          }
+          ++j;
+        }
+      }
+      wrap_worst = even_each + static_cast<double>(*std::max_element(wrap_load.begin(), wrap_load.end()));
+    }
+    // Keep the rotation unless an assignment beats it; whole pieces before slabs.
+    const bool use_lpt = lpt_worst <= limit || (lpt_worst < rotation && lpt_worst <= wrap_worst);
+    const bool use_wrap = !use_lpt && wrap_worst < rotation;
+    if (!use_lpt && !use_wrap) return;
+    g.balanced = true;
+    if (use_wrap) {
+      group_slabs_.insert(group_slabs_.end(), wrap.begin(), wrap.end());
+      return;
+    }
+    for (std::size_t i = 0; i < pieces.size(); ++i)
+      if (!pieces[i].even) group_slabs_.push_back(ReplicaSlab{pieces[i].dpos, pieces[i].box, lpt[i], -1, 0, 0});
   }
 
   /// A piece's box before it is cut to kMaxBoxRank dims.
@@ -1114,6 +1432,18 @@ class Planner {
   std::vector<std::vector<RunGroup>> emit_groups_, part_groups_;
   std::vector<DimPart> part_dims_;
   std::vector<std::vector<std::int64_t>> dst_cand_;
+  // Replica groups (replica_group): per source (tensor, part), and scratch.
+  detail::FlatIndex group_index_;  // (source tensor << 32 | part) -> groups_ index
+  std::vector<ReplicaGroup> groups_;
+  std::vector<ReplicaSlab> group_slabs_;
+  std::vector<GroupPiece> group_pieces_, group_class_list_;
+  std::vector<std::pair<std::size_t, std::size_t>> group_class_pieces_;
+  detail::FlatIndex group_class_index_;  // destination class position -> group_store_ index
+  std::deque<TensorStorage> group_store_;
+  std::vector<std::vector<std::int64_t>> group_cand_;
+  std::vector<std::int64_t> group_dsts_, group_list_, group_load_;
+  PartHolderScratch group_scratch_;
+  std::vector<std::vector<RunGroup>> group_runs_;
   struct FinishKey {
     std::int64_t dst_rank, src_rank, dst_offset;
     std::int32_t dst_buffer, src_buffer, tensor;
@@ -1130,6 +1460,81 @@ class Planner {
 /// Plans the refit from `src` to `dst` (both validated).
 inline Schedule plan(const Layout& src, const Layout& dst, const PlanOptions& opt = {}) {
   return Planner(src, dst, opt).run();
+}
+
+/// What each source rank sends against its even share. A replica group is
+/// the source ranks that could send a copy: those holding its part (for a
+/// flat buffer, those holding the same range of it: its storage class). A
+/// group's even share is the network bytes it sends / its size; a rank's,
+/// the sum over the groups it is in. A whole plan only (a one-rank plan
+/// lacks the other ranks' bytes).
+struct ReplicaShares {
+  std::vector<std::int64_t> ranks;  ///< source ranks, by position
+  std::vector<double> sent, share;  ///< network bytes sent, even share
+  double worst_ratio = 0;           ///< max sent / share over ranks with share > 0 (0: nothing sent)
+  std::int64_t worst_rank = -1;
+};
+
+inline ReplicaShares replica_shares(const Schedule& s, const Layout& src, const Layout& dst) {
+  ReplicaShares out;
+  const std::vector<int> src_of = match_tensors(src, dst);
+  const std::int64_t P = src.mesh.size();
+  const auto T = static_cast<std::int64_t>(src.tensors.size());
+  StorageClasses classes(src);
+  // group_of[pos * T + st]: the group of (pos, st), -1 when pos holds nothing of st.
+  std::vector<std::int32_t> group_of(static_cast<std::size_t>(P * T), -1);
+  std::unordered_map<std::uint64_t, std::int32_t> index;
+  std::vector<std::int64_t> members;
+  std::vector<double> bytes;
+  for (std::int64_t p = 0; p < P; ++p)
+    for (int st = 0; st < T; ++st) {
+      if (!src.holds(p, st)) continue;
+      const auto& ts = src.tensors[static_cast<std::size_t>(st)];
+      const bool flat = ts.buffer >= 0 && src.buffers[static_cast<std::size_t>(ts.buffer)].kind == BufferKind::flat;
+      std::uint64_t v = 0;
+      if (flat) {
+        v = static_cast<std::uint64_t>(classes.canonical(p, st));
+      } else {
+        for (int d = 0; d < ts.rank(); ++d)
+          v = v * static_cast<std::uint64_t>(ts.cuts[static_cast<std::size_t>(d)].k) +
+              static_cast<std::uint64_t>(ts.dims[static_cast<std::size_t>(d)].part_of(src.mesh, p));
+      }
+      const std::uint64_t key = (static_cast<std::uint64_t>(st) << 33) | (std::uint64_t{flat} << 32) | v;
+      auto [it, fresh] = index.emplace(key, static_cast<std::int32_t>(members.size()));
+      if (fresh) {
+        members.push_back(0);
+        bytes.push_back(0);
+      }
+      ++members[static_cast<std::size_t>(it->second)];
+      group_of[static_cast<std::size_t>(p * T + st)] = it->second;
+    }
+  out.sent.assign(static_cast<std::size_t>(P), 0);
+  out.share.assign(static_cast<std::size_t>(P), 0);
+  for (std::int64_t p = 0; p < P; ++p) out.ranks.push_back(src.mesh.global_rank(p));
+  for (const auto& c : s.copies) {
+    if (c.is_local()) continue;
+    const auto p = src.mesh.position_of(c.src_rank);
+    if (!p || c.tensor < 0 || static_cast<std::size_t>(c.tensor) >= src_of.size()) continue;
+    const std::int32_t g = group_of[static_cast<std::size_t>(*p * T + src_of[static_cast<std::size_t>(c.tensor)])];
+    if (g < 0) continue;
+    out.sent[static_cast<std::size_t>(*p)] += static_cast<double>(c.bytes());
+    bytes[static_cast<std::size_t>(g)] += static_cast<double>(c.bytes());
+  }
+  for (std::int64_t p = 0; p < P; ++p)
+    for (std::int64_t st = 0; st < T; ++st)
+      if (const std::int32_t g = group_of[static_cast<std::size_t>(p * T + st)]; g >= 0)
+        out.share[static_cast<std::size_t>(p)] +=
+            bytes[static_cast<std::size_t>(g)] / static_cast<double>(members[static_cast<std::size_t>(g)]);
+  for (std::int64_t p = 0; p < P; ++p) {
+    const auto up = static_cast<std::size_t>(p);
+    if (out.share[up] <= 0) continue;
+    const double r = out.sent[up] / out.share[up];
+    if (r > out.worst_ratio) {
+      out.worst_ratio = r;
+      out.worst_rank = out.ranks[up];
+    }
+  }
+  return out;
 }
 
 /// The whole plan, streamed: every destination position's copies (exactly
