@@ -357,6 +357,7 @@ class Planner {
   Planner(const Layout& src, const Layout& dst, PlanOptions opt = {}) : src_(src), dst_(dst), opt_(opt) {
     if (!src.validated() || !dst.validated()) fail("plan: both layouts must be validated first");
     src_of_dst_ = match_tensors(src, dst);
+    for (auto r : dst.mesh.global_ranks()) sides_meet_ = sides_meet_ || src.mesh.position_of(r).has_value();
   }
 
   Schedule run() {
@@ -931,7 +932,9 @@ class Planner {
     g.first = group_slabs_.size();
     const auto R = static_cast<std::int64_t>(holders.size());
     const std::int64_t ebytes = element_bytes(sts.dtype);
-    // The destinations whose pieces meet the part.
+    // The destinations whose pieces meet the part (as plan_rank finds them):
+    // the holders of each destination part met. A position holds one part,
+    // so no position comes twice.
     auto& cand = group_cand_;
     cand.resize(static_cast<std::size_t>(n));
     for (int d = 0; d < n; ++d) {
@@ -940,75 +943,80 @@ class Planner {
       const auto [glo, ghi] = detail::global_window(sp[ud], 0, sp[ud].local_extent);
       dts.cuts[ud].for_parts_meeting(glo, std::min(ghi, dts.shape[ud]), [&](std::int64_t p) { cand[ud].push_back(p); });
     }
-    auto& dsts = group_dsts_;
-    dsts.clear();
-    for_each_combination(cand, [&](std::span<const std::int64_t> dparts) {
-      positions_of_part(dst_, c.dt, dparts, group_list_, group_scratch_);
-      dsts.insert(dsts.end(), group_list_.begin(), group_list_.end());
-    });
-    std::sort(dsts.begin(), dsts.end());
-    dsts.erase(std::unique(dsts.begin(), dsts.end()), dsts.end());
-    // Its pieces over the network (a destination holding the part copies locally),
-    // one storage per destination class.
-    auto& pieces = group_pieces_;
-    pieces.clear();
-    group_class_index_.clear();
-    std::size_t classes = 0;
+    // f(dpos, piece) for each piece over the network (a destination holding
+    // the part copies locally). Pieces are what one storage class needs:
+    // computed once per class (per destination part when the tensor is
+    // stored alone: its holders store it alike).
+    const bool alone = dts.buffer < 0;
     auto& runs = group_runs_;
     if (runs.size() < static_cast<std::size_t>(n)) runs.resize(static_cast<std::size_t>(n));
     auto& class_pieces = group_class_pieces_;  // per class: (first, count) in class_list
     auto& class_list = group_class_list_;
-    class_pieces.clear();
-    class_list.clear();
-    for (const std::int64_t p : dsts) {
-      const auto lp = src_.mesh.position_of(dst_.mesh.global_rank(p));
-      if (lp && std::binary_search(holders.begin(), holders.end(), *lp)) continue;
-      auto& ci = group_class_index_.slot(static_cast<std::uint64_t>(dst_classes_.canonical(p, c.dt)));
-      if (ci == detail::FlatIndex::kNone) {
-        ci = static_cast<std::uint32_t>(classes++);
-        if (group_store_.size() < classes) group_store_.emplace_back();
-        TensorStorage& ds = group_store_[ci];
-        dst_storage(p, c.dt, ds);
-        const std::size_t at = class_list.size();
-        for (std::size_t b = 0; b < ds.boxes.size(); ++b) {
-          const HeldBox& D = ds.boxes[b];
-          std::int64_t elements = 1;
-          bool even = false;
-          for (int d = 0; d < n && elements > 0; ++d) {
-            const auto ud = static_cast<std::size_t>(d);
-            runs[ud].clear();
-            intersect_dim(sp[ud], 0, sp[ud].local_extent, ds.parts[ud], D.lo[ud], D.hi[ud], sts.shape[ud], runs[ud]);
-            std::int64_t count = 0;
-            for (const auto& r : runs[ud]) count += r.elements();
-            elements *= count;
-            even |= count >= R;
-          }
-          if (elements <= 0) continue;
-          even &= elements * ebytes >= opt_.split_bytes;
-          class_list.push_back(GroupPiece{0, elements, static_cast<std::int32_t>(b), static_cast<std::int32_t>(ci), even});
+    auto new_class = [&](std::int64_t p) {
+      const auto ci = static_cast<std::uint32_t>(class_pieces.size());
+      if (group_store_.size() <= ci) group_store_.emplace_back();
+      TensorStorage& ds = group_store_[ci];
+      dst_storage(p, c.dt, ds);
+      const std::size_t at = class_list.size();
+      for (std::size_t b = 0; b < ds.boxes.size(); ++b) {
+        const HeldBox& D = ds.boxes[b];
+        std::int64_t elements = 1;
+        bool even = false;
+        for (int d = 0; d < n && elements > 0; ++d) {
+          const auto ud = static_cast<std::size_t>(d);
+          runs[ud].clear();
+          intersect_dim(sp[ud], 0, sp[ud].local_extent, ds.parts[ud], D.lo[ud], D.hi[ud], sts.shape[ud], runs[ud]);
+          std::int64_t count = 0;
+          for (const auto& r : runs[ud]) count += r.elements();
+          elements *= count;
+          even |= count >= R;
         }
-        class_pieces.emplace_back(at, class_list.size() - at);
+        if (elements <= 0) continue;
+        even &= elements * ebytes >= opt_.split_bytes;
+        class_list.push_back(GroupPiece{0, elements, static_cast<std::int32_t>(b), static_cast<std::int32_t>(ci), even});
       }
-      const auto [at, count] = class_pieces[ci];
-      for (std::size_t k = at; k < at + count; ++k) {
-        GroupPiece q = class_list[k];
-        q.dpos = p;
-        pieces.push_back(q);
-      }
-    }
+      class_pieces.emplace_back(at, class_list.size() - at);
+      return ci;
+    };
+    auto each_piece = [&](auto&& f) {
+      class_pieces.clear();
+      class_list.clear();
+      group_class_index_.clear();
+      for_each_combination(cand, [&](std::span<const std::int64_t> dparts) {
+        positions_of_part(dst_, c.dt, dparts, group_list_, group_scratch_);
+        std::uint32_t part_class = detail::FlatIndex::kNone;
+        for (const std::int64_t p : group_list_) {
+          if (sides_meet_) {
+            const auto lp = src_.mesh.position_of(dst_.mesh.global_rank(p));
+            if (lp && std::binary_search(holders.begin(), holders.end(), *lp)) continue;
+          }
+          std::uint32_t ci;
+          if (alone) {
+            if (part_class == detail::FlatIndex::kNone) part_class = new_class(p);
+            ci = part_class;
+          } else {
+            auto& slot = group_class_index_.slot(static_cast<std::uint64_t>(dst_classes_.canonical(p, c.dt)));
+            if (slot == detail::FlatIndex::kNone) slot = new_class(p);
+            ci = slot;
+          }
+          const auto [at, count] = class_pieces[ci];
+          for (std::size_t k = at; k < at + count; ++k) f(p, class_list[k]);
+        }
+      });
+    };
     // The rotation's load (plan_part: replica (dpos + dt + part key) mod R) and the even share.
     auto& load = group_load_;
     load.assign(static_cast<std::size_t>(R), 0);
     std::int64_t even_total = 0, whole_total = 0;
-    for (const auto& q : pieces) {
+    each_piece([&](std::int64_t p, const GroupPiece& q) {
       if (q.even) {
         even_total += q.elements;
-        continue;
+        return;
       }
       whole_total += q.elements;
-      const auto rot = static_cast<std::uint64_t>(q.dpos) + static_cast<std::uint64_t>(c.dt) + part_key;
+      const auto rot = static_cast<std::uint64_t>(p) + static_cast<std::uint64_t>(c.dt) + part_key;
       load[static_cast<std::size_t>(rot % static_cast<std::uint64_t>(R))] += q.elements;
-    }
+    });
     const double share = static_cast<double>(even_total + whole_total) / static_cast<double>(R);
     const double even_each = static_cast<double>(even_total) / static_cast<double>(R);
     auto worst = [&](const std::vector<std::int64_t>& l) {
@@ -1016,7 +1024,19 @@ class Planner {
     };
     const double limit = opt_.balance_limit * share;
     const double rotation = worst(load);
-    if (whole_total > 0 && rotation > limit) balance_group(c, g, R, ebytes, part_key, sp, rotation, limit, even_each);
+    if (whole_total > 0 && rotation > limit) {
+      // Rare: the pieces themselves, in (dpos, box) order (slabs are looked up so).
+      auto& pieces = group_pieces_;
+      pieces.clear();
+      each_piece([&](std::int64_t p, const GroupPiece& q) {
+        pieces.push_back(q);
+        pieces.back().dpos = p;
+      });
+      std::stable_sort(pieces.begin(), pieces.end(), [](const GroupPiece& x, const GroupPiece& y) {
+        return std::pair(x.dpos, x.box) < std::pair(y.dpos, y.box);
+      });
+      balance_group(c, g, R, ebytes, part_key, sp, rotation, limit, even_each);
+    }
     g.count = group_slabs_.size() - g.first;
     const auto idx = static_cast<std::uint32_t>(groups_.size());
     groups_.push_back(g);
@@ -1410,6 +1430,7 @@ class Planner {
   const Layout& dst_;
   PlanOptions opt_;
   std::vector<int> src_of_dst_;
+  bool sides_meet_ = false;  // some rank is on both sides (then pieces may be local)
   std::map<std::pair<std::int64_t, int>, FlatRange> src_flat_, dst_flat_;
   std::unordered_map<std::uint64_t, ConcatRange> src_concat_, dst_concat_;
   StorageClasses src_classes_{src_}, dst_classes_{dst_};
@@ -1441,7 +1462,7 @@ class Planner {
   detail::FlatIndex group_class_index_;  // destination class position -> group_store_ index
   std::deque<TensorStorage> group_store_;
   std::vector<std::vector<std::int64_t>> group_cand_;
-  std::vector<std::int64_t> group_dsts_, group_list_, group_load_;
+  std::vector<std::int64_t> group_list_, group_load_;
   PartHolderScratch group_scratch_;
   std::vector<std::vector<RunGroup>> group_runs_;
   struct FinishKey {
