@@ -549,6 +549,25 @@ class Planner {
     return std::span<const std::int64_t>(holder_pool_.data() + first, count);
   }
 
+  /// positions_of_part(dst_, dt, parts), computed once per part in a plan
+  /// (replica groups meet the same destination parts again and again).
+  /// Valid until the next dst_holders call.
+  std::span<const std::int64_t> dst_holders(int dt, std::span<const std::int64_t> parts) {
+    const auto& cuts = dst_.tensors[static_cast<std::size_t>(dt)].cuts;
+    std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
+    for (std::size_t d = 0; d < parts.size(); ++d)
+      lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
+    auto& i = dst_holders_.slot((static_cast<std::uint64_t>(dt) << 32) | lin);
+    if (i == detail::FlatIndex::kNone) {
+      positions_of_part(dst_, dt, parts, group_list_, group_scratch_);
+      i = static_cast<std::uint32_t>(dst_holder_spans_.size());
+      dst_holder_spans_.emplace_back(dst_holder_pool_.size(), group_list_.size());
+      dst_holder_pool_.insert(dst_holder_pool_.end(), group_list_.begin(), group_list_.end());
+    }
+    const auto [first, count] = dst_holder_spans_[i];
+    return std::span<const std::int64_t>(dst_holder_pool_.data() + first, count);
+  }
+
   /// What one rank sends or receives: its own receives in full, plus, for each
   /// destination whose pieces meet what the rank holds, the copies from it.
   void plan_rank(std::int64_t rank, detail::CopySink& out) {
@@ -868,6 +887,12 @@ class Planner {
     flush();
   }
 
+  /// What one destination storage class needs of a group's part: its
+  /// pieces (group_class_list_ [first, first + count)) and their elements.
+  struct GroupClass {
+    std::size_t first, count;
+    std::int64_t even, whole;  // elements in pieces cut into R even slabs / going whole
+  };
   /// One piece of a replica group: what destination dpos's box `box` needs
   /// of the part, `elements` of it; `cls`: its storage in group_store_.
   struct GroupPiece {
@@ -943,21 +968,39 @@ class Planner {
       const auto [glo, ghi] = detail::global_window(sp[ud], 0, sp[ud].local_extent);
       dts.cuts[ud].for_parts_meeting(glo, std::min(ghi, dts.shape[ud]), [&](std::int64_t p) { cand[ud].push_back(p); });
     }
-    // f(dpos, piece) for each piece over the network (a destination holding
-    // the part copies locally). Pieces are what one storage class needs:
-    // computed once per class (per destination part when the tensor is
-    // stored alone: its holders store it alike).
-    const bool alone = dts.buffer < 0;
+    // Destination storages are kept for the whole plan, one per storage
+    // class (replicas share theirs); what a class needs of this part is
+    // computed once per group: its pieces (one per box met) and their sums.
+    const bool alone = dts.buffer < 0;  // holders of one destination part store it alike
     auto& runs = group_runs_;
     if (runs.size() < static_cast<std::size_t>(n)) runs.resize(static_cast<std::size_t>(n));
-    auto& class_pieces = group_class_pieces_;  // per class: (first, count) in class_list
+    auto& classes = group_classes_;
     auto& class_list = group_class_list_;
-    auto new_class = [&](std::int64_t p) {
-      const auto ci = static_cast<std::uint32_t>(class_pieces.size());
-      if (group_store_.size() <= ci) group_store_.emplace_back();
-      TensorStorage& ds = group_store_[ci];
-      dst_storage(p, c.dt, ds);
-      const std::size_t at = class_list.size();
+    classes.clear();
+    class_list.clear();
+    group_class_index_.clear();
+    // Position -> its storage in group_store_, per destination tensor (many
+    // groups meet the same destinations).
+    auto& store_of = group_store_of_[c.dt];
+    if (store_of.empty()) store_of.assign(static_cast<std::size_t>(dst_.mesh.size()), detail::FlatIndex::kNone);
+    auto class_of = [&](std::int64_t p) {
+      auto& known = store_of[static_cast<std::size_t>(p)];
+      if (known == detail::FlatIndex::kNone) {
+        const std::int64_t k = dst_classes_.canonical(p, c.dt);
+        auto& si = group_store_index_.slot(static_cast<std::uint64_t>(k) * dst_.tensors.size() + static_cast<std::uint64_t>(c.dt));
+        if (si == detail::FlatIndex::kNone) {
+          si = static_cast<std::uint32_t>(group_store_.size());
+          group_store_.emplace_back();
+          dst_storage(p, c.dt, group_store_.back());
+        }
+        known = si;
+      }
+      const std::uint32_t store = known;
+      auto& ci = group_class_index_.slot(store);
+      if (ci != detail::FlatIndex::kNone) return ci;
+      ci = static_cast<std::uint32_t>(classes.size());
+      const TensorStorage& ds = group_store_[store];
+      GroupClass gc{class_list.size(), 0, 0, 0};
       for (std::size_t b = 0; b < ds.boxes.size(); ++b) {
         const HeldBox& D = ds.boxes[b];
         std::int64_t elements = 1;
@@ -973,34 +1016,29 @@ class Planner {
         }
         if (elements <= 0) continue;
         even &= elements * ebytes >= opt_.split_bytes;
-        class_list.push_back(GroupPiece{0, elements, static_cast<std::int32_t>(b), static_cast<std::int32_t>(ci), even});
+        (even ? gc.even : gc.whole) += elements;
+        class_list.push_back(GroupPiece{0, elements, static_cast<std::int32_t>(b), static_cast<std::int32_t>(store), even});
       }
-      class_pieces.emplace_back(at, class_list.size() - at);
+      gc.count = class_list.size() - gc.first;
+      classes.push_back(gc);
       return ci;
     };
-    auto each_piece = [&](auto&& f) {
-      class_pieces.clear();
-      class_list.clear();
-      group_class_index_.clear();
+    // f(dpos, class) for each destination that needs the part over the
+    // network (one holding the part copies locally).
+    auto each_destination = [&](auto&& f) {
       for_each_combination(cand, [&](std::span<const std::int64_t> dparts) {
-        positions_of_part(dst_, c.dt, dparts, group_list_, group_scratch_);
         std::uint32_t part_class = detail::FlatIndex::kNone;
-        for (const std::int64_t p : group_list_) {
+        for (const std::int64_t p : dst_holders(c.dt, dparts)) {
           if (sides_meet_) {
             const auto lp = src_.mesh.position_of(dst_.mesh.global_rank(p));
             if (lp && std::binary_search(holders.begin(), holders.end(), *lp)) continue;
           }
-          std::uint32_t ci;
-          if (alone) {
-            if (part_class == detail::FlatIndex::kNone) part_class = new_class(p);
-            ci = part_class;
-          } else {
-            auto& slot = group_class_index_.slot(static_cast<std::uint64_t>(dst_classes_.canonical(p, c.dt)));
-            if (slot == detail::FlatIndex::kNone) slot = new_class(p);
-            ci = slot;
+          if (!alone) {
+            f(p, classes[class_of(p)]);
+            continue;
           }
-          const auto [at, count] = class_pieces[ci];
-          for (std::size_t k = at; k < at + count; ++k) f(p, class_list[k]);
+          if (part_class == detail::FlatIndex::kNone) part_class = class_of(p);
+          f(p, classes[part_class]);
         }
       });
     };
@@ -1008,14 +1046,12 @@ class Planner {
     auto& load = group_load_;
     load.assign(static_cast<std::size_t>(R), 0);
     std::int64_t even_total = 0, whole_total = 0;
-    each_piece([&](std::int64_t p, const GroupPiece& q) {
-      if (q.even) {
-        even_total += q.elements;
-        return;
-      }
-      whole_total += q.elements;
+    each_destination([&](std::int64_t p, const GroupClass& gc) {
+      even_total += gc.even;
+      if (gc.whole == 0) return;
+      whole_total += gc.whole;
       const auto rot = static_cast<std::uint64_t>(p) + static_cast<std::uint64_t>(c.dt) + part_key;
-      load[static_cast<std::size_t>(rot % static_cast<std::uint64_t>(R))] += q.elements;
+      load[static_cast<std::size_t>(rot % static_cast<std::uint64_t>(R))] += gc.whole;
     });
     const double share = static_cast<double>(even_total + whole_total) / static_cast<double>(R);
     const double even_each = static_cast<double>(even_total) / static_cast<double>(R);
@@ -1028,9 +1064,11 @@ class Planner {
       // Rare: the pieces themselves, in (dpos, box) order (slabs are looked up so).
       auto& pieces = group_pieces_;
       pieces.clear();
-      each_piece([&](std::int64_t p, const GroupPiece& q) {
-        pieces.push_back(q);
-        pieces.back().dpos = p;
+      each_destination([&](std::int64_t p, const GroupClass& gc) {
+        for (std::size_t k = gc.first; k < gc.first + gc.count; ++k) {
+          pieces.push_back(class_list[k]);
+          pieces.back().dpos = p;
+        }
       });
       std::stable_sort(pieces.begin(), pieces.end(), [](const GroupPiece& x, const GroupPiece& y) {
         return std::pair(x.dpos, x.box) < std::pair(y.dpos, y.box);
@@ -1458,9 +1496,14 @@ class Planner {
   std::vector<ReplicaGroup> groups_;
   std::vector<ReplicaSlab> group_slabs_;
   std::vector<GroupPiece> group_pieces_, group_class_list_;
-  std::vector<std::pair<std::size_t, std::size_t>> group_class_pieces_;
-  detail::FlatIndex group_class_index_;  // destination class position -> group_store_ index
-  std::deque<TensorStorage> group_store_;
+  std::vector<GroupClass> group_classes_;
+  detail::FlatIndex group_class_index_;  // group_store_ index -> group_classes_ index (one group)
+  std::deque<TensorStorage> group_store_;  // destination storages by class, kept for the whole plan
+  detail::FlatIndex group_store_index_;    // class position * tensors + tensor -> group_store_ index
+  std::unordered_map<int, std::vector<std::uint32_t>> group_store_of_;  // tensor -> position -> group_store_ index
+  detail::FlatIndex dst_holders_;  // (destination tensor, part) -> dst_holder_spans_ index
+  std::vector<std::pair<std::size_t, std::size_t>> dst_holder_spans_;
+  std::vector<std::int64_t> dst_holder_pool_;
   std::vector<std::vector<std::int64_t>> group_cand_;
   std::vector<std::int64_t> group_list_, group_load_;
   PartHolderScratch group_scratch_;
