@@ -23,6 +23,7 @@
 #include <set>
 #include <span>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -979,19 +980,30 @@ class Planner {
     classes.clear();
     class_list.clear();
     group_class_index_.clear();
-    // Position -> its storage in group_store_, per destination tensor (many
-    // groups meet the same destinations).
-    auto& store_of = group_store_of_[c.dt];
-    if (store_of.empty()) store_of.assign(static_cast<std::size_t>(dst_.mesh.size()), detail::FlatIndex::kNone);
+    // A whole plan meets each destination part in many groups: it keeps
+    // their holders and each position's storage (per destination tensor);
+    // a one-rank plan meets few groups, and new memory costs it more than
+    // computing again.
+    const bool keep = opt_.only_rank < 0;
+    std::vector<std::uint32_t>* store_of = nullptr;
+    std::size_t stores = group_store_.size();  // a one-rank plan refills its storages from 0 each group
+    if (keep) {
+      store_of = &group_store_of_[c.dt];
+      if (store_of->empty()) store_of->assign(static_cast<std::size_t>(dst_.mesh.size()), detail::FlatIndex::kNone);
+    } else {
+      group_store_index_.clear();
+      stores = 0;
+    }
     auto class_of = [&](std::int64_t p) {
-      auto& known = store_of[static_cast<std::size_t>(p)];
+      std::uint32_t none = detail::FlatIndex::kNone;
+      auto& known = store_of ? (*store_of)[static_cast<std::size_t>(p)] : none;
       if (known == detail::FlatIndex::kNone) {
         const std::int64_t k = dst_classes_.canonical(p, c.dt);
         auto& si = group_store_index_.slot(static_cast<std::uint64_t>(k) * dst_.tensors.size() + static_cast<std::uint64_t>(c.dt));
         if (si == detail::FlatIndex::kNone) {
-          si = static_cast<std::uint32_t>(group_store_.size());
-          group_store_.emplace_back();
-          dst_storage(p, c.dt, group_store_.back());
+          si = static_cast<std::uint32_t>(stores++);
+          if (group_store_.size() < stores) group_store_.emplace_back();
+          dst_storage(p, c.dt, group_store_[si]);
         }
         known = si;
       }
@@ -1025,10 +1037,26 @@ class Planner {
     };
     // f(dpos, class) for each destination that needs the part over the
     // network (one holding the part copies locally).
-    auto each_destination = [&](auto&& f) {
+    // range(first, count, class), when given, takes a run of consecutive
+    // positions of one class at once (a replicated tensor: every position).
+    auto each_destination = [&](auto&& f, auto&& range) {
       for_each_combination(cand, [&](std::span<const std::int64_t> dparts) {
+        std::span<const std::int64_t> ps;
+        if (keep) {
+          ps = dst_holders(c.dt, dparts);
+        } else {
+          positions_of_part(dst_, c.dt, dparts, group_list_, group_scratch_);
+          ps = std::span<const std::int64_t>(group_list_.data(), group_list_.size());
+        }
+        if (ps.empty()) return;
+        if constexpr (!std::is_same_v<std::decay_t<decltype(range)>, std::nullptr_t>) {
+          if (alone && !sides_meet_ && ps.back() - ps.front() + 1 == static_cast<std::int64_t>(ps.size())) {
+            range(ps.front(), static_cast<std::int64_t>(ps.size()), classes[class_of(ps.front())]);
+            return;
+          }
+        }
         std::uint32_t part_class = detail::FlatIndex::kNone;
-        for (const std::int64_t p : dst_holders(c.dt, dparts)) {
+        for (const std::int64_t p : ps) {
           if (sides_meet_) {
             const auto lp = src_.mesh.position_of(dst_.mesh.global_rank(p));
             if (lp && std::binary_search(holders.begin(), holders.end(), *lp)) continue;
@@ -1046,13 +1074,24 @@ class Planner {
     auto& load = group_load_;
     load.assign(static_cast<std::size_t>(R), 0);
     std::int64_t even_total = 0, whole_total = 0;
-    each_destination([&](std::int64_t p, const GroupClass& gc) {
-      even_total += gc.even;
-      if (gc.whole == 0) return;
-      whole_total += gc.whole;
-      const auto rot = static_cast<std::uint64_t>(p) + static_cast<std::uint64_t>(c.dt) + part_key;
-      load[static_cast<std::size_t>(rot % static_cast<std::uint64_t>(R))] += gc.whole;
-    });
+    const auto uR = static_cast<std::uint64_t>(R);
+    each_destination(
+        [&](std::int64_t p, const GroupClass& gc) {
+          even_total += gc.even;
+          if (gc.whole == 0) return;
+          whole_total += gc.whole;
+          const auto rot = static_cast<std::uint64_t>(p) + static_cast<std::uint64_t>(c.dt) + part_key;
+          load[static_cast<std::size_t>(rot % uR)] += gc.whole;
+        },
+        [&](std::int64_t first, std::int64_t m, const GroupClass& gc) {  // positions [first, first + m)
+          even_total += gc.even * m;
+          if (gc.whole == 0) return;
+          whole_total += gc.whole * m;
+          const auto um = static_cast<std::uint64_t>(m);
+          for (auto& l : load) l += static_cast<std::int64_t>(um / uR) * gc.whole;
+          const auto r0 = (static_cast<std::uint64_t>(first) + static_cast<std::uint64_t>(c.dt) + part_key) % uR;
+          for (std::uint64_t k = 0; k < um % uR; ++k) load[static_cast<std::size_t>((r0 + k) % uR)] += gc.whole;
+        });
     const double share = static_cast<double>(even_total + whole_total) / static_cast<double>(R);
     const double even_each = static_cast<double>(even_total) / static_cast<double>(R);
     auto worst = [&](const std::vector<std::int64_t>& l) {
@@ -1064,12 +1103,14 @@ class Planner {
       // Rare: the pieces themselves, in (dpos, box) order (slabs are looked up so).
       auto& pieces = group_pieces_;
       pieces.clear();
-      each_destination([&](std::int64_t p, const GroupClass& gc) {
-        for (std::size_t k = gc.first; k < gc.first + gc.count; ++k) {
-          pieces.push_back(class_list[k]);
-          pieces.back().dpos = p;
-        }
-      });
+      each_destination(
+          [&](std::int64_t p, const GroupClass& gc) {
+            for (std::size_t k = gc.first; k < gc.first + gc.count; ++k) {
+              pieces.push_back(class_list[k]);
+              pieces.back().dpos = p;
+            }
+          },
+          nullptr);
       std::stable_sort(pieces.begin(), pieces.end(), [](const GroupPiece& x, const GroupPiece& y) {
         return std::pair(x.dpos, x.box) < std::pair(y.dpos, y.box);
       });
