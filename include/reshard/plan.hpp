@@ -45,7 +45,8 @@ struct PlanOptions {
   /// Pieces with R > 1 replicas and at least this many bytes are cut into R
   /// slabs of equal needed element counts (along one dim; for flat sources,
   /// along the row-major order), one per replica, so every replica sends its
-  /// even share. Smaller pieces go whole to one replica, by rotation.
+  /// even share. Smaller pieces go whole to one replica: by rotation, or
+  /// as balance_limit below reassigns them.
   std::int64_t split_bytes = 64 * 1024;
   /// Replica balance of the pieces that go whole (below split_bytes, or all
   /// of them when split_bytes is never reached). A replica group is the R
