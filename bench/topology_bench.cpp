@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
       if (streamed && hierarchical) fail("--hierarchical needs the whole plan: use --stream off");
       PlanOptions po;
       po.split_bytes = split_bytes;
+      po.balance_limit = 0;  // as reshard-plan --topology: SenderChoice balances the senders
       po.threads = threads;
       Traffic tr(place);
       std::int64_t copies = 0, stages = 1;

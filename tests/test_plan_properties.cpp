@@ -31,6 +31,17 @@ std::int64_t split_bytes_for(std::uint64_t seed) {
   return choices[seed % 4];
 }
 
+/// The minimum slab of the replica balance varies too, so whole pieces are
+/// also reassigned and cut into slabs (0), reassigned only (the default), or
+/// rotated (balance off).
+void balance_for(std::uint64_t seed, PlanOptions& opt) {
+  switch (seed / 4 % 3) {
+    case 0: opt.min_slab_bytes = 0; break;
+    case 1: break;
+    default: opt.balance_limit = 0;
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -46,6 +57,7 @@ void oracle_sweep(const std::string& label, std::uint64_t first, std::uint64_t c
     ++modes[pair.ranks];
     PlanOptions opt;
     opt.split_bytes = split_bytes_for(seed);
+    balance_for(seed, opt);
     Schedule s;
     try {
       s = plan(pair.src, pair.dst, opt);
@@ -99,6 +111,8 @@ TEST_CASE("random layout pairs: coalescing on and off move the same elements") {
     const auto pair = testgen::random_layout_pair(seed);
     PlanOptions on, off;
     on.split_bytes = off.split_bytes = split_bytes_for(seed);
+    balance_for(seed, on);
+    balance_for(seed, off);
     off.coalesce = false;
     const auto a = plan(pair.src, pair.dst, on);
     const auto b = plan(pair.src, pair.dst, off);
@@ -120,6 +134,7 @@ TEST_CASE("random layout pairs: only_rank plans are exactly the full plan's copi
     const auto pair = testgen::random_layout_pair(seed);
     PlanOptions opt;
     opt.split_bytes = split_bytes_for(seed);
+    balance_for(seed, opt);
     opt.coalesce = seed % 2 == 0;
     const auto full = plan(pair.src, pair.dst, opt);
     std::set<std::int64_t> ranks;

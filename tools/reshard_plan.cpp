@@ -101,7 +101,9 @@ std::string describe_side(const char* role, const Layout& L) {
 }
 
 /// The plan as people read it: bytes, copies, per-rank maxima and their ranks.
-std::string describe_plan(const Schedule& s, std::int64_t only_rank, const Layout& src, const Layout& dst) {
+/// `shares`: the whole plan's replica shares (max send then names the worst ratio).
+std::string describe_plan(const Schedule& s, std::int64_t only_rank, const Layout& src, const Layout& dst,
+                          const ReplicaShares* shares = nullptr) {
   std::map<std::int64_t, double> sent, received;
   for (const auto& c : s.copies) {
     if (c.is_local()) continue;
@@ -136,7 +138,10 @@ std::string describe_plan(const Schedule& s, std::int64_t only_rank, const Layou
     return m.empty() ? 0.0 : t / static_cast<double>(m.size());
   };
   out += fmt::format("  messages     {} peer pairs (each: a packed message per wave, and one per zero-copy or one-sided piece)\n", pairs.size());
-  out += fmt::format("  max send     {}\n", top(sent));
+  out += fmt::format("  max send     {}{}\n", top(sent),
+                     shares && shares->worst_rank >= 0
+                         ? fmt::format("; worst {:.2f}x its replica share (rank {})", shares->worst_ratio, shares->worst_rank)
+                         : std::string());
   out += fmt::format("  mean send    {} over {} sending ranks\n", human_bytes(mean(sent)), sent.size());
   out += fmt::format("  max receive  {}\n", top(received));
   out += fmt::format("  mean receive {} over {} receiving ranks\n", human_bytes(mean(received)), received.size());
@@ -202,6 +207,8 @@ struct TopologyRun {
   bool hierarchical = false, simulate = false, fp8_wire = false;
   int pipeline = 4;
   std::int64_t split_bytes = std::int64_t{1} << 62;
+  std::int64_t min_slab_bytes = PlanOptions{}.min_slab_bytes;
+  double balance_limit = -1;  // unset: PlanOptions' default for plain plans, 0 with --topology
 };
 
 std::string gpu_range(const RankPlacement& place, const Mesh& m) {
@@ -283,6 +290,11 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
   // pieces has copies linear in the ranks instead of ranks x replicas.
   PlanOptions po;
   po.split_bytes = tr.split_bytes;
+  po.min_slab_bytes = tr.min_slab_bytes;
+  // SenderChoice balances whole pieces here with the topology in view; the
+  // planner's replica groups would add about half to the plan time
+  // (DeepSeek-V3: every piece goes whole), so they run only when asked for.
+  po.balance_limit = tr.balance_limit >= 0 ? tr.balance_limit : 0;
   po.threads = 0;
   if (tr.hierarchical) {
     HierarchicalOptions ho;
@@ -313,8 +325,12 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
     sim = simulate(traffic);
     lb = refit_lower_bound(src, dst, place, tr.fp8_wire ? &wire : nullptr);
   }
+  // Replica shares of direct copies only: a staged plan's fan-out reads the destination layout.
+  const std::optional<ReplicaShares> shares =
+      tr.hierarchical ? std::nullopt : std::optional<ReplicaShares>(replica_shares(s, src, dst));
   if (as_stats) {
     auto j = stats_json(s.stats, true);
+    if (shares) j["max_send_share_ratio"] = shares->worst_ratio;
     j["topology"] = topo.name;
     j["stages"] = staged.stages;
     j["near_bytes"] = rep.near_bytes;
@@ -326,7 +342,8 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
     return j.dump() + "\n";
   }
   std::string text = describe_side("source     ", src) + describe_side("destination", dst) +
-                     describe_plan(s, -1, src, dst) + describe_nic(s, nic_gbps) + describe_topology(topo, place, src, dst);
+                     describe_plan(s, -1, src, dst, shares ? &*shares : nullptr) + describe_nic(s, nic_gbps) +
+                     describe_topology(topo, place, src, dst);
   text += fmt::format("  senders      {} moved to the nearest replica with the least busy port\n",
                       human_bytes(static_cast<double>(rep.near_bytes)));
   if (tr.hierarchical)
@@ -399,6 +416,15 @@ int main(int argc, char** argv) {
                  "(default: never; senders are balanced by the topology-aware choice)")
       ->check(CLI::PositiveNumber)
       ->needs(topo_opt);
+  app.add_option("--min-slab-bytes", topo_run.min_slab_bytes,
+                 "replica balance: when whole pieces would leave a replica over 1.10x its group's even share, pieces "
+                 "are cut into slabs over the replicas, none smaller than this (default 262144)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--balance-limit", topo_run.balance_limit,
+                 "replica balance: the most a replica may send over its group's even share before whole pieces are "
+                 "reassigned or cut (default 1.10, with --topology 0; 0: rotate whole pieces over the replicas, the "
+                 "planner before issue 17)")
+      ->check(CLI::NonNegativeNumber);
   auto* sim_opt = app.add_flag("--simulate", topo_run.simulate,
                                "predict the refit time on the topology, with the lower bound and a per-stage breakdown")
                       ->needs(topo_opt);
@@ -457,16 +483,22 @@ int main(int argc, char** argv) {
     PlanOptions opt;
     opt.only_rank = rank;
     opt.threads = 0;  // a full plan uses every core
+    opt.min_slab_bytes = topo_run.min_slab_bytes;
+    if (topo_run.balance_limit >= 0) opt.balance_limit = topo_run.balance_limit;
     const Schedule s = plan(src, dst, opt);
+    std::optional<ReplicaShares> shares;
+    if (rank < 0 && !as_json) shares = replica_shares(s, src, dst);
     if (!picture.empty()) write_picture(picture, s, src, dst);
     if (as_json) {
       write_schedule_json(std::cout, s);
     } else if (as_stats) {
-      const std::string text = stats_json(s.stats, true).dump() + "\n";
+      auto j = stats_json(s.stats, true);
+      if (shares) j["max_send_share_ratio"] = shares->worst_ratio;  // an extension (README)
+      const std::string text = j.dump() + "\n";
       std::cout << text;
     } else {
       const std::string text = describe_side("source     ", src) + describe_side("destination", dst) +
-                               describe_plan(s, rank, src, dst) + describe_nic(s, nic_gbps);
+                               describe_plan(s, rank, src, dst, shares ? &*shares : nullptr) + describe_nic(s, nic_gbps);
       std::cout << text;
     }
     std::cout.flush();

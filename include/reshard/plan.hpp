@@ -5,9 +5,10 @@
 // holder is chosen among the replicas (the rank itself when it holds the data,
 // else spread evenly), and the common boxes become strided copies.
 //
-// Every choice is a pure function of (destination rank, tensor, piece), so a
-// process that plans only its own rank (`only_rank`) computes exactly the
-// copies a full plan gives it.
+// Every choice is a pure function of (destination rank, tensor, piece) and of
+// the piece's replica group (the holders of one source part and every piece
+// they serve, found from the layouts alone), so a process that plans only its
+// own rank (`only_rank`) computes exactly the copies a full plan gives it.
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -16,11 +17,13 @@
 #include <deque>
 #include <exception>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
 #include <span>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -42,8 +45,21 @@ struct PlanOptions {
   /// Pieces with R > 1 replicas and at least this many bytes are cut into R
   /// slabs of equal needed element counts (along one dim; for flat sources,
   /// along the row-major order), one per replica, so every replica sends its
-  /// even share. Smaller pieces go whole to one replica, by rotation.
+  /// even share. Smaller pieces go whole to one replica: by rotation, or
+  /// as balance_limit below reassigns them.
   std::int64_t split_bytes = 64 * 1024;
+  /// Replica balance of the pieces that go whole (below split_bytes, or all
+  /// of them when split_bytes is never reached). A replica group is the R
+  /// holders of one source part; its even share is the network bytes it
+  /// sends / R. When the rotation would leave a replica over balance_limit x
+  /// that share (few pieces of unequal size), the group's whole pieces are
+  /// reassigned, largest first onto the least loaded replica, or, when that
+  /// is not enough, laid end to end and cut into R runs of equal bytes
+  /// (McNaughton's wrap-around): a piece then splits into slabs along one
+  /// dim, none under min_slab_bytes, so small tensors keep one message per
+  /// piece. balance_limit <= 0: rotation only (as before issue 17).
+  double balance_limit = 1.10;
+  std::int64_t min_slab_bytes = 256 * 1024;
   bool coalesce = true;
   /// Threads for a full plan (only_rank < 0): destinations are cut into this
   /// many contiguous ranges, planned independently (every choice is a pure
@@ -343,6 +359,7 @@ class Planner {
   Planner(const Layout& src, const Layout& dst, PlanOptions opt = {}) : src_(src), dst_(dst), opt_(opt) {
     if (!src.validated() || !dst.validated()) fail("plan: both layouts must be validated first");
     src_of_dst_ = match_tensors(src, dst);
+    for (auto r : dst.mesh.global_ranks()) sides_meet_ = sides_meet_ || src.mesh.position_of(r).has_value();
   }
 
   Schedule run() {
@@ -534,6 +551,25 @@ class Planner {
     return std::span<const std::int64_t>(holder_pool_.data() + first, count);
   }
 
+  /// positions_of_part(dst_, dt, parts), computed once per part in a plan
+  /// (replica groups meet the same destination parts again and again).
+  /// Valid until the next dst_holders call.
+  std::span<const std::int64_t> dst_holders(int dt, std::span<const std::int64_t> parts) {
+    const auto& cuts = dst_.tensors[static_cast<std::size_t>(dt)].cuts;
+    std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
+    for (std::size_t d = 0; d < parts.size(); ++d)
+      lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
+    auto& i = dst_holders_.slot((static_cast<std::uint64_t>(dt) << 32) | lin);
+    if (i == detail::FlatIndex::kNone) {
+      positions_of_part(dst_, dt, parts, group_list_, group_scratch_);
+      i = static_cast<std::uint32_t>(dst_holder_spans_.size());
+      dst_holder_spans_.emplace_back(dst_holder_pool_.size(), group_list_.size());
+      dst_holder_pool_.insert(dst_holder_pool_.end(), group_list_.begin(), group_list_.end());
+    }
+    const auto [first, count] = dst_holder_spans_[i];
+    return std::span<const std::int64_t>(dst_holder_pool_.data() + first, count);
+  }
+
   /// What one rank sends or receives: its own receives in full, plus, for each
   /// destination whose pieces meet what the rank holds, the copies from it.
   void plan_rank(std::int64_t rank, detail::CopySink& out) {
@@ -629,6 +665,7 @@ class Planner {
     Ctx c{dpos, dt, st, drank, keep_src, keep_pos, &ds, nullptr, &out};
     for (const auto& D : ds.boxes) {
       c.D = &D;
+      c.box = static_cast<std::int32_t>(&D - ds.boxes.data());
       auto& cand = dst_cand_;  // scratch, reused: this runs millions of times
       cand.resize(static_cast<std::size_t>(n));
       bool empty = false;
@@ -654,6 +691,7 @@ class Planner {
     const TensorStorage* ds;
     const HeldBox* D;
     detail::CopySink* out;
+    std::int32_t box = 0;  // D's index in ds->boxes
   };
 
   /// The pieces of source part `parts` that destination box c.D needs.
@@ -709,9 +747,21 @@ class Planner {
       std::optional<std::int64_t> local;
       if (local_pos && std::binary_search(holders.begin(), holders.end(), *local_pos)) local = local_pos;
       const auto R = static_cast<std::int64_t>(holders.size());
-      if (local || R == 1 || needed_elements * ebytes < opt_.split_bytes) {
-        const std::int64_t h = local ? *local : holders[replica(0, holders.size())];
-        emit(c, h, sp, need);
+      // A piece that goes whole: to the group's balanced assignment when the
+      // rotation would overload a replica, else by rotation.
+      auto whole = [&] {
+        if (opt_.balance_limit > 0 && emit_balanced(c, parts, holders, part_key, sp, need)) return;
+        emit(c, holders[replica(0, holders.size())], sp, need);
+      };
+      if (local) {
+        emit(c, *local, sp, need);
+        return;
+      }
+      if (R == 1 || needed_elements * ebytes < opt_.split_bytes) {
+        if (R == 1)
+          emit(c, holders[0], sp, need);
+        else
+          whole();
         return;
       }
       // Cut the needed window into one slab per replica with equal needed
@@ -730,7 +780,7 @@ class Planner {
       for (int d = cut + 1; cut >= 0 && needed.total(cut) < 8 * R && d < n; ++d)
         if (needed.total(d) > needed.total(cut)) cut = d;
       if (cut < 0) {
-        emit(c, holders[replica(0, holders.size())], sp, need);
+        whole();
         return;
       }
       const auto uc = static_cast<std::size_t>(cut);
@@ -837,6 +887,374 @@ class Planner {
       }
     }
     flush();
+  }
+
+  /// What one destination storage class needs of a group's part: its
+  /// pieces (group_class_list_ [first, first + count)) and their elements.
+  struct GroupClass {
+    std::size_t first, count;
+    std::int64_t even, whole;  // elements in pieces cut into R even slabs / going whole
+  };
+  /// One piece of a replica group: what destination dpos's box `box` needs
+  /// of the part, `elements` of it; `cls`: its storage in group_store_.
+  struct GroupPiece {
+    std::int64_t dpos, elements;
+    std::int32_t box, cls;
+    bool even;  // cut into R even slabs by plan_part (large enough, and a dim has >= R needed indices)
+  };
+  /// Where a group's whole pieces go once balanced: replica `replica` (an
+  /// index into the holders) sends the piece of (dpos, box), or with dim >=
+  /// 0 its slab [lo, hi) along that dim (local coordinates of the part).
+  struct ReplicaSlab {
+    std::int64_t dpos;
+    std::int32_t box, replica, dim;
+    std::int64_t lo, hi;
+  };
+  struct ReplicaGroup {
+    bool balanced = false;  // false: the rotation stays (it is within the limit, or nothing does better)
+    std::size_t first = 0, count = 0;  // its slabs in group_slabs_, by (dpos, box)
+  };
+
+  /// Emits the piece c.D needs of part `parts` as its replica group's
+  /// balanced assignment gives it; false when the group keeps the rotation.
+  bool emit_balanced(Ctx& c, std::span<const std::int64_t> parts, std::span<const std::int64_t> holders,
+                     std::uint64_t part_key, const std::vector<DimPart>& sp, const Window& need) {
+    const ReplicaGroup& g = replica_group(c, parts, holders, part_key, sp);
+    if (!g.balanced) return false;
+    const auto first = group_slabs_.begin() + static_cast<std::ptrdiff_t>(g.first);
+    const auto [a, b] = std::equal_range(first, first + static_cast<std::ptrdiff_t>(g.count), ReplicaSlab{c.dpos, c.box, 0, 0, 0, 0},
+                                         [](const ReplicaSlab& x, const ReplicaSlab& y) {
+                                           return std::pair(x.dpos, x.box) < std::pair(y.dpos, y.box);
+                                         });
+    if (a == b) return false;  // not among the group's pieces: cannot happen, the rotation is safe
+    // Copy the slabs out: emit() may not touch group_slabs_, but stay safe.
+    for (auto it = a; it != b; ++it) {
+      const ReplicaSlab r = *it;
+      Window w = need;
+      if (r.dim >= 0) {
+        w[2 * static_cast<std::size_t>(r.dim)] = r.lo;
+        w[2 * static_cast<std::size_t>(r.dim) + 1] = r.hi;
+      }
+      emit(c, holders[static_cast<std::size_t>(r.replica)], sp, w);
+    }
+    return true;
+  }
+
+  /// The replica group of source part `parts` (its holders), computed once
+  /// per plan: every destination piece that meets the part (as plan_rank
+  /// finds them), the rotation's load per replica, and, when that is over
+  /// the limit, a better assignment. A pure function of the part, so a
+  /// one-rank plan finds the same as the full plan.
+  const ReplicaGroup& replica_group(const Ctx& c, std::span<const std::int64_t> parts, std::span<const std::int64_t> holders,
+                                    std::uint64_t part_key, const std::vector<DimPart>& sp) {
+    const auto& sts = src_.tensors[static_cast<std::size_t>(c.st)];
+    const auto& dts = dst_.tensors[static_cast<std::size_t>(c.dt)];
+    const int n = sts.rank();
+    std::uint64_t lin = 0;  // as src_holders keys it
+    for (std::size_t d = 0; d < parts.size(); ++d)
+      lin = lin * static_cast<std::uint64_t>(sts.cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
+    const std::uint64_t key = (static_cast<std::uint64_t>(c.st) << 32) | lin;
+    if (const std::uint32_t i = group_index_.slot(key); i != detail::FlatIndex::kNone) return groups_[i];
+    ReplicaGroup g;
+    g.first = group_slabs_.size();
+    const auto R = static_cast<std::int64_t>(holders.size());
+    const std::int64_t ebytes = element_bytes(sts.dtype);
+    // The destinations whose pieces meet the part (as plan_rank finds them):
+    // the holders of each destination part met. A position holds one part,
+    // so no position comes twice.
+    auto& cand = group_cand_;
+    cand.resize(static_cast<std::size_t>(n));
+    for (int d = 0; d < n; ++d) {
+      const auto ud = static_cast<std::size_t>(d);
+      cand[ud].clear();
+      const auto [glo, ghi] = detail::global_window(sp[ud], 0, sp[ud].local_extent);
+      dts.cuts[ud].for_parts_meeting(glo, std::min(ghi, dts.shape[ud]), [&](std::int64_t p) { cand[ud].push_back(p); });
+    }
+    // Destination storages are kept for the whole plan, one per storage
+    // class (replicas share theirs); what a class needs of this part is
+    // computed once per group: its pieces (one per box met) and their sums.
+    const bool alone = dts.buffer < 0;  // holders of one destination part store it alike
+    auto& runs = group_runs_;
+    if (runs.size() < static_cast<std::size_t>(n)) runs.resize(static_cast<std::size_t>(n));
+    auto& classes = group_classes_;
+    auto& class_list = group_class_list_;
+    classes.clear();
+    class_list.clear();
+    group_class_index_.clear();
+    // A whole plan meets each destination part in many groups: it keeps
+    // their holders and each position's storage (per destination tensor);
+    // a one-rank plan meets few groups, and new memory costs it more than
+    // computing again.
+    const bool keep = opt_.only_rank < 0;
+    std::vector<std::uint32_t>* store_of = nullptr;
+    std::size_t stores = group_store_.size();  // a one-rank plan refills its storages from 0 each group
+    if (keep) {
+      store_of = &group_store_of_[c.dt];
+      if (store_of->empty()) store_of->assign(static_cast<std::size_t>(dst_.mesh.size()), detail::FlatIndex::kNone);
+    } else {
+      group_store_index_.clear();
+      stores = 0;
+    }
+    auto class_of = [&](std::int64_t p) {
+      std::uint32_t none = detail::FlatIndex::kNone;
+      auto& known = store_of ? (*store_of)[static_cast<std::size_t>(p)] : none;
+      if (known == detail::FlatIndex::kNone) {
+        const std::int64_t k = dst_classes_.canonical(p, c.dt);
+        auto& si = group_store_index_.slot(static_cast<std::uint64_t>(k) * dst_.tensors.size() + static_cast<std::uint64_t>(c.dt));
+        if (si == detail::FlatIndex::kNone) {
+          si = static_cast<std::uint32_t>(stores++);
+          if (group_store_.size() < stores) group_store_.emplace_back();
+          dst_storage(p, c.dt, group_store_[si]);
+        }
+        known = si;
+      }
+      const std::uint32_t store = known;
+      auto& ci = group_class_index_.slot(store);
+      if (ci != detail::FlatIndex::kNone) return ci;
+      ci = static_cast<std::uint32_t>(classes.size());
+      const TensorStorage& ds = group_store_[store];
+      GroupClass gc{class_list.size(), 0, 0, 0};
+      for (std::size_t b = 0; b < ds.boxes.size(); ++b) {
+        const HeldBox& D = ds.boxes[b];
+        std::int64_t elements = 1;
+        bool even = false;
+        for (int d = 0; d < n && elements > 0; ++d) {
+          const auto ud = static_cast<std::size_t>(d);
+          runs[ud].clear();
+          intersect_dim(sp[ud], 0, sp[ud].local_extent, ds.parts[ud], D.lo[ud], D.hi[ud], sts.shape[ud], runs[ud]);
+          std::int64_t count = 0;
+          for (const auto& r : runs[ud]) count += r.elements();
+          elements *= count;
+          even |= count >= R;
+        }
+        if (elements <= 0) continue;
+        even &= elements * ebytes >= opt_.split_bytes;
+        (even ? gc.even : gc.whole) += elements;
+        class_list.push_back(GroupPiece{0, elements, static_cast<std::int32_t>(b), static_cast<std::int32_t>(store), even});
+      }
+      gc.count = class_list.size() - gc.first;
+      classes.push_back(gc);
+      return ci;
+    };
+    // f(dpos, class) for each destination that needs the part over the
+    // network (one holding the part copies locally).
+    // range(first, count, class), when given, takes a run of consecutive
+    // positions of one class at once (a replicated tensor: every position).
+    auto each_destination = [&](auto&& f, auto&& range) {
+      for_each_combination(cand, [&](std::span<const std::int64_t> dparts) {
+        std::span<const std::int64_t> ps;
+        if (keep) {
+          ps = dst_holders(c.dt, dparts);
+        } else {
+          positions_of_part(dst_, c.dt, dparts, group_list_, group_scratch_);
+          ps = std::span<const std::int64_t>(group_list_.data(), group_list_.size());
+        }
+        if (ps.empty()) return;
+        if constexpr (!std::is_same_v<std::decay_t<decltype(range)>, std::nullptr_t>) {
+          if (alone && !sides_meet_ && ps.back() - ps.front() + 1 == static_cast<std::int64_t>(ps.size())) {
+            range(ps.front(), static_cast<std::int64_t>(ps.size()), classes[class_of(ps.front())]);
+            return;
+          }
+        }
+        std::uint32_t part_class = detail::FlatIndex::kNone;
+        for (const std::int64_t p : ps) {
+          if (sides_meet_) {
+            const auto lp = src_.mesh.position_of(dst_.mesh.global_rank(p));
+            if (lp && std::binary_search(holders.begin(), holders.end(), *lp)) continue;
+          }
+          if (!alone) {
+            f(p, classes[class_of(p)]);
+            continue;
+          }
+          if (part_class == detail::FlatIndex::kNone) part_class = class_of(p);
+          f(p, classes[part_class]);
+        }
+      });
+    };
+    // The rotation's load (plan_part: replica (dpos + dt + part key) mod R) and the even share.
+    auto& load = group_load_;
+    load.assign(static_cast<std::size_t>(R), 0);
+    std::int64_t even_total = 0, whole_total = 0;
+    const auto uR = static_cast<std::uint64_t>(R);
+    each_destination(
+        [&](std::int64_t p, const GroupClass& gc) {
+          even_total += gc.even;
+          if (gc.whole == 0) return;
+          whole_total += gc.whole;
+          const auto rot = static_cast<std::uint64_t>(p) + static_cast<std::uint64_t>(c.dt) + part_key;
+          load[static_cast<std::size_t>(rot % uR)] += gc.whole;
+        },
+        [&](std::int64_t first, std::int64_t m, const GroupClass& gc) {  // positions [first, first + m)
+          even_total += gc.even * m;
+          if (gc.whole == 0) return;
+          whole_total += gc.whole * m;
+          const auto um = static_cast<std::uint64_t>(m);
+          for (auto& l : load) l += static_cast<std::int64_t>(um / uR) * gc.whole;
+          const auto r0 = (static_cast<std::uint64_t>(first) + static_cast<std::uint64_t>(c.dt) + part_key) % uR;
+          for (std::uint64_t k = 0; k < um % uR; ++k) load[static_cast<std::size_t>((r0 + k) % uR)] += gc.whole;
+        });
+    const double share = static_cast<double>(even_total + whole_total) / static_cast<double>(R);
+    const double even_each = static_cast<double>(even_total) / static_cast<double>(R);
+    auto worst = [&](const std::vector<std::int64_t>& l) {
+      return even_each + static_cast<double>(*std::max_element(l.begin(), l.end()));
+    };
+    const double limit = opt_.balance_limit * share;
+    const double rotation = worst(load);
+    if (whole_total > 0 && rotation > limit) {
+      // Rare: the pieces themselves, in (dpos, box) order (slabs are looked up so).
+      auto& pieces = group_pieces_;
+      pieces.clear();
+      each_destination(
+          [&](std::int64_t p, const GroupClass& gc) {
+            for (std::size_t k = gc.first; k < gc.first + gc.count; ++k) {
+              pieces.push_back(class_list[k]);
+              pieces.back().dpos = p;
+            }
+          },
+          nullptr);
+      std::stable_sort(pieces.begin(), pieces.end(), [](const GroupPiece& x, const GroupPiece& y) {
+        return std::pair(x.dpos, x.box) < std::pair(y.dpos, y.box);
+      });
+      balance_group(c, g, R, ebytes, part_key, sp, rotation, limit, even_each);
+    }
+    g.count = group_slabs_.size() - g.first;
+    const auto idx = static_cast<std::uint32_t>(groups_.size());
+    groups_.push_back(g);
+    group_index_.slot(key) = idx;
+    return groups_.back();
+  }
+
+  /// group_pieces_'s whole pieces reassigned (into group_slabs_, g.balanced
+  /// set) when that beats the rotation's worst replica load `rotation`.
+  void balance_group(const Ctx& c, ReplicaGroup& g, std::int64_t R, std::int64_t ebytes, std::uint64_t part_key,
+                     const std::vector<DimPart>& sp, double rotation, double limit, double even_each) {
+    const auto& pieces = group_pieces_;
+    const auto uR = static_cast<std::size_t>(R);
+    // 1. Whole pieces, largest first onto the least loaded replica (ties:
+    //    the first after the part's own rotation start, so parts spread).
+    std::vector<std::size_t> order;
+    for (std::size_t i = 0; i < pieces.size(); ++i)
+      if (!pieces[i].even) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return pieces[a].elements > pieces[b].elements; });
+    std::vector<std::int64_t> lpt_load(uR, 0);
+    std::vector<std::int32_t> lpt(pieces.size(), -1);
+    const std::size_t start = static_cast<std::size_t>((static_cast<std::uint64_t>(c.dt) + part_key) % uR);
+    for (const std::size_t i : order) {
+      std::size_t best = start;
+      for (std::size_t k = 1; k < uR; ++k) {
+        const std::size_t j = (start + k) % uR;
+        if (lpt_load[j] < lpt_load[best]) best = j;
+      }
+      lpt_load[best] += pieces[i].elements;
+      lpt[i] = static_cast<std::int32_t>(best);
+    }
+    const double lpt_worst = even_each + static_cast<double>(*std::max_element(lpt_load.begin(), lpt_load.end()));
+    // 2. Wrap-around: the whole pieces end to end in (dpos, box) order, cut
+    //    where the running total reaches j/R of it; a cut leaving a slab
+    //    under min_slab_bytes moves to the nearer end of its piece.
+    std::vector<ReplicaSlab> wrap;
+    double wrap_worst = std::numeric_limits<double>::infinity();
+    if (lpt_worst > limit) {
+      std::int64_t total = 0;
+      for (const auto& q : pieces)
+        if (!q.even) total += q.elements;
+      const std::int64_t min_slab = (std::max<std::int64_t>(opt_.min_slab_bytes, 1) + ebytes - 1) / ebytes;
+      std::vector<std::int64_t> wrap_load(uR, 0);
+      std::int64_t done = 0;  // elements assigned so far
+      std::size_t j = 0;
+      auto bound = [&](std::size_t r) {  // floor(total * (r + 1) / R) without overflow
+        const auto m = static_cast<std::int64_t>(r + 1);
+        return total / R * m + total % R * m / R;
+      };
+      const int n = src_.tensors[static_cast<std::size_t>(c.st)].rank();
+      for (const auto& q : pieces) {
+        if (q.even) continue;
+        // The piece's needed indices per dim, to cut it into slabs.
+        const TensorStorage& ds = group_store_[static_cast<std::size_t>(q.cls)];
+        const HeldBox& D = ds.boxes[static_cast<std::size_t>(q.box)];
+        auto& runs = group_runs_;
+        std::array<std::int64_t, kMaxTensorRank> ext{};
+        Window need{};
+        for (int d = 0; d < n; ++d) {
+          const auto ud = static_cast<std::size_t>(d);
+          runs[ud].clear();
+          intersect_dim(sp[ud], 0, sp[ud].local_extent, ds.parts[ud], D.lo[ud], D.hi[ud],
+                        src_.tensors[static_cast<std::size_t>(c.st)].shape[ud], runs[ud]);
+          std::int64_t lo = INT64_MAX, hi = 0;
+          for (const auto& r : runs[ud]) {
+            lo = std::min(lo, r.s0);
+            hi = std::max(hi, r.s0 + (r.count - 1) * r.sper + r.len);
+          }
+          need[2 * ud] = lo;
+          need[2 * ud + 1] = hi;
+          ext[ud] = sp[ud].local_extent;
+        }
+        const NeededBox needed(std::span<const std::vector<RunGroup>>(runs.data(), static_cast<std::size_t>(n)),
+                               std::span<const std::int64_t>(ext.data(), static_cast<std::size_t>(n)));
+        // Slabs along the outermost dim whose index is at most 1/16 of a
+        // replica's share (a cut then lands within 1/32 of its target), else
+        // along the one with the finest index.
+        int dim = -1;
+        for (int d = 0; d < n && dim < 0; ++d)
+          if (needed.total(d) >= 2 && q.elements / needed.total(d) * 16 <= total / R) dim = d;
+        for (int d = 0; d < n && dim < 0; ++d)
+          if (needed.total(d) >= 2 && (dim < 0 || needed.total(d) > needed.total(dim))) dim = d;
+        const std::int64_t per = dim >= 0 ? q.elements / needed.total(dim) : q.elements;  // elements per index
+        const std::int64_t count = dim >= 0 ? needed.total(dim) : 1;
+        std::int64_t at = 0;  // indices of this piece assigned
+        auto give = [&](std::size_t r, std::int64_t a, std::int64_t b) {  // indices [a, b) to replica r
+          ReplicaSlab s{q.dpos, q.box, static_cast<std::int32_t>(r), -1, 0, 0};
+          if (dim >= 0 && (a > 0 || b < count)) {
+            const auto ud = static_cast<std::size_t>(dim);
+            s.dim = dim;
+            s.lo = a == 0 ? need[2 * ud] : needed.first_reaching_on(dim, need[2 * ud], need[2 * ud + 1], a);
+            s.hi = b == count ? need[2 * ud + 1] : needed.first_reaching_on(dim, need[2 * ud], need[2 * ud + 1], b);
+          }
+          wrap.push_back(s);
+          wrap_load[r] += (b - a) * per;
+          done += (b - a) * per;
+        };
+        while (at < count) {
+          const std::int64_t left = (count - at) * per;
+          const std::int64_t room = bound(j) - done;
+          if (j + 1 == uR || left <= room) {
+            give(j, at, count);
+            break;
+          }
+          if (room <= 0) {
+            ++j;
+            continue;
+          }
+          const std::int64_t k = (room + per / 2) / per;  // the cut nearest the boundary
+          if (k > 0 && at + k < count && k * per >= min_slab && (count - at - k) * per >= min_slab) {
+            give(j, at, at + k);
+            at += k;
+            ++j;
+            continue;
+          }
+          // No slab cut here: the rest of the piece goes to the side it overlaps most.
+          if (room >= left - room) {
+            give(j, at, count);
+            ++j;
+            break;
+          }
+          ++j;
+        }
+      }
+      wrap_worst = even_each + static_cast<double>(*std::max_element(wrap_load.begin(), wrap_load.end()));
+    }
+    // Keep the rotation unless an assignment beats it; whole pieces before slabs.
+    const bool use_lpt = lpt_worst <= limit || (lpt_worst < rotation && lpt_worst <= wrap_worst);
+    const bool use_wrap = !use_lpt && wrap_worst < rotation;
+    if (!use_lpt && !use_wrap) return;
+    g.balanced = true;
+    if (use_wrap) {
+      group_slabs_.insert(group_slabs_.end(), wrap.begin(), wrap.end());
+      return;
+    }
+    for (std::size_t i = 0; i < pieces.size(); ++i)
+      if (!pieces[i].even) group_slabs_.push_back(ReplicaSlab{pieces[i].dpos, pieces[i].box, lpt[i], -1, 0, 0});
   }
 
   /// A piece's box before it is cut to kMaxBoxRank dims.
@@ -1092,6 +1510,7 @@ class Planner {
   const Layout& dst_;
   PlanOptions opt_;
   std::vector<int> src_of_dst_;
+  bool sides_meet_ = false;  // some rank is on both sides (then pieces may be local)
   std::map<std::pair<std::int64_t, int>, FlatRange> src_flat_, dst_flat_;
   std::unordered_map<std::uint64_t, ConcatRange> src_concat_, dst_concat_;
   StorageClasses src_classes_{src_}, dst_classes_{dst_};
@@ -1114,6 +1533,23 @@ class Planner {
   std::vector<std::vector<RunGroup>> emit_groups_, part_groups_;
   std::vector<DimPart> part_dims_;
   std::vector<std::vector<std::int64_t>> dst_cand_;
+  // Replica groups (replica_group): per source (tensor, part), and scratch.
+  detail::FlatIndex group_index_;  // (source tensor << 32 | part) -> groups_ index
+  std::vector<ReplicaGroup> groups_;
+  std::vector<ReplicaSlab> group_slabs_;
+  std::vector<GroupPiece> group_pieces_, group_class_list_;
+  std::vector<GroupClass> group_classes_;
+  detail::FlatIndex group_class_index_;  // group_store_ index -> group_classes_ index (one group)
+  std::deque<TensorStorage> group_store_;  // destination storages by class, kept for the whole plan
+  detail::FlatIndex group_store_index_;    // class position * tensors + tensor -> group_store_ index
+  std::unordered_map<int, std::vector<std::uint32_t>> group_store_of_;  // tensor -> position -> group_store_ index
+  detail::FlatIndex dst_holders_;  // (destination tensor, part) -> dst_holder_spans_ index
+  std::vector<std::pair<std::size_t, std::size_t>> dst_holder_spans_;
+  std::vector<std::int64_t> dst_holder_pool_;
+  std::vector<std::vector<std::int64_t>> group_cand_;
+  std::vector<std::int64_t> group_list_, group_load_;
+  PartHolderScratch group_scratch_;
+  std::vector<std::vector<RunGroup>> group_runs_;
   struct FinishKey {
     std::int64_t dst_rank, src_rank, dst_offset;
     std::int32_t dst_buffer, src_buffer, tensor;
@@ -1130,6 +1566,81 @@ class Planner {
 /// Plans the refit from `src` to `dst` (both validated).
 inline Schedule plan(const Layout& src, const Layout& dst, const PlanOptions& opt = {}) {
   return Planner(src, dst, opt).run();
+}
+
+/// What each source rank sends against its even share. A replica group is
+/// the source ranks that could send a copy: those holding its part (for a
+/// flat buffer, those holding the same range of it: its storage class). A
+/// group's even share is the network bytes it sends / its size; a rank's,
+/// the sum over the groups it is in. A whole plan only (a one-rank plan
+/// lacks the other ranks' bytes).
+struct ReplicaShares {
+  std::vector<std::int64_t> ranks;  ///< source ranks, by position
+  std::vector<double> sent, share;  ///< network bytes sent, even share
+  double worst_ratio = 0;           ///< max sent / share over ranks with share > 0 (0: nothing sent)
+  std::int64_t worst_rank = -1;
+};
+
+inline ReplicaShares replica_shares(const Schedule& s, const Layout& src, const Layout& dst) {
+  ReplicaShares out;
+  const std::vector<int> src_of = match_tensors(src, dst);
+  const std::int64_t P = src.mesh.size();
+  const auto T = static_cast<std::int64_t>(src.tensors.size());
+  StorageClasses classes(src);
+  // group_of[pos * T + st]: the group of (pos, st), -1 when pos holds nothing of st.
+  std::vector<std::int32_t> group_of(static_cast<std::size_t>(P * T), -1);
+  std::unordered_map<std::uint64_t, std::int32_t> index;
+  std::vector<std::int64_t> members;
+  std::vector<double> bytes;
+  for (std::int64_t p = 0; p < P; ++p)
+    for (int st = 0; st < T; ++st) {
+      if (!src.holds(p, st)) continue;
+      const auto& ts = src.tensors[static_cast<std::size_t>(st)];
+      const bool flat = ts.buffer >= 0 && src.buffers[static_cast<std::size_t>(ts.buffer)].kind == BufferKind::flat;
+      std::uint64_t v = 0;
+      if (flat) {
+        v = static_cast<std::uint64_t>(classes.canonical(p, st));
+      } else {
+        for (int d = 0; d < ts.rank(); ++d)
+          v = v * static_cast<std::uint64_t>(ts.cuts[static_cast<std::size_t>(d)].k) +
+              static_cast<std::uint64_t>(ts.dims[static_cast<std::size_t>(d)].part_of(src.mesh, p));
+      }
+      const std::uint64_t key = (static_cast<std::uint64_t>(st) << 33) | (std::uint64_t{flat} << 32) | v;
+      auto [it, fresh] = index.emplace(key, static_cast<std::int32_t>(members.size()));
+      if (fresh) {
+        members.push_back(0);
+        bytes.push_back(0);
+      }
+      ++members[static_cast<std::size_t>(it->second)];
+      group_of[static_cast<std::size_t>(p * T + st)] = it->second;
+    }
+  out.sent.assign(static_cast<std::size_t>(P), 0);
+  out.share.assign(static_cast<std::size_t>(P), 0);
+  for (std::int64_t p = 0; p < P; ++p) out.ranks.push_back(src.mesh.global_rank(p));
+  for (const auto& c : s.copies) {
+    if (c.is_local()) continue;
+    const auto p = src.mesh.position_of(c.src_rank);
+    if (!p || c.tensor < 0 || static_cast<std::size_t>(c.tensor) >= src_of.size()) continue;
+    const std::int32_t g = group_of[static_cast<std::size_t>(*p * T + src_of[static_cast<std::size_t>(c.tensor)])];
+    if (g < 0) continue;
+    out.sent[static_cast<std::size_t>(*p)] += static_cast<double>(c.bytes());
+    bytes[static_cast<std::size_t>(g)] += static_cast<double>(c.bytes());
+  }
+  for (std::int64_t p = 0; p < P; ++p)
+    for (std::int64_t st = 0; st < T; ++st)
+      if (const std::int32_t g = group_of[static_cast<std::size_t>(p * T + st)]; g >= 0)
+        out.share[static_cast<std::size_t>(p)] +=
+            bytes[static_cast<std::size_t>(g)] / static_cast<double>(members[static_cast<std::size_t>(g)]);
+  for (std::int64_t p = 0; p < P; ++p) {
+    const auto up = static_cast<std::size_t>(p);
+    if (out.share[up] <= 0) continue;
+    const double r = out.sent[up] / out.share[up];
+    if (r > out.worst_ratio) {
+      out.worst_ratio = r;
+      out.worst_rank = out.ranks[up];
+    }
+  }
+  return out;
 }
 
 /// The whole plan, streamed: every destination position's copies (exactly
