@@ -733,6 +733,15 @@ inline SimResult simulate(const Traffic& tr) {
   const double oversubscribed =
       topo.host_cores > 0 ? std::max(1.0, static_cast<double>(tr.placement().gpus().size()) / topo.host_cores) : 1.0;
   SimResult res;
+  // A staged refit splits each rank's staging budget evenly among the stages
+  // in which it exchanges bytes with another rank (staged_executor.hpp).
+  std::unordered_map<std::int64_t, std::int64_t> talking;  // GPU -> such stages
+  for (std::size_t s = 0; s < tr.stages(); ++s) {
+    std::set<std::int64_t> in;
+    for (const auto& p : tr.pairs(s))
+      if (p.src_gpu != p.dst_gpu && p.bytes > 0) in.insert({p.src_gpu, p.dst_gpu});
+    for (auto g : in) ++talking[g];
+  }
   for (std::size_t s = 0; s < tr.stages(); ++s) {
     StageResult st;
     const auto pairs = tr.pairs(s);
@@ -751,7 +760,8 @@ inline SimResult simulate(const Traffic& tr) {
     }
     auto limit = [&](std::int64_t g, std::int64_t staged) {
       const auto& [bytes, n] = staging[g];
-      return staging_share(staging_capacity(bytes, n, topo.staging_budget, kDefaultPipeline), bytes, staged);
+      const std::int64_t budget = topo.staging_budget / std::max<std::int64_t>(1, talking[g]);
+      return staging_share(staging_capacity(bytes, n, budget, kDefaultPipeline), bytes, staged);
     };
     // Ports: dense ids per (GPU, port kind), only for the GPUs in use.
     std::unordered_map<std::int64_t, std::int32_t> gpu_id;

@@ -14,6 +14,10 @@
 // rank: each stage's Executor sees the source buffers followed by the
 // destination buffers as its source side (ids shifted by the number of
 // source buffers), so the same compile, staging and zero-copy rules apply.
+//
+// Staging: ExecutorOptions::staging_budget bounds the staging of all stages
+// together (split among the stages this rank talks in), and the run's
+// staging_bytes is what all stages allocated.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -80,11 +84,25 @@ class StagedExecutor {
       if (s.reads_dst(i)) c.src_buffer += nsrc;
       per[static_cast<std::size_t>(s.stage_of(i))].copies.push_back(c);
     }
+    // One staging budget for the staged refit: every stage's Executor keeps
+    // its staging as long as this object lives, so the stages' allocations
+    // add up. The budget is split evenly among the stages in which this rank
+    // exchanges bytes with another rank (only those stage anything; the
+    // others get the executor's minimum and allocate none of it). Each rank
+    // splits its own budget; both ends of a peer pair still agree on the
+    // pair's share through the stage's setup.
+    const std::int64_t me = transport.rank();
+    std::vector<char> talks(static_cast<std::size_t>(stages), 0);
+    for (std::int32_t k = 0; k < stages; ++k)
+      for (const Copy& c : per[static_cast<std::size_t>(k)].copies)
+        if (!c.is_local() && (c.src_rank == me || c.dst_rank == me)) talks[static_cast<std::size_t>(k)] = 1;
+    const auto talking = std::max<std::int64_t>(1, std::count(talks.begin(), talks.end(), char{1}));
     for (std::int32_t k = 0; k < stages; ++k) {
       auto ex = std::make_unique<Executor<T>>();
       ex->set_tensor_names(tensor_names_);
       ExecutorOptions o = opt;
       o.channel = static_cast<std::uint16_t>(opt.channel + k);
+      o.staging_budget = talks[static_cast<std::size_t>(k)] ? opt.staging_budget / talking : std::min<std::int64_t>(opt.staging_budget, 64);
       ex->setup(per[static_cast<std::size_t>(k)], sources, dst, transport, o);
       stages_.push_back(std::move(ex));
     }
@@ -117,8 +135,8 @@ class StagedExecutor {
       total.waves += st.waves;
       total.checksummed_bytes += st.checksummed_bytes;
       total.checksum_seconds += st.checksum_seconds;
-      total.staging_bytes = std::max(total.staging_bytes, st.staging_bytes);
-      total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);
+      total.staging_bytes += st.staging_bytes;  // every stage's staging is allocated at once
+      total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);  // the stages run one after another
     }
     total.version = version;
     total.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
