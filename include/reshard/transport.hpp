@@ -32,8 +32,9 @@
 //
 //  * setup of a replayed program: `prepare(ops, deadline)`, collective (every
 //    world rank calls it, with an empty span if it has no ops), once per
-//    executor setup, so several times over one transport's life (one call per
-//    executor: double-buffered and staged refits set up several). `ops` is
+//    executor setup (a setup that fails earlier fails on every rank before
+//    it), so several times over one transport's life (one call per executor:
+//    double-buffered and staged refits set up several). `ops` is
 //    every op this rank will post in each replay, in posting order. Ops are
 //    persistent: each replay posts exactly these ops again (same kind, peer,
 //    tag, region, offset, bytes), each op once per replay, and never posts a
@@ -98,8 +99,9 @@
 // in posting order, across post() calls: the k-th send of a key meets the
 // k-th receive of it. That is what lets a replay reuse its tags without an
 // epoch (a fast sender's replay r+1 must not meet a slow receiver's replay r
-// receive out of turn). Within one replay the executor never posts a key
-// twice. Sizes must agree: a send of n bytes meets a receive of exactly n
+// receive out of turn). Within one run of one executor no key is posted
+// twice; executors that share a transport and may overlap in time use
+// distinct channels (ExecutorOptions::channel), hence distinct tags. Sizes must agree: a send of n bytes meets a receive of exactly n
 // bytes, else BOTH sides fail with a TransportError (at prepare(), post() or
 // the wait that observes it; never a truncation, never a silent success).
 // 0-byte ops are legal and match like any other. Both ends post each peer
