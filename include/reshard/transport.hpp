@@ -195,7 +195,8 @@
 // mismatch failing both sides, deadlines (bounded, naming the pending op),
 // test() not blocking, abort reaching the peers promptly, many replays of
 // prepared ops, wait_any, and all_gather's order. tests/queue_transport.hpp
-// is a backend written from this comment alone.
+// (in-process queues) and tests/mpi/mpi_transport.hpp (MPI_Isend/Irecv,
+// tags mapped at prepare) are backends written from this comment alone.
 //
 // Use check_transport<T>() (or the executor, which calls it) to get one
 // readable static_assert per missing piece instead of a concept backtrace.
