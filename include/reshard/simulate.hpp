@@ -69,6 +69,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -197,6 +198,17 @@ class Traffic {
       }
   }
   std::size_t stages() const { return stages_.size(); }
+  /// Per GPU, the stages in which it exchanges bytes with another GPU.
+  std::unordered_map<std::int64_t, std::int64_t> talking_stages() const {
+    std::unordered_map<std::int64_t, std::int64_t> out;
+    for (const auto& st : stages_) {
+      std::unordered_set<std::int64_t> in;
+      for (const auto& kv : st)
+        if (kv.second.src_gpu != kv.second.dst_gpu && kv.second.bytes > 0) in.insert({kv.second.src_gpu, kv.second.dst_gpu});
+      for (auto g : in) ++out[g];
+    }
+    return out;
+  }
   /// The pairs of a stage, sorted (deterministic).
   std::vector<PairTraffic> pairs(std::size_t stage) const {
     std::vector<PairTraffic> v;
@@ -735,13 +747,7 @@ inline SimResult simulate(const Traffic& tr) {
   SimResult res;
   // A staged refit splits each rank's staging budget evenly among the stages
   // in which it exchanges bytes with another rank (staged_executor.hpp).
-  std::unordered_map<std::int64_t, std::int64_t> talking;  // GPU -> such stages
-  for (std::size_t s = 0; s < tr.stages(); ++s) {
-    std::set<std::int64_t> in;
-    for (const auto& p : tr.pairs(s))
-      if (p.src_gpu != p.dst_gpu && p.bytes > 0) in.insert({p.src_gpu, p.dst_gpu});
-    for (auto g : in) ++talking[g];
-  }
+  const auto talking = tr.stages() > 1 ? tr.talking_stages() : std::unordered_map<std::int64_t, std::int64_t>{};
   for (std::size_t s = 0; s < tr.stages(); ++s) {
     StageResult st;
     const auto pairs = tr.pairs(s);
@@ -760,7 +766,8 @@ inline SimResult simulate(const Traffic& tr) {
     }
     auto limit = [&](std::int64_t g, std::int64_t staged) {
       const auto& [bytes, n] = staging[g];
-      const std::int64_t budget = topo.staging_budget / std::max<std::int64_t>(1, talking[g]);
+      const auto it = talking.find(g);
+      const std::int64_t budget = topo.staging_budget / (it == talking.end() ? 1 : std::max<std::int64_t>(1, it->second));
       return staging_share(staging_capacity(bytes, n, budget, kDefaultPipeline), bytes, staged);
     };
     // Ports: dense ids per (GPU, port kind), only for the GPUs in use.
