@@ -160,11 +160,13 @@
 //  * `wait(request, deadline)` blocks until the group completed;
 //    `wait_any(requests, deadline)` (never empty) until one of them did, and
 //    returns its index (any one if several). Both sleep or progress (no
-//    spinning forever) and throw TransportError by the deadline, naming
-//    what is still pending, with each op's peer rank and its tag in hex
-//    ({:#x}), which the executor maps back to tensors. They may fail earlier
-//    (UCX: nothing moved for stall_timeout). A request that already
-//    completed waits successfully even past its deadline.
+//    spinning forever) and throw TransportError at the deadline (soon after
+//    it, never long after), naming what is still pending, with each op's
+//    peer rank and its tag in hex ({:#x}), which the executor maps back to
+//    tensors. A peer that is merely late is waited for until the deadline;
+//    a wait may fail earlier only for a reason (a failed op or peer, an
+//    abort, UCX's stall_timeout: nothing moved for that long). A request
+//    that already completed waits successfully even past its deadline.
 //  * The executor gives every wait of a run the same deadline (start of run +
 //    ExecutorOptions::timeout), and setup's all_gather/prepare the setup's.
 //  * A failed op (size mismatch, dead peer, abort) throws TransportError from
