@@ -198,15 +198,19 @@ class Traffic {
       }
   }
   std::size_t stages() const { return stages_.size(); }
-  /// Per GPU, the stages in which it exchanges bytes with another GPU.
-  std::unordered_map<std::int64_t, std::int64_t> talking_stages() const {
-    std::unordered_map<std::int64_t, std::int64_t> out;
-    for (const auto& st : stages_) {
-      std::unordered_set<std::int64_t> in;
-      for (const auto& kv : st)
-        if (kv.second.src_gpu != kv.second.dst_gpu && kv.second.bytes > 0) in.insert({kv.second.src_gpu, kv.second.dst_gpu});
-      for (auto g : in) ++out[g];
-    }
+  /// Per GPU, its pairs with other GPUs in each stage (a staged refit splits
+  /// its staging budget by them: stage_staging_budgets).
+  std::unordered_map<std::int64_t, std::vector<std::int64_t>> stage_pairs() const {
+    std::unordered_map<std::int64_t, std::vector<std::int64_t>> out;
+    for (std::size_t s = 0; s < stages_.size(); ++s)
+      for (const auto& kv : stages_[s]) {
+        if (kv.second.src_gpu == kv.second.dst_gpu || kv.second.bytes <= 0) continue;
+        for (auto g : {kv.second.src_gpu, kv.second.dst_gpu}) {
+          auto& v = out[g];
+          v.resize(stages_.size(), 0);
+          ++v[s];
+        }
+      }
     return out;
   }
   /// The pairs of a stage, sorted (deterministic).
@@ -745,9 +749,11 @@ inline SimResult simulate(const Traffic& tr) {
   const double oversubscribed =
       topo.host_cores > 0 ? std::max(1.0, static_cast<double>(tr.placement().gpus().size()) / topo.host_cores) : 1.0;
   SimResult res;
-  // A staged refit splits each rank's staging budget evenly among the stages
-  // in which it exchanges bytes with another rank (staged_executor.hpp).
-  const auto talking = tr.stages() > 1 ? tr.talking_stages() : std::unordered_map<std::int64_t, std::int64_t>{};
+  // A staged refit splits each rank's staging budget among the stages in
+  // which it exchanges bytes with another rank (staged_executor.hpp).
+  std::unordered_map<std::int64_t, std::vector<std::int64_t>> stage_budget;  // GPU -> per stage
+  if (tr.stages() > 1)
+    for (const auto& [g, pairs] : tr.stage_pairs()) stage_budget[g] = stage_staging_budgets(topo.staging_budget, pairs, kDefaultPipeline);
   for (std::size_t s = 0; s < tr.stages(); ++s) {
     StageResult st;
     const auto pairs = tr.pairs(s);
@@ -766,8 +772,8 @@ inline SimResult simulate(const Traffic& tr) {
     }
     auto limit = [&](std::int64_t g, std::int64_t staged) {
       const auto& [bytes, n] = staging[g];
-      const auto it = talking.find(g);
-      const std::int64_t budget = topo.staging_budget / (it == talking.end() ? 1 : std::max<std::int64_t>(1, it->second));
+      const auto it = stage_budget.find(g);
+      const std::int64_t budget = it == stage_budget.end() ? topo.staging_budget : it->second[s];
       return staging_share(staging_capacity(bytes, n, budget, kDefaultPipeline), bytes, staged);
     };
     // Ports: dense ids per (GPU, port kind), only for the GPUs in use.

@@ -16,8 +16,9 @@
 // source buffers), so the same compile, staging and zero-copy rules apply.
 //
 // Staging: ExecutorOptions::staging_budget bounds the staging of all stages
-// together (split among the stages this rank talks in), and the run's
-// staging_bytes is what all stages allocated.
+// together (split among the stages this rank talks in, each given at least
+// what its peer pairs need), and the run's staging_bytes is what all stages
+// allocated.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -86,23 +87,25 @@ class StagedExecutor {
     }
     // One staging budget for the staged refit: every stage's Executor keeps
     // its staging as long as this object lives, so the stages' allocations
-    // add up. The budget is split evenly among the stages in which this rank
-    // exchanges bytes with another rank (only those stage anything; the
-    // others get the executor's minimum and allocate none of it). Each rank
-    // splits its own budget; both ends of a peer pair still agree on the
-    // pair's share through the stage's setup.
+    // add up. The budget is split among the stages in which this rank
+    // exchanges bytes with another rank (stage_staging_budgets, the rule the
+    // simulator uses too); each rank splits its own, and both ends of a peer
+    // pair still agree on the pair's share through the stage's setup.
     const std::int64_t me = transport.rank();
-    std::vector<char> talks(static_cast<std::size_t>(stages), 0);
-    for (std::int32_t k = 0; k < stages; ++k)
+    std::vector<std::int64_t> pairs(static_cast<std::size_t>(stages), 0);
+    for (std::int32_t k = 0; k < stages; ++k) {
+      std::set<std::pair<std::int64_t, bool>> peers;  // (peer, this rank sends)
       for (const Copy& c : per[static_cast<std::size_t>(k)].copies)
-        if (!c.is_local() && (c.src_rank == me || c.dst_rank == me)) talks[static_cast<std::size_t>(k)] = 1;
-    const auto talking = std::max<std::int64_t>(1, std::count(talks.begin(), talks.end(), char{1}));
+        if (!c.is_local() && (c.src_rank == me || c.dst_rank == me)) peers.emplace(c.src_rank == me ? c.dst_rank : c.src_rank, c.src_rank == me);
+      pairs[static_cast<std::size_t>(k)] = static_cast<std::int64_t>(peers.size());
+    }
+    const auto budgets = stage_staging_budgets(opt.staging_budget, pairs, opt.pipeline);
     for (std::int32_t k = 0; k < stages; ++k) {
       auto ex = std::make_unique<Executor<T>>();
       ex->set_tensor_names(tensor_names_);
       ExecutorOptions o = opt;
       o.channel = static_cast<std::uint16_t>(opt.channel + k);
-      o.staging_budget = talks[static_cast<std::size_t>(k)] ? opt.staging_budget / talking : std::min<std::int64_t>(opt.staging_budget, 64);
+      o.staging_budget = budgets[static_cast<std::size_t>(k)];
       ex->setup(per[static_cast<std::size_t>(k)], sources, dst, transport, o);
       stages_.push_back(std::move(ex));
     }
