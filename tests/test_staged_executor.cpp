@@ -116,6 +116,51 @@ TEST_CASE("hierarchical plans run stage by stage and write every destination ele
   CHECK(with_fan_out > 10);
 }
 
+TEST_CASE("a staged refit holds one staging budget in all, as the transport sees it") {
+  // Every stage's Executor keeps its staging while the StagedExecutor lives,
+  // so the budget bounds what all stages allocate together: measured as the
+  // memory the ranks registered beyond their buffers, and equal to the
+  // staging the run reports.
+  constexpr std::int64_t kBudget = 4096;
+  int cases = 0, staged_in_two = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const auto sc = staged_case(seed, 2);
+    if (sc.h.stages < 2) continue;
+    ExecutorOptions opt;
+    opt.staging_budget = kBudget;
+    opt.zero_copy_min = 64 * 1024;  // most pieces packed: every stage stages
+    refit_test::DenseWorld w(sc.pair.src, sc.pair.dst);
+    std::mutex m;
+    std::int64_t most = 0, wrong = 0, disagree = 0, two = 0;
+    std::string first;
+    w.run(sc.pair.src, sc.pair.dst, [&](LocalTransport& t, std::size_t i, auto sb, auto db) {
+      StagedExecutor<LocalTransport> ex;
+      ex.setup(sc.h, sb, db, t, opt);
+      const std::int64_t held = refit_test::registered_outside(t, {&w.src_mem[i], &w.dst_mem[i]});
+      const ExecutorStats st = ex.run(1);
+      std::string f;
+      const auto bad = refit_test::count_wrong(sc.pair.dst, w.dst_mem[i], t.rank(), 0, &f);
+      int staging_stages = 0;
+      for (int k = 0; k < ex.stages(); ++k) staging_stages += ex.stage(k).staging_bytes() > 0;
+      std::lock_guard lk(m);
+      most = std::max(most, held);
+      wrong += bad;
+      if (first.empty()) first = f;
+      disagree += held != st.staging_bytes;
+      two += staging_stages >= 2;
+    });
+    INFO(sc.label() << "\n" << sc.pair.describe());
+    CHECK_MESSAGE(wrong == 0, first);
+    CHECK(most <= kBudget);
+    CHECK(disagree == 0);
+    ++cases;
+    staged_in_two += two > 0;
+  }
+  MESSAGE("staged cases: " << cases << ", with a rank staging in two stages or more: " << staged_in_two);
+  CHECK(cases >= 10);
+  CHECK(staged_in_two >= 5);
+}
+
 TEST_CASE("a staged schedule whose stage list does not match its copies is refused") {
   const auto pair = testgen::random_layout_pair(7);
   const RankPlacement place(small_topology(2, 4, PlacementKind::separate), pair.src, pair.dst);

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace reshard {
 
@@ -75,6 +76,28 @@ inline constexpr std::int64_t kNoStagingLimit = std::numeric_limits<std::int64_t
 inline std::int64_t staging_capacity(std::int64_t total_staged, std::int64_t staged_pairs, std::int64_t budget, int pipeline) {
   if (total_staged <= budget) return -1;
   return budget / pipeline - 16 * staged_pairs;
+}
+
+/// A staged refit's staging budget of one rank, split among its stages (the
+/// stages' executors hold their staging at once): `pairs[k]` is the rank's
+/// peer pairs (peer, direction) in stage k. A stage with pairs gets what they
+/// need at least (staging_capacity's 16 bytes per pair and slot, plus 64),
+/// then an even part of the rest (an even split of the budget if it cannot
+/// cover those floors: the executor then says it is too small); a stage
+/// without pairs stages nothing and gets the executor's minimum of 64.
+inline std::vector<std::int64_t> stage_staging_budgets(std::int64_t budget, const std::vector<std::int64_t>& pairs, int pipeline) {
+  std::vector<std::int64_t> out(pairs.size(), 64);
+  std::int64_t talking = 0, floors = 0;
+  for (auto n : pairs)
+    if (n > 0) {
+      ++talking;
+      floors += 16 * n * pipeline + 64;
+    }
+  if (talking == 0) return out;
+  const std::int64_t rest = budget - floors;
+  for (std::size_t k = 0; k < pairs.size(); ++k)
+    if (pairs[k] > 0) out[k] = rest >= 0 ? 16 * pairs[k] * pipeline + 64 + rest / talking : budget / talking;
+  return out;
 }
 
 /// One end's share for a pair with `staged` of the end's `total_staged`

@@ -69,6 +69,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -197,6 +198,21 @@ class Traffic {
       }
   }
   std::size_t stages() const { return stages_.size(); }
+  /// Per GPU, its pairs with other GPUs in each stage (a staged refit splits
+  /// its staging budget by them: stage_staging_budgets).
+  std::unordered_map<std::int64_t, std::vector<std::int64_t>> stage_pairs() const {
+    std::unordered_map<std::int64_t, std::vector<std::int64_t>> out;
+    for (std::size_t s = 0; s < stages_.size(); ++s)
+      for (const auto& kv : stages_[s]) {
+        if (kv.second.src_gpu == kv.second.dst_gpu || kv.second.bytes <= 0) continue;
+        for (auto g : {kv.second.src_gpu, kv.second.dst_gpu}) {
+          auto& v = out[g];
+          v.resize(stages_.size(), 0);
+          ++v[s];
+        }
+      }
+    return out;
+  }
   /// The pairs of a stage, sorted (deterministic).
   std::vector<PairTraffic> pairs(std::size_t stage) const {
     std::vector<PairTraffic> v;
@@ -733,6 +749,11 @@ inline SimResult simulate(const Traffic& tr) {
   const double oversubscribed =
       topo.host_cores > 0 ? std::max(1.0, static_cast<double>(tr.placement().gpus().size()) / topo.host_cores) : 1.0;
   SimResult res;
+  // A staged refit splits each rank's staging budget among the stages in
+  // which it exchanges bytes with another rank (staged_executor.hpp).
+  std::unordered_map<std::int64_t, std::vector<std::int64_t>> stage_budget;  // GPU -> per stage
+  if (tr.stages() > 1)
+    for (const auto& [g, pairs] : tr.stage_pairs()) stage_budget[g] = stage_staging_budgets(topo.staging_budget, pairs, kDefaultPipeline);
   for (std::size_t s = 0; s < tr.stages(); ++s) {
     StageResult st;
     const auto pairs = tr.pairs(s);
@@ -751,7 +772,9 @@ inline SimResult simulate(const Traffic& tr) {
     }
     auto limit = [&](std::int64_t g, std::int64_t staged) {
       const auto& [bytes, n] = staging[g];
-      return staging_share(staging_capacity(bytes, n, topo.staging_budget, kDefaultPipeline), bytes, staged);
+      const auto it = stage_budget.find(g);
+      const std::int64_t budget = it == stage_budget.end() ? topo.staging_budget : it->second[s];
+      return staging_share(staging_capacity(bytes, n, budget, kDefaultPipeline), bytes, staged);
     };
     // Ports: dense ids per (GPU, port kind), only for the GPUs in use.
     std::unordered_map<std::int64_t, std::int32_t> gpu_id;

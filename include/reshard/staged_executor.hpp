@@ -14,6 +14,11 @@
 // rank: each stage's Executor sees the source buffers followed by the
 // destination buffers as its source side (ids shifted by the number of
 // source buffers), so the same compile, staging and zero-copy rules apply.
+//
+// Staging: ExecutorOptions::staging_budget bounds the staging of all stages
+// together (split among the stages this rank talks in, each given at least
+// what its peer pairs need), and the run's staging_bytes is what all stages
+// allocated.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -80,11 +85,27 @@ class StagedExecutor {
       if (s.reads_dst(i)) c.src_buffer += nsrc;
       per[static_cast<std::size_t>(s.stage_of(i))].copies.push_back(c);
     }
+    // One staging budget for the staged refit: every stage's Executor keeps
+    // its staging as long as this object lives, so the stages' allocations
+    // add up. The budget is split among the stages in which this rank
+    // exchanges bytes with another rank (stage_staging_budgets, the rule the
+    // simulator uses too); each rank splits its own, and both ends of a peer
+    // pair still agree on the pair's share through the stage's setup.
+    const std::int64_t me = transport.rank();
+    std::vector<std::int64_t> pairs(static_cast<std::size_t>(stages), 0);
+    for (std::int32_t k = 0; k < stages; ++k) {
+      std::set<std::pair<std::int64_t, bool>> peers;  // (peer, this rank sends)
+      for (const Copy& c : per[static_cast<std::size_t>(k)].copies)
+        if (!c.is_local() && (c.src_rank == me || c.dst_rank == me)) peers.emplace(c.src_rank == me ? c.dst_rank : c.src_rank, c.src_rank == me);
+      pairs[static_cast<std::size_t>(k)] = static_cast<std::int64_t>(peers.size());
+    }
+    const auto budgets = stage_staging_budgets(opt.staging_budget, pairs, opt.pipeline);
     for (std::int32_t k = 0; k < stages; ++k) {
       auto ex = std::make_unique<Executor<T>>();
       ex->set_tensor_names(tensor_names_);
       ExecutorOptions o = opt;
       o.channel = static_cast<std::uint16_t>(opt.channel + k);
+      o.staging_budget = budgets[static_cast<std::size_t>(k)];
       ex->setup(per[static_cast<std::size_t>(k)], sources, dst, transport, o);
       stages_.push_back(std::move(ex));
     }
@@ -117,8 +138,8 @@ class StagedExecutor {
       total.waves += st.waves;
       total.checksummed_bytes += st.checksummed_bytes;
       total.checksum_seconds += st.checksum_seconds;
-      total.staging_bytes = std::max(total.staging_bytes, st.staging_bytes);
-      total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);
+      total.staging_bytes += st.staging_bytes;  // every stage's staging is allocated at once
+      total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);  // the stages run one after another
     }
     total.version = version;
     total.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

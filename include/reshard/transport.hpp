@@ -4,8 +4,13 @@
 // job, a thread of the in-process backend). The executor only ever talks to
 // its own endpoint; data reaches another rank only through post().
 //
-// A backend provides:
+// This comment is the whole contract: a third party can implement a backend
+// from it alone, and tests/transport_conformance.hpp checks one (see "The
+// conformance suite" at the end). "The executor" below is executor.hpp as it
+// is today; a transport may do more than it relies on, never less.
 //
+// Members
+// -------
 //  * identity: `rank()` (this endpoint's global rank) and `world_ranks()`
 //    (every global rank of the job, both sides of the refit, in the order the
 //    bootstrap reports blobs); `name()` for messages.
@@ -15,40 +20,185 @@
 //    with ucp_mem_map and can pack its rkey, an NCCL backend takes device
 //    memory, possibly ncclCommRegister'ed). `deregister_memory(handle)` ends
 //    it. Every byte the executor moves lies in a registered region: the
-//    weights themselves (zero-copy pieces) or the executor's staging.
+//    weights themselves (zero-copy pieces) or the executor's staging. The
+//    executor registers in setup and deregisters when it is set up again or
+//    destroyed, never while one of its runs is in flight.
 //
 //  * bootstrap: `all_gather(blob, deadline)` exchanges small blobs (message
-//    tables, budgets, remote keys) among all world ranks and returns them in
-//    world_ranks() order. Collective: every rank calls it the same number of
-//    times. MPI_Allgather, a TCP store, or (in-process) a barrier.
+//    tables, budgets, remote keys, commit verdicts) among all world ranks and
+//    returns them in world_ranks() order (blob i is world_ranks()[i]'s; an
+//    empty blob stays empty). Collective: every rank calls it the same number
+//    of times. MPI_Allgather, a TCP store, or (in-process) a barrier.
 //
-//  * setup of a replayed program: `prepare(ops, deadline)`, collective, once
-//    per program: every op this rank will post in each replay, in posting
-//    order. Ops are persistent: each replay posts exactly these ops again (same
-//    peers, tags, regions, offsets, sizes). A one-sided backend uses prepare to
-//    exchange each receive's (address, rkey) with its sender over the
-//    bootstrap, so that in a replay a send is ucp_put_nbx straight into the
-//    receiver's memory followed by a completion flag (a counter per replay),
-//    and a receive is a wait on that flag. A two-sided backend may ignore it.
+//  * setup of a replayed program: `prepare(ops, deadline)`, collective (every
+//    world rank calls it, with an empty span if it has no ops), once per
+//    executor setup (a setup that fails earlier fails on every rank before
+//    it), so several times over one transport's life (one call per executor:
+//    double-buffered and staged refits set up several). `ops` is
+//    every op this rank will post in each replay, in posting order. Ops are
+//    persistent: each replay posts exactly these ops again (same kind, peer,
+//    tag, region, offset, bytes), each op once per replay, and never posts a
+//    prepared op again before its previous post completed. A one-sided
+//    backend uses prepare to exchange each receive's (address, rkey) with its
+//    sender over the bootstrap; a tag-mapping backend gives each op a wire id
+//    here (UCX does both); a two-sided backend may ignore it. A backend may
+//    refuse, in post(), an op that was not prepared (UCX does); it may also
+//    accept it (the local one does; the fault injector's `duplicate` needs it).
 //
 //  * data movement: `post(ops)` starts a group of sends and receives of
-//    contiguous byte ranges and returns a `request` for the whole group (NCCL:
-//    one ncclGroupStart/ncclGroupEnd on the stream plus an event; UCX: tagged
-//    sends/receives or puts). A send (peer, tag) matches the receive of the
-//    same tag that the peer posted for this rank; equal (peer, tag) pairs match
-//    in posting order (so replays need no epoch in the tag). Sizes must agree,
-//    else both sides fail. The executor posts the ops of one peer pair in
-//    increasing tag order on both sides, so an ordered transport (NCCL) may
-//    match by order alone.
+//    contiguous byte ranges and returns a `request` for the whole group.
 //
-//  * completion with a deadline: `test(request)` never blocks;
-//    `wait(request, deadline)` and `wait_any(requests, deadline)` block (no
-//    spinning forever: they sleep or progress, and throw TransportError at the
-//    deadline naming what is still pending). A failed operation throws from
-//    the wait that observes it; a failure never reads as completion.
+//  * completion: `test(request)`, `wait(request, deadline)`,
+//    `wait_any(requests, deadline)`; and `abort(reason)`.
 //
-//  * `abort(reason)`: tells every rank that this one gave up, so their waits
-//    fail promptly instead of at the deadline.
+// How the executor posts (executor.hpp, Executor::start_wave)
+// ------------------------------------------------------------
+// A run is a sequence of waves. For each wave, on each rank, in this order:
+//   1. one post() per peer with every receive from that peer in the wave
+//      (data receives in tag order, then the wave's checksum control
+//      receive when checksums are on);
+//   2. one post() with all the wave's zero-copy sends (several peers);
+//   3. per peer: the packed sends are packed (CPU or device copies, no
+//      transport call in between), then one post() of that peer's packed
+//      sends, in tag order;
+//   4. with checksums, one post() of the wave's control sends (several peers).
+// So receives are posted before sends on one rank, but no single post()
+// holds both a send and its matching receive, nothing orders the ranks
+// against each other (a peer's send may be posted long before this rank's
+// receive, or after it), and ops of several peers share a post(). Then the
+// executor waits: the receive requests with wait_any (wait when one is left),
+// unpacking each group as it completes, then the send requests one by one
+// with wait, in posting order. With ExecutorOptions::pipeline = 2 the next
+// wave's posts (1-4) come before this wave's waits, so two waves' requests
+// are live at once; the first wave's local copies run between the posts and
+// the first wait. The executor never calls test(). Every op is posted to a
+// peer other than rank(): copies within a rank never reach the transport.
+//
+// Starting work. A transport may make progress only inside its own calls
+// (UCX is single-threaded and progresses in post/test/wait), and it may defer
+// starting what post() was given until its next call. But a wait must not
+// depend on work this rank has not started: when it defers, its next
+// test()/wait()/wait_any() must start EVERYTHING posted and not yet started,
+// not only the request asked about. A transport that needs both sides' ops
+// of a peer pair in one batch (NCCL p2p, torch batch_isend_irecv: a group's
+// kernels block the stream until the peer's group arrives) must do exactly
+// that: queue in post(), launch all that is queued as one batch at the first
+// test/wait/wait_any (NCCL: one ncclGroupStart/End). That works because the
+// executor posts all of a wave's ops (steps 1-4) before its first wait of that
+// wave. Launching each post() as its own batch deadlocks: rank A's batch of
+// receives from B blocks A's stream before A's sends to B launch, and B's
+// does the same. Launching only the waited-on request deadlocks the same way
+// (A and B each wait for receives whose sends neither started). post() itself
+// must never block on a peer.
+//
+// Matching and ordering
+// ---------------------
+// A send to peer P with tag t matches the receive of tag t that P posted
+// with this rank as its peer: the key is (sender, receiver, tag), so a send
+// to P and a receive from P with the same tag are unrelated. Equal keys match
+// in posting order, across post() calls: the k-th send of a key meets the
+// k-th receive of it. That is what lets a replay reuse its tags without an
+// epoch (a fast sender's replay r+1 must not meet a slow receiver's replay r
+// receive out of turn). Within one run of one executor no key is posted
+// twice; executors that share a transport and may overlap in time use
+// distinct channels (ExecutorOptions::channel), hence distinct tags. Sizes must agree: a send of n bytes meets a receive of exactly n
+// bytes, else BOTH sides fail with a TransportError (at prepare(), post() or
+// the wait that observes it; never a truncation, never a silent success).
+// 0-byte ops are legal and match like any other. Both ends post each peer
+// pair's ops in the same relative order (per wave: data messages in increasing
+// tag order, then the control message), so an ordered transport (NCCL) may
+// match by order alone, checking sizes and tags at prepare().
+//
+// Tags: 64 bits, and the executor uses them all
+// -------------------------------------------
+// Data message: tag = channel << 48 | k, k the message's index in its peer
+// pair's stream (0, 1, ...). Checksum control message: tag = channel << 48 |
+// 1 << 47 (kChecksumTagBit) | wave. channel is ExecutorOptions::channel (16
+// bits; executors sharing a transport and overlapping in time use distinct
+// channels). So with channel 0 and no checksums, tags are small (below the
+// number of messages of one peer pair); otherwise bits 47..63 are set. A
+// transport whose native tag is narrower (32-bit tags; MPI guarantees only
+// MPI_TAG_UB >= 32767; NCCL has none) must not truncate, or channels and
+// control messages would collide. It can (a) match by order per peer pair as
+// above, or (b) map each prepared (peer, tag) to a dense wire id at prepare()
+// (UCX's wire tag is the receive's id, not the executor's tag); a transport
+// that passes tags through unmapped supports only channel 0 without
+// checksums (and < 2^32 messages per peer pair): a limitation it must state.
+//
+// Lifetimes: what the transport must copy
+// ---------------------------------------
+//  * The `ops` span of post() and prepare() and the `blob` of all_gather()
+//    are valid only during the call: copy what you need before returning.
+//    (The executor's prepare() list is a temporary; the fault injector posts
+//    from a local vector.)
+//  * The bytes the ops name are the caller's until the request completes: the
+//    caller does not write a send's range or read a receive's range before
+//    then, and keeps the region registered.
+//  * Completion means: of a send, the transport no longer reads its range (the
+//    executor repacks reused staging right after); of a receive, the bytes are
+//    in place and visible to the caller.
+//
+// Requests
+// --------
+//  * `request` must be move-constructible and move-assignable: the executor
+//    keeps requests in std::vector and erases from the middle. It never
+//    copies one (the backends here are shared_ptr handles, so copyable too).
+//  * The executor waits each request until it completes, once, then drops
+//    it. A transport must still allow test()/wait() on a request that
+//    already completed (true / return at once; a failed one throws again):
+//    FaultInjectingTransport tests its inner requests over and over.
+//  * On any failure the executor destroys its pending requests unwaited and
+//    then calls abort(). Destroying a pending request must be safe (no
+//    block, no crash, no effect on other requests).
+//  * A request belongs to its endpoint; one thread uses an endpoint at a
+//    time (abort() included, for the executor).
+//
+// Completion and deadlines
+// ------------------------
+//  * `test(request)` never blocks (it may progress the network); it returns
+//    whether the group completed.
+//  * `wait(request, deadline)` blocks until the group completed;
+//    `wait_any(requests, deadline)` (never empty) until one of them did, and
+//    returns its index (any one if several). Both sleep or progress (no
+//    spinning forever) and throw TransportError at the deadline (soon after
+//    it, never long after), naming what is still pending, with each op's
+//    peer rank and its tag in hex ({:#x}), which the executor maps back to
+//    tensors. A peer that is merely late is waited for until the deadline;
+//    a wait may fail earlier only for a reason (a failed op or peer, an
+//    abort, UCX's stall_timeout: nothing moved for that long). A request
+//    that already completed waits successfully even past its deadline.
+//  * The executor gives every wait of a run the same deadline (start of run +
+//    ExecutorOptions::timeout), and setup's all_gather/prepare the setup's.
+//  * A failed op (size mismatch, dead peer, abort) throws TransportError from
+//    the test/wait/wait_any that observes its group; a failure never reads as
+//    completion.
+//
+// Abort
+// -----
+// `abort(reason) noexcept` tells every rank that this one gave up. On this
+// endpoint, from then on post() and all_gather() throw TransportError (with
+// the reason) at once, and so does every test/wait/wait_any on a request
+// that has not completed. On the other ranks, their
+// pending and later waits and all_gathers throw TransportError promptly (UCX:
+// within its abort message's flight; bounded, not at their deadline), naming
+// the reason where the backend can carry it (NCCL cannot: its peers see a
+// remote error or their deadline). In particular all_gather after an abort
+// does not exchange anything: it throws, on the aborting rank at once and on
+// the others once they heard; the Resharder's commit (every rank's verdict
+// through all_gather) relies on that to report "not committed" instead of
+// hanging. Aborting twice is harmless. An aborted transport stays unusable:
+// make a new one.
+//
+// The conformance suite
+// ---------------------
+// tests/transport_conformance.hpp checks the above on any Transport given a
+// harness that runs one body per rank (threads, forked processes, mpirun):
+// matching by (peer, tag) with 64-bit tags, order of equal keys, size
+// mismatch failing both sides, deadlines (bounded, naming the pending op),
+// test() not blocking, abort reaching the peers promptly, many replays of
+// prepared ops, wait_any, and all_gather's order. tests/queue_transport.hpp
+// (in-process queues) and tests/mpi/mpi_transport.hpp (MPI_Isend/Irecv,
+// tags mapped at prepare) are backends written from this comment alone.
 //
 // Use check_transport<T>() (or the executor, which calls it) to get one
 // readable static_assert per missing piece instead of a concept backtrace.
@@ -59,6 +209,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "error.hpp"
@@ -101,6 +252,7 @@ concept Transport = requires(T& t, const T& ct, void* p, std::size_t n, MemoryKi
                              std::span<const TransferOp> ops, std::span<const std::byte> blob, Deadline deadline,
                              std::string_view why) {
   typename T::request;
+  requires std::is_move_constructible_v<typename T::request> && std::is_move_assignable_v<typename T::request>;
   { ct.rank() } -> std::convertible_to<std::int64_t>;
   { ct.world_ranks() } -> std::convertible_to<std::span<const std::int64_t>>;
   { ct.name() } -> std::convertible_to<std::string_view>;
@@ -151,6 +303,8 @@ consteval bool check_transport() {
     { t.prepare(ops, d) } -> std::same_as<void>;
   }, "reshard: a Transport needs `void prepare(std::span<const TransferOp>, Deadline)` (may do nothing)");
   if constexpr (detail::has_request<T>) {
+    static_assert(std::is_move_constructible_v<typename T::request> && std::is_move_assignable_v<typename T::request>,
+                  "reshard: a Transport's `request` must be movable (the executor keeps requests in a std::vector)");
     static_assert(requires(T& t, std::span<const TransferOp> ops) {
       { t.post(ops) } -> std::same_as<typename T::request>;
     }, "reshard: a Transport needs `request post(std::span<const TransferOp>)`: start a group of sends/receives");

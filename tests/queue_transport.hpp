@@ -1,0 +1,275 @@
+#pragma once
+// A third transport, written from the contract in reshard/transport.hpp
+// alone (not from the other backends): in-process ranks (threads) matching
+// sends and receives in plain std::mutex / std::condition_variable queues.
+// It exists to show the contract is enough to implement a backend, and so
+// that the conformance suite (transport_conformance.hpp) runs on something
+// that is not one of ours.
+//
+// Each rank's endpoint is a QueueTransport over a shared QueueWorld. A send
+// and a receive meet under the world's mutex; the bytes are copied there (the
+// sender's range is the caller's until the send completes, so copying at the
+// match is allowed). Tags are kept whole (64 bits); equal (sender, receiver,
+// tag) keys match first-posted first.
+//
+// QueueFlaws plants one contract violation on purpose, so the tests can show
+// each conformance case turns red on a transport that breaks its rule.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "reshard/transport.hpp"
+
+namespace queue_transport {
+
+using reshard::Clock;
+using reshard::Deadline;
+using reshard::OpKind;
+using reshard::RegionHandle;
+using reshard::TransferOp;
+using reshard::TransportError;
+
+/// Deliberate violations (none by default), one per conformance rule.
+enum class Flaw {
+  none,
+  tag_32_bits,       ///< matches on the low 32 bits of the tag only
+  lifo,              ///< equal keys match last-posted first
+  silent_size,       ///< a size mismatch copies the smaller size and succeeds
+  late_deadline,     ///< waits throw 3 s after their deadline
+  blocking_test,     ///< test() waits up to 1 s for completion
+  deaf_abort,        ///< abort() fails only this endpoint; peers are not told
+  stale_replay,      ///< a key matched before is not copied again
+  wrong_any,         ///< wait_any returns 0 whenever anything completed
+  reversed_gather,   ///< all_gather returns the blobs in reverse world order
+};
+
+class QueueWorld {
+ public:
+  explicit QueueWorld(std::vector<std::int64_t> ranks, Flaw flaw = Flaw::none) : ranks_(std::move(ranks)), flaw_(flaw), regions_(ranks_.size()) {}
+  QueueWorld(const QueueWorld&) = delete;
+  QueueWorld& operator=(const QueueWorld&) = delete;
+  const std::vector<std::int64_t>& ranks() const { return ranks_; }
+  Flaw flaw() const { return flaw_; }
+
+ private:
+  friend class QueueTransport;
+  struct Group {
+    std::size_t slot = 0;
+    std::vector<TransferOp> ops;  // copied: post()'s span is the caller's
+    std::size_t left = 0;
+    std::string error;
+  };
+  struct Half {  // one op waiting for its partner
+    std::shared_ptr<Group> group;
+    std::size_t op = 0;
+    std::byte* at = nullptr;
+  };
+  using Key = std::tuple<std::int64_t, std::int64_t, std::uint64_t>;  // sender, receiver, tag
+
+  std::vector<std::int64_t> ranks_;
+  Flaw flaw_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<std::vector<std::pair<std::byte*, std::size_t>>> regions_;  // per slot; {nullptr, 0} once deregistered
+  std::map<Key, std::deque<Half>> sends_, recvs_;
+  std::map<Key, int> matched_;  // for Flaw::stale_replay
+  bool aborted_ = false;
+  std::string reason_;
+  std::vector<bool> deaf_aborted_;  // for Flaw::deaf_abort: per slot
+  // all_gather: generation-counted rendezvous.
+  std::vector<std::vector<std::byte>> slots_, result_;
+  std::size_t arrived_ = 0;
+  std::uint64_t generation_ = 0;
+};
+
+class QueueTransport {
+ public:
+  using request = std::shared_ptr<QueueWorld::Group>;
+
+  QueueTransport(QueueWorld& w, std::int64_t rank) : w_(&w) {
+    auto it = std::find(w.ranks_.begin(), w.ranks_.end(), rank);
+    if (it == w.ranks_.end()) throw TransportError(fmt::format("queue transport: rank {} is not in the world", rank));
+    me_ = static_cast<std::size_t>(it - w.ranks_.begin());
+    std::lock_guard lk(w_->m_);
+    if (w_->deaf_aborted_.empty()) w_->deaf_aborted_.assign(w_->ranks_.size(), false);
+  }
+
+  std::int64_t rank() const { return w_->ranks_[me_]; }
+  std::span<const std::int64_t> world_ranks() const { return w_->ranks_; }
+  std::string_view name() const { return "queue"; }
+
+  RegionHandle register_memory(void* p, std::size_t bytes, reshard::MemoryKind kind) {
+    if (kind != reshard::MemoryKind::host) throw TransportError("queue transport: host memory only");
+    std::lock_guard lk(w_->m_);
+    auto& regs = w_->regions_[me_];
+    regs.emplace_back(static_cast<std::byte*>(p), bytes);
+    return RegionHandle{static_cast<std::uint32_t>(regs.size() - 1)};
+  }
+  void deregister_memory(RegionHandle h) {
+    std::lock_guard lk(w_->m_);
+    if (h.id < w_->regions_[me_].size()) w_->regions_[me_][h.id] = {nullptr, 0};
+  }
+
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
+    std::unique_lock lk(w_->m_);
+    throw_if_aborted();
+    auto& w = *w_;
+    if (w.slots_.empty()) w.slots_.resize(w.ranks_.size());
+    const std::uint64_t gen = w.generation_;
+    w.slots_[me_].assign(blob.begin(), blob.end());
+    if (++w.arrived_ == w.ranks_.size()) {
+      w.result_ = w.slots_;
+      if (w.flaw_ == Flaw::reversed_gather) std::reverse(w.result_.begin(), w.result_.end());
+      w.arrived_ = 0;
+      ++w.generation_;
+      w.cv_.notify_all();
+      return w.result_;
+    }
+    while (w.generation_ == gen) {
+      throw_if_aborted();
+      if (w.cv_.wait_until(lk, deadline) == std::cv_status::timeout && w.generation_ == gen)
+        throw TransportError(fmt::format("queue transport: rank {} timed out in all_gather ({} of {} arrived)", rank(), w.arrived_, w.ranks_.size()));
+    }
+    return w.result_;
+  }
+
+  /// Two-sided matching: nothing to set up.
+  void prepare(std::span<const TransferOp>, Deadline) {}
+
+  request post(std::span<const TransferOp> ops) {
+    auto g = std::make_shared<QueueWorld::Group>();
+    g->slot = me_;
+    g->ops.assign(ops.begin(), ops.end());
+    g->left = ops.size();
+    std::lock_guard lk(w_->m_);
+    throw_if_aborted();
+    auto& w = *w_;
+    for (std::size_t i = 0; i < g->ops.size(); ++i) {
+      const TransferOp& op = g->ops[i];
+      const auto& regs = w.regions_[me_];
+      if (op.region.id >= regs.size() || !regs[op.region.id].first || op.offset + op.bytes > regs[op.region.id].second)
+        throw TransportError(fmt::format("queue transport: rank {}: {} is outside a registered region", rank(), describe(op)));
+      const std::uint64_t tag = w.flaw_ == Flaw::tag_32_bits ? (op.tag & 0xffffffffu) : op.tag;
+      const bool send = op.kind == OpKind::send;
+      const QueueWorld::Key key = send ? QueueWorld::Key{rank(), op.peer, tag} : QueueWorld::Key{op.peer, rank(), tag};
+      QueueWorld::Half mine{g, i, regs[op.region.id].first + op.offset};
+      auto& others = send ? w.recvs_ : w.sends_;
+      auto it = others.find(key);
+      if (it == others.end() || it->second.empty()) {
+        (send ? w.sends_ : w.recvs_)[key].push_back(mine);
+        continue;
+      }
+      QueueWorld::Half theirs;
+      if (w.flaw_ == Flaw::lifo) {
+        theirs = it->second.back();
+        it->second.pop_back();
+      } else {
+        theirs = it->second.front();
+        it->second.pop_front();
+      }
+      match(send ? mine : theirs, send ? theirs : mine, key);
+    }
+    w.cv_.notify_all();
+    return g;
+  }
+
+  bool test(request& r) {
+    std::unique_lock lk(w_->m_);
+    if (w_->flaw_ == Flaw::blocking_test) w_->cv_.wait_for(lk, std::chrono::seconds(1), [&] { return r->left == 0; });
+    if (r->left == 0) {
+      if (!r->error.empty()) throw TransportError(r->error);
+      return true;
+    }
+    throw_if_aborted();
+    return false;
+  }
+
+  void wait(request& r, Deadline deadline) {
+    request* one[1] = {&r};
+    wait_any(one, deadline);
+  }
+
+  std::size_t wait_any(std::span<request* const> rs, Deadline deadline) {
+    if (rs.empty()) throw TransportError(fmt::format("queue transport: rank {}: wait_any on no requests", rank()));
+    if (w_->flaw_ == Flaw::late_deadline) deadline += std::chrono::seconds(3);
+    std::unique_lock lk(w_->m_);
+    while (true) {
+      for (std::size_t i = 0; i < rs.size(); ++i) {
+        const auto& g = **rs[i];
+        if (g.left != 0) continue;
+        if (!g.error.empty()) throw TransportError(g.error);
+        return w_->flaw_ == Flaw::wrong_any ? 0 : i;
+      }
+      throw_if_aborted();
+      if (w_->cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+        bool done = false;
+        for (auto* r : rs) done |= (*r)->left == 0;
+        if (done) continue;
+        std::string pending;
+        for (auto* r : rs)
+          for (const auto& op : (*r)->ops) pending += (pending.empty() ? "" : "; ") + describe(op);
+        throw TransportError(fmt::format("queue transport: rank {} timed out waiting for {}", rank(), pending));
+      }
+    }
+  }
+
+  void abort(std::string_view why) noexcept {
+    try {
+      std::lock_guard lk(w_->m_);
+      const std::string reason = fmt::format("queue transport: rank {} gave up: {}", rank(), why);
+      if (w_->flaw_ == Flaw::deaf_abort) {
+        w_->deaf_aborted_[me_] = true;
+        if (w_->reason_.empty()) w_->reason_ = reason;
+      } else if (!w_->aborted_) {
+        w_->aborted_ = true;
+        w_->reason_ = reason;
+      }
+    } catch (...) {
+      std::lock_guard lk(w_->m_);
+      w_->aborted_ = true;
+    }
+    w_->cv_.notify_all();
+  }
+
+ private:
+  std::string describe(const TransferOp& op) const {
+    return op.kind == OpKind::send ? fmt::format("send of {} bytes to rank {} (tag {:#x})", op.bytes, op.peer, op.tag)
+                                   : fmt::format("receive of {} bytes from rank {} (tag {:#x})", op.bytes, op.peer, op.tag);
+  }
+  void throw_if_aborted() const {
+    if (w_->aborted_ || (w_->flaw_ == Flaw::deaf_abort && w_->deaf_aborted_[me_])) throw TransportError(w_->reason_);
+  }
+  // m_ held.
+  void match(const QueueWorld::Half& s, const QueueWorld::Half& r, const QueueWorld::Key& key) {
+    const TransferOp& sop = s.group->ops[s.op];
+    const TransferOp& rop = r.group->ops[r.op];
+    if (sop.bytes != rop.bytes && w_->flaw_ != Flaw::silent_size) {
+      const std::string e = fmt::format("queue transport: size mismatch: rank {} sends {} bytes to rank {} (tag {:#x}), which receives {}",
+                                        std::get<0>(key), sop.bytes, std::get<1>(key), sop.tag, rop.bytes);
+      s.group->error = r.group->error = e;
+    } else if (!(w_->flaw_ == Flaw::stale_replay && w_->matched_[key]++ > 0)) {
+      std::memcpy(r.at, s.at, std::min(sop.bytes, rop.bytes));
+    }
+    --s.group->left;
+    --r.group->left;
+  }
+
+  QueueWorld* w_;
+  std::size_t me_ = 0;
+};
+
+static_assert(reshard::check_transport<QueueTransport>());
+
+}  // namespace queue_transport
