@@ -15,7 +15,7 @@
 #         checks on the in-process transport (refit.example.*
 #         and refit.usage.*; refit.default is too slow under TSan), the schedule replay
 #         inputs (fuzz.inputs.schedule_replay) and test_ucx_fork (UCX's fork-based
-#         test). Not under TSan: the mpirun tests (ucx.mpi.*): Open MPI's and
+#         test). Not under TSan: the mpirun tests (ucx.mpi.*, mpi.*): Open MPI's and
 #         UCX's own threads are not instrumented and TSan reports races inside
 #         them that are not ours.
 #   fuzz  build-fuzz: the libFuzzer targets of fuzz/ with clang and
@@ -151,13 +151,13 @@ if want asan; then
   mapfile -t targets < <(test_targets build-asan)
   build_group build-asan "${targets[@]}"
   stamp "asan: ctest"
-  RESHARD_SEEDS=${RESHARD_SAN_SEEDS:-1:600} ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -E '^(static_fail|ucx\.mpi)\.'
+  RESHARD_SEEDS=${RESHARD_SAN_SEEDS:-1:600} ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -E '^(static_fail|ucx\.mpi|mpi)\.'
   # The mpirun tests' leaks come from inside Open MPI (its op and component
   # tables, kept until exit); the default fast unwinder stops at the first
   # frame in a system library, so LeakSanitizer would see no libmpi frame to
   # match the suppressions: unwind fully there (slower mallocs, 2 tests only).
-  expect_tests build-asan '^ucx\.mpi\.'
-  ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0" ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -R '^ucx\.mpi\.'
+  expect_tests build-asan '^ucx\.mpi\.' '^mpi\.'
+  ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0" ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -R '^(ucx\.)?mpi\.'
   stamp "asan: passed"
 fi
 
