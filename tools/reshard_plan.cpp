@@ -487,14 +487,12 @@ int main(int argc, char** argv) {
     if (topo_run.balance_limit >= 0) opt.balance_limit = topo_run.balance_limit;
     const Schedule s = plan(src, dst, opt);
     std::optional<ReplicaShares> shares;
-    if (rank < 0 && !as_json) shares = replica_shares(s, src, dst);
+    if (rank < 0 && !as_json && !as_stats) shares = replica_shares(s, src, dst);
     if (!picture.empty()) write_picture(picture, s, src, dst);
     if (as_json) {
       write_schedule_json(std::cout, s);
     } else if (as_stats) {
-      auto j = stats_json(s.stats, true);
-      if (shares) j["max_send_share_ratio"] = shares->worst_ratio;  // an extension (README)
-      const std::string text = j.dump() + "\n";
+      const std::string text = plan_stats_json(s, src, dst).dump() + "\n";
       std::cout << text;
     } else {
       const std::string text = describe_side("source     ", src) + describe_side("destination", dst) +

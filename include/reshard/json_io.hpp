@@ -30,6 +30,7 @@
 #include "dtype.hpp"
 #include "error.hpp"
 #include "layout.hpp"
+#include "plan.hpp"
 #include "schedule.hpp"
 
 namespace reshard {
@@ -536,6 +537,15 @@ inline nlohmann::json stats_json(const ScheduleStats& s, bool extended) {
     o["plan_seconds"] = s.plan_seconds;
   }
   return o;
+}
+
+/// `reshard-plan --stats` of a plan of src -> dst (CONTRACT.md §3): the
+/// extended stats, and for a whole plan max_send_share_ratio (an extension:
+/// the worst source rank's network bytes over its replica share).
+inline nlohmann::json plan_stats_json(const Schedule& s, const Layout& src, const Layout& dst) {
+  nlohmann::json j = stats_json(s.stats, true);
+  if (s.only_rank < 0) j["max_send_share_ratio"] = replica_shares(s, src, dst).worst_ratio;
+  return j;
 }
 
 namespace detail {

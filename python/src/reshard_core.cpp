@@ -356,6 +356,7 @@ RankViews rank_views(const Layout& src, const Layout& dst, std::int64_t rank, nb
 
 struct PySchedule {
   std::shared_ptr<const Schedule> s;
+  std::shared_ptr<const Layout> src, dst;  ///< what it was planned from (the stats' replica shares)
   std::string src_origin, dst_origin;
 };
 
@@ -375,7 +376,8 @@ PySchedule make_plan(const Layout& src, const Layout& dst, std::optional<std::in
     nb::gil_scoped_release nogil;
     s = plan(src, dst, po);
   }
-  return PySchedule{std::make_shared<const Schedule>(std::move(s)), src.origin, dst.origin};
+  return PySchedule{std::make_shared<const Schedule>(std::move(s)), std::make_shared<const Layout>(src), std::make_shared<const Layout>(dst),
+                    src.origin, dst.origin};
 }
 
 // --- reports -------------------------------------------------------------------
@@ -689,7 +691,8 @@ class PyResharder {
   const Layout& dst() const { return dst_; }
   PySchedule schedule() const {
     if (!r_) fail("Resharder (rank {}): closed", rank_);
-    return PySchedule{std::make_shared<const Schedule>(r_->schedule()), src_.origin, dst_.origin};
+    return PySchedule{std::make_shared<const Schedule>(r_->schedule()), std::make_shared<const Layout>(src_),
+                      std::make_shared<const Layout>(dst_), src_.origin, dst_.origin};
   }
 
  private:
@@ -775,7 +778,7 @@ NB_MODULE(_core, m) {
         "config_path"_a, "spec"_a, "first_rank"_a = 0, "group_experts"_a = false);
 
   nb::class_<PySchedule>(m, "Schedule")
-      .def_prop_ro("stats_json", [](const PySchedule& s) { return stats_json(s.s->stats, true).dump(); })
+      .def_prop_ro("stats_json", [](const PySchedule& s) { return plan_stats_json(*s.s, *s.src, *s.dst).dump(); })
       .def("to_json", [](const PySchedule& s) { return schedule_json(*s.s); })
       .def_prop_ro("copies", [](const PySchedule& s) { return s.s->copies.size(); })
       .def_prop_ro("only_rank", [](const PySchedule& s) -> std::optional<std::int64_t> {
