@@ -70,6 +70,7 @@ class LocalWorld {
     for (std::size_t i = 0; i < ranks_.size(); ++i) index_.emplace(ranks_[i], i);
     if (opt_.copy_threads <= 0) opt_.copy_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     if (opt_.task_bytes == 0) opt_.task_bytes = 2u << 20;
+    if (!opt_.copy) opt_.copy = copy_host;
     endpoints_.resize(ranks_.size());
     wake_ = std::make_unique<std::condition_variable[]>(ranks_.size());
     asleep_.assign(ranks_.size(), 0);
@@ -331,7 +332,7 @@ class LocalWorld {
         tasks_.pop_front();
         ++active_copiers_;
         lk.unlock();
-        (opt_.copy ? opt_.copy : copy_host)(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
+        opt_.copy(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
         lk.lock();
         --active_copiers_;
         if (--task.transfer->tasks_left == 0) {
