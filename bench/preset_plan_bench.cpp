@@ -2,7 +2,7 @@
 // layouts from a config.json, plan() for every rank, and plan() for single
 // ranks (PlanOptions::only_rank), as one process of a real job would.
 //
-//   preset-plan-bench --model ../shared/models/deepseek-v3.json
+//   preset-plan-bench --model examples/models/deepseek-v3.json
 //     --train tp=1,pp=4,dp=32,ep=16 --infer tp=8,dp=16 --rank 0 --rank 256
 #include <sys/resource.h>
 

@@ -4,7 +4,9 @@
 #                   ships no CMake package)
 # CMake 3.25 has no C++20 flag for nvcc: it is given below (CUDA_STANDARD 20 then works).
 # Architectures: 90 (H100/H200) unless CMAKE_CUDA_ARCHITECTURES is given.
-option(RESHARD_WITH_CUDA "Build the CUDA kernels, the NCCL transport and their tests where nvcc is found" ON)
+# On by default only in reshard's own build: a parent project that adds
+# reshard by add_subdirectory does not get the CUDA language enabled for it.
+option(RESHARD_WITH_CUDA "Build the CUDA kernels, the NCCL transport and their tests where nvcc is found" ${PROJECT_IS_TOP_LEVEL})
 if(NOT RESHARD_WITH_CUDA)
   message(STATUS "reshard: RESHARD_WITH_CUDA=OFF: CUDA kernels, NCCL transport and GPU tests are skipped")
   return()

@@ -301,6 +301,14 @@ TEST_CASE("misuse is a clear error naming the buffer") {
   auto e = setup_error([](LocalBuffers& b) { b.dst.erase("qkv_proj"); });
   CHECK(e.find("destination buffer 'qkv_proj' is missing") != std::string::npos);
   CHECK(e.find("rank 5") != std::string::npos);
+  // A misspelt name: the missing buffer and the unknown key given instead, both named.
+  e = setup_error([](LocalBuffers& b) {
+    b.dst["qkv_prj"] = b.dst.at("qkv_proj");
+    b.dst.erase("qkv_proj");
+  });
+  CHECK(e.find("destination buffer 'qkv_proj' is missing") != std::string::npos);
+  CHECK(e.find("given but not buffers of") != std::string::npos);
+  CHECK(e.find("'qkv_prj'") != std::string::npos);
   e = setup_error([](LocalBuffers& b) { b.dst["gate_up_proj"].elements -= 1; });
   CHECK(e.find("'gate_up_proj' is too small") != std::string::npos);
   e = setup_error([](LocalBuffers& b) {

@@ -49,7 +49,7 @@ set_tests_properties(ucx.mpi.refit PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIR
 
 if(TARGET reshard-refit)
   add_test(NAME ucx.mpi.cli
-           COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/tests/models/tiny-moe.json
+           COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/examples/models/tiny-moe.json
                    --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 3 --json)
   set_tests_properties(ucx.mpi.cli PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")
 endif()

@@ -69,7 +69,7 @@ args = {
     'transpose': ['--src', f'{C}/transpose-src.json', '--dst', f'{C}/transpose-dst.json'],
     'gather': ['--src', f'{C}/gather-src.json', '--dst', f'{C}/gather-dst.json'],
     'scatter': ['--src', f'{C}/scatter-src.json', '--dst', f'{C}/scatter-dst.json'],
-    'tiny-moe': ['--model', '../shared/models/tiny-moe.json', '--train', 'tp=2,dp=1,ep=2', '--infer', 'tp=4'],
+    'tiny-moe': ['--model', 'examples/models/tiny-moe.json', '--train', 'tp=2,dp=1,ep=2', '--infer', 'tp=4'],
     'large': ['--src', 'tests/mpi/layouts/large-train.json', '--dst', 'tests/mpi/layouts/large-infer.json'],
     'mixed6': ['--src', f'{C}/mixed6-src.json', '--dst', f'{C}/mixed6-dst.json'],
     'mixed8': ['--src', f'{C}/mixed8-src.json', '--dst', f'{C}/mixed8-dst.json'],

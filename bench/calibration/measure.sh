@@ -33,7 +33,7 @@ run pairs4 4 --src $C/pairs4-src.json --dst $C/pairs4-dst.json --iterations 5
 run transpose 4 --src $C/transpose-src.json --dst $C/transpose-dst.json --iterations 5
 run gather 3 --src $C/gather-src.json --dst $C/gather-dst.json --iterations 5
 run scatter 4 --src $C/scatter-src.json --dst $C/scatter-dst.json --iterations 5
-run tiny-moe 6 --model ../shared/models/tiny-moe.json --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 11
+run tiny-moe 6 --model examples/models/tiny-moe.json --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 11
 # Oversubscribed checks the fit never sees: many small packed pieces and some
 # 256 KiB zero-copy pieces, 6 and 8 processes on the host's cores.
 run mixed6 6 --src $C/mixed6-src.json --dst $C/mixed6-dst.json --iterations 11

@@ -84,9 +84,15 @@ inline std::vector<BoundBuffer> bind_buffers(const Layout& L, std::int64_t rank,
     const std::int64_t need = product(shape);
     const std::int64_t eb = element_bytes(lbs[b].dtype);
     auto it = given.find(lbs[b].name);
-    if (it == given.end())
-      fail("rank {}: {} buffer '{}' is missing: {} needs it on this rank ({} elements of {}, shape [{}])", rank, side, lbs[b].name, L.origin,
-           need, to_string(lbs[b].dtype), fmt::join(shape, ", "));
+    if (it == given.end()) {
+      // A misspelt name shows up here first: name the keys given that the layout does not know.
+      std::vector<std::string> unknown;
+      for (const auto& g : given)
+        if (L.find_buffer(g.first) < 0) unknown.push_back("'" + g.first + "'");
+      fail("rank {}: {} buffer '{}' is missing: {} needs it on this rank ({} elements of {}, shape [{}]){}", rank, side, lbs[b].name, L.origin,
+           need, to_string(lbs[b].dtype), fmt::join(shape, ", "),
+           unknown.empty() ? std::string() : fmt::format("; given but not buffers of {}: {}", L.origin, fmt::join(unknown, ", ")));
+    }
     const BufferView& v = it->second;
     if (v.element_bytes != eb)
       fail("rank {}: {} buffer '{}' has {}-byte elements but the layout stores {} ({} bytes)", rank, side, lbs[b].name, v.element_bytes,

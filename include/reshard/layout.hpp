@@ -4,9 +4,11 @@
 // hold the pieces (CONTRACT.md §1). validate() checks everything the contract
 // requires and resolves the cuts; the planner only ever sees validated layouts.
 #include <array>
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -346,6 +348,32 @@ inline void Layout::validate() {
       add(LocalBuffer{tensors[t].name, -1, {static_cast<int>(t)}, tensors[t].dtype},
           ErrorContext{origin, tensors[t].name, "name"});
   validated_ = true;
+}
+
+/// Anything that is, converts to, or lowers (`.lower()` / `.to_runtime()`)
+/// to a runtime reshard::Layout.
+template <class L>
+concept LayoutDescription = std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout> ||
+                            requires(const L& l) {
+                              { l.lower() } -> std::convertible_to<Layout>;
+                            } || requires(const L& l) {
+                              { l.to_runtime() } -> std::convertible_to<Layout>;
+                            };
+
+template <class L>
+Layout lower_layout(const L& l) {
+  static_assert(LayoutDescription<L>,
+                "reshard: a layout argument must be reshard::Layout, convert to it, or have .lower() / .to_runtime() "
+                "returning one");
+  Layout out;
+  if constexpr (std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout>)
+    out = l;
+  else if constexpr (requires { l.lower(); })
+    out = l.lower();
+  else
+    out = l.to_runtime();
+  if (!out.validated()) out.validate();
+  return out;
 }
 
 }  // namespace reshard

@@ -1567,6 +1567,14 @@ class Planner {
 inline Schedule plan(const Layout& src, const Layout& dst, const PlanOptions& opt = {}) {
   return Planner(src, dst, opt).run();
 }
+/// The same from any layout form Resharder takes (a static LayoutOf, say):
+/// each side is lowered and validated first.
+template <class Src, class Dst>
+  requires LayoutDescription<Src> && LayoutDescription<Dst> &&
+           (!std::same_as<std::remove_cvref_t<Src>, Layout> || !std::same_as<std::remove_cvref_t<Dst>, Layout>)
+Schedule plan(const Src& src, const Dst& dst, const PlanOptions& opt = {}) {
+  return plan(lower_layout(src), lower_layout(dst), opt);
+}
 
 /// What each source rank sends against its even share. A replica group is
 /// the source ranks that could send a copy: those holding its part (for a

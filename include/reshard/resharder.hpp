@@ -10,6 +10,17 @@
 //   reshard::Resharder<reshard::Layout, reshard::LocalTransport> r(train, infer, bufs, transport);
 //   auto report = r.refit();   // collective: every rank of the world calls it
 //
+// When peers touch this rank's memory: only inside refit() (and setup(),
+// which registers it). Peers read the source buffers and write the
+// destination buffers (or, double-buffered, the set not being served) while
+// a refit runs, by messages or one-sided puts. When refit() returns, every
+// transfer of that refit has ended and the buffers are the caller's until the
+// next refit(). When it throws, the transport is aborted, but a peer that has
+// not yet seen the failure may still put into a destination registered for
+// one-sided puts (the put protocol) until that transport is destroyed: treat
+// the destination as stale (stale_tensors()) and the memory as lent until
+// then. The caller must not write the sources during a refit.
+//
 // Misuse is a reshard::Error naming the rank and the buffer: a missing or
 // unknown buffer, one too small for its layout, a wrong element size, a view
 // whose shape is not the layout's, overlapping destination memory, refit()
@@ -225,32 +236,6 @@ Verdicts exchange_verdicts(T& t, const std::string& local_error, std::uint64_t v
   return v;
 }
 }  // namespace resharder_detail
-
-/// Anything that is, converts to, or lowers (`.lower()` / `.to_runtime()`)
-/// to a runtime reshard::Layout.
-template <class L>
-concept LayoutDescription = std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout> ||
-                            requires(const L& l) {
-                              { l.lower() } -> std::convertible_to<Layout>;
-                            } || requires(const L& l) {
-                              { l.to_runtime() } -> std::convertible_to<Layout>;
-                            };
-
-template <class L>
-Layout lower_layout(const L& l) {
-  static_assert(LayoutDescription<L>,
-                "reshard::Resharder: the layout type must be reshard::Layout, convert to it, or have .lower() / .to_runtime() "
-                "returning one");
-  Layout out;
-  if constexpr (std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout>)
-    out = l;
-  else if constexpr (requires { l.lower(); })
-    out = l.lower();
-  else
-    out = l.to_runtime();
-  if (!out.validated()) out.validate();
-  return out;
-}
 
 template <class LayoutT, class TransportT>
 class Resharder {
@@ -550,5 +535,19 @@ class Resharder {
   int serving_ = 0;
   std::optional<StaleReport> last_failure_;
 };
+
+/// Deduction: `Resharder r(train, infer, buffers, transport);` is a
+/// Resharder<Layout, T> whatever forms the two layouts are given in.
+template <class Src, class Dst, class TransportT>
+  requires LayoutDescription<Src> && LayoutDescription<Dst>
+Resharder(const Src&, const Dst&, const LocalBuffers&, TransportT&, ResharderOptions = {}) -> Resharder<Layout, TransportT>;
+
+/// Plans, binds and sets up (collective), as the constructor; for `auto r = ...`.
+template <class Src, class Dst, class TransportT>
+  requires LayoutDescription<Src> && LayoutDescription<Dst>
+Resharder<Layout, TransportT> make_resharder(const Src& src, const Dst& dst, const LocalBuffers& buffers, TransportT& transport,
+                                             ResharderOptions opt = {}) {
+  return Resharder<Layout, TransportT>(src, dst, buffers, transport, std::move(opt));
+}
 
 }  // namespace reshard

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "layout.hpp"
+#include "rank_buffers.hpp"
 #include "storage.hpp"
 
 namespace reshard {
@@ -61,79 +62,6 @@ inline void for_each_tag(std::uint64_t key, std::int64_t g0, std::int64_t count,
   }
 }
 }  // namespace detail
-
-/// Visits the slots of local buffer `buf` on mesh position `pos` in runs:
-/// f(first buffer element, count, tensor id or -1 for padding, global
-/// row-major index of the first element; consecutive along the run).
-template <class F>
-void for_each_slot_run(const Layout& L, std::int64_t pos, int buf, F&& f) {
-  const auto& lb = L.local_buffers()[static_cast<std::size_t>(buf)];
-  if (lb.spec >= 0 && L.buffers[static_cast<std::size_t>(lb.spec)].kind == BufferKind::flat) {
-    // A padded flat sequence: the rank's range may run past the real elements.
-    const FlatRange fr = flat_range(L, pos, L.buffers[static_cast<std::size_t>(lb.spec)]);
-    // (Ranks whose range lies wholly in the padding past the end may hold
-    // nothing at all: no empty run, their buffer may have no storage.)
-    const std::int64_t a = std::max(fr.lo, fr.length);
-    if (fr.any && fr.hi > a) f(a - fr.lo, fr.hi - a, -1, std::int64_t{-1});
-  }
-  for (int t : lb.tensors) {
-    const TensorStorage st = tensor_storage(L, pos, t);
-    if (st.empty()) continue;
-    const auto& ts = L.tensors[static_cast<std::size_t>(t)];
-    const int n = ts.rank();
-    std::vector<std::int64_t> gstride(static_cast<std::size_t>(n), 1);
-    for (int d = n - 2; d >= 0; --d)
-      gstride[static_cast<std::size_t>(d)] = gstride[static_cast<std::size_t>(d) + 1] * ts.shape[static_cast<std::size_t>(d) + 1];
-    const auto in = static_cast<std::size_t>(n - 1);
-    const DimPart& ip = st.parts[in];
-    for (const HeldBox& hb : st.boxes) {
-      bool empty = false;
-      for (int d = 0; d < n; ++d) empty |= hb.lo[static_cast<std::size_t>(d)] >= hb.hi[static_cast<std::size_t>(d)];
-      if (empty) continue;
-      std::vector<std::int64_t> j(hb.lo.begin(), hb.lo.begin() + n);
-      while (true) {
-        // Outer dims: buffer offset, global offset, padding.
-        std::int64_t boff = hb.base, goff = 0;
-        bool pad = false;
-        for (int d = 0; d < n - 1; ++d) {
-          const auto u = static_cast<std::size_t>(d);
-          boff += j[u] * hb.stride[u];
-          const std::int64_t g = st.parts[u].global(j[u]);
-          pad |= g >= ts.shape[u];
-          goff += g * gstride[u];
-        }
-        boff += hb.lo[in] * hb.stride[in];
-        // Inner dim: runs of consecutive global indices (all of it when not cyclic).
-        std::int64_t k = hb.lo[in];
-        while (k < hb.hi[in]) {
-          const std::int64_t g = ip.global(k);
-          std::int64_t end = hb.hi[in];
-          if (ip.cyclic) end = std::min(end, k + (ip.run_end(g) - g));
-          const std::int64_t real_end = std::min(end, k + std::max<std::int64_t>(0, ts.shape[in] - g));
-          const std::int64_t b0 = boff + (k - hb.lo[in]) * hb.stride[in];
-          if (hb.stride[in] != 1) {  // not expected from the contract's storage; go one by one
-            for (std::int64_t q = k; q < end; ++q) {
-              const std::int64_t gq = ip.global(q);
-              const bool p = pad || gq >= ts.shape[in];
-              f(boff + (q - hb.lo[in]) * hb.stride[in], std::int64_t{1}, p ? -1 : t, p ? -1 : goff + gq);
-            }
-          } else {
-            if (real_end > k) f(b0, real_end - k, pad ? -1 : t, pad ? -1 : goff + g);
-            if (end > real_end && real_end >= k) f(b0 + (real_end - k), end - real_end, -1, std::int64_t{-1});
-          }
-          k = end;
-        }
-        int d = n - 2;
-        for (; d >= 0; --d) {
-          const auto u = static_cast<std::size_t>(d);
-          if (++j[u] < hb.hi[u]) break;
-          j[u] = hb.lo[u];
-        }
-        if (d < 0) break;
-      }
-    }
-  }
-}
 
 enum class TagFill : std::uint8_t {
   source,  ///< tags; padding kSourcePadding

@@ -41,6 +41,7 @@
 #include "reshard/json_io.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/presets/presets.hpp"
+#include "reshard/rank_buffers.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/storage.hpp"
 #ifdef RESHARD_HAVE_UCX
@@ -165,20 +166,15 @@ std::string layout_repr(const Layout& L) {
 /// elements, dtype, the tensors in it.
 nb::list list_buffers(const Layout& L, std::int64_t rank) {
   nb::list out;
-  const auto pos = L.mesh.position_of(rank);
-  if (!pos) return out;
-  const auto& lbs = L.local_buffers();
-  for (std::size_t b = 0; b < lbs.size(); ++b) {
-    const auto shape = buffer_shape(L, *pos, static_cast<int>(b));
-    if (shape.empty()) continue;
+  for (const auto& b : rank_buffers(L, rank)) {
     nb::dict d;
-    d["name"] = lbs[b].name;
-    d["shape"] = nb::tuple(nb::cast(shape));
-    d["elements"] = product(shape);
-    d["dtype"] = std::string(to_string(lbs[b].dtype));
-    d["bytes"] = product(shape) * element_bytes(lbs[b].dtype);
+    d["name"] = b.name;
+    d["shape"] = nb::tuple(nb::cast(b.shape));
+    d["elements"] = b.elements;
+    d["dtype"] = std::string(to_string(b.dtype));
+    d["bytes"] = b.bytes;
     std::vector<std::string> parts;
-    for (int t : lbs[b].tensors) parts.push_back(L.tensors[static_cast<std::size_t>(t)].name);
+    for (const auto& p : b.parts) parts.push_back(p.name);
     d["tensors"] = parts;
     out.append(d);
   }
@@ -198,13 +194,7 @@ struct Expected {
 
 std::vector<Expected> expected_buffers(const Layout& L, std::int64_t rank) {
   std::vector<Expected> out;
-  const auto pos = L.mesh.position_of(rank);
-  if (!pos) return out;
-  const auto& lbs = L.local_buffers();
-  for (std::size_t b = 0; b < lbs.size(); ++b) {
-    auto shape = buffer_shape(L, *pos, static_cast<int>(b));
-    if (!shape.empty()) out.push_back({lbs[b].name, std::move(shape), lbs[b].dtype});
-  }
+  for (auto& b : rank_buffers(L, rank)) out.push_back({std::move(b.name), std::move(b.shape), b.dtype});
   return out;
 }
 

@@ -1,6 +1,6 @@
 """Shared paths and helpers of the Python tests.
 
-Model configs: $RESHARD_MODELS, else the repository's tests/models (tiny-llama,
+Model configs: $RESHARD_MODELS, else the repository's examples/models (tiny-llama,
 tiny-moe ... are copies of shared/models), else ../shared/models beside the
 clone, else /work/shared/models.
 """
@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE))  # oracle.py
 
 
 def models_dir() -> pathlib.Path:
-    for d in (os.environ.get("RESHARD_MODELS"), REPO / "tests" / "models", REPO.parent / "shared" / "models",
+    for d in (os.environ.get("RESHARD_MODELS"), REPO / "examples" / "models", REPO.parent / "shared" / "models",
               pathlib.Path("/work/shared/models")):
         if d and (pathlib.Path(d) / "tiny-llama.json").exists():
             return pathlib.Path(d)

@@ -46,9 +46,9 @@ std::vector<Case> cases(int world) {
     out.push_back(c);
   }
   {
-    auto m = presets::model_layouts(root + "/tests/models/tiny-moe.json", "tp=2,dp=1,ep=2,etp=1", "tp=4", false);
+    auto m = presets::model_layouts(root + "/examples/models/tiny-moe.json", "tp=2,dp=1,ep=2,etp=1", "tp=4", false);
     out.push_back(Case{"tiny-moe tp=2,dp=1,ep=2,etp=1 -> tp=4", m.train, m.infer, {}});
-    auto c = presets::model_layouts(root + "/tests/models/tiny-qwen3-moe.json", "tp=2,dp=2,ep=4,etp=1", "tp=2", true);
+    auto c = presets::model_layouts(root + "/examples/models/tiny-qwen3-moe.json", "tp=2,dp=2,ep=4,etp=1", "tp=2", true);
     out.push_back(Case{"tiny-qwen3-moe tp=2,dp=2,ep=4,etp=1 -> tp=2 colocated", c.train, c.infer, {}});
   }
   // Random valid pairs (uneven, padded, cyclic, fused, flat, staged) that fit the job.
