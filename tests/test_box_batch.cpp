@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "reshard/copy_kernels.hpp"
 #include "reshard/cuda/box_batch.hpp"
 #include "reshard/cuda/device_engine.hpp"
@@ -82,14 +83,7 @@ std::int64_t elements(const RandomBox& b) {
   return n;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test_util::error_of;
 
 }  // namespace
 

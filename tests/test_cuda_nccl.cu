@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "reshard/backends/nccl.hpp"
 #include "reshard/cuda/runtime.hpp"
 
@@ -19,14 +20,7 @@ using nccl_detail::OpRow;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test_util::error_of;
 
 /// A bootstrap for one process that plays every rank of `ranks` (blob i = mine).
 Bootstrap solo(std::vector<std::int64_t> ranks = {0}) {

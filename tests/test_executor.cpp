@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "error_of.hpp"
 #include "refit_util.hpp"
 #include "reshard/executor.hpp"
 
@@ -26,14 +27,7 @@ using refit_test::cut;
 using refit_test::one_axis;
 using refit_test::tensor;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test_util::error_of;
 
 /// Runs the executor directly (no Resharder) over one shared full schedule;
 /// `edit` may change the schedule a rank compiles. Returns per-rank stats.

@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "error_of.hpp"
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
 #include "reshard/verify.hpp"
@@ -89,14 +90,7 @@ void check_outcome(const refit_test::Outcome& o) {
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test_util::error_of;
 
 }  // namespace
 
@@ -422,5 +416,36 @@ TEST_CASE("layouts given as types that lower to reshard::Layout") {
     r.refit();
     wrong += refit_test::count_wrong(dst, dmem[i], t.rank(), 4, nullptr);
   });
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("make_resharder and deduction take any layout form; a Resharder moves and refits after the move") {
+  auto [src, dst] = llama_block();
+  const LowersToLayout typed{src};
+  // plan() takes the same forms as Resharder: a lowered type plans like the Layout it lowers to.
+  CHECK(reshard::plan(typed, dst).copies.size() == reshard::plan(src, dst).copies.size());
+  const auto ranks = refit_test::world_of(src, dst);
+  std::vector<refit_test::SideMemory> smem, dmem;
+  for (auto r : ranks) {
+    smem.push_back(refit_test::make_side(src, r, true, 5));
+    dmem.push_back(refit_test::make_side(dst, r, false, 5));
+  }
+  std::atomic<std::int64_t> wrong{0}, deduced{0};
+  LocalWorld world(ranks);
+  world.run([&](LocalTransport& t) {
+    std::size_t i = 0;
+    while (ranks[i] != t.rank()) ++i;
+    LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
+    Resharder deduced_type(typed, dst, bufs, t);  // deduction: Resharder<Layout, LocalTransport>
+    static_assert(std::is_same_v<decltype(deduced_type), Resharder<Layout, LocalTransport>>);
+    deduced += deduced_type.state() == RefitState::empty;
+    std::vector<Resharder<Layout, LocalTransport>> held;
+    held.push_back(make_resharder(typed, dst, bufs, t));
+    held.reserve(8);  // moves the Resharder to new storage
+    auto moved = std::move(held.front());
+    moved.refit();
+    wrong += refit_test::count_wrong(dst, dmem[i], t.rank(), 5, nullptr);
+  });
+  CHECK(deduced == static_cast<std::int64_t>(ranks.size()));
   CHECK(wrong == 0);
 }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "error_of.hpp"
 #include "refit_util.hpp"
 #include "reshard/commit.hpp"
 #include "reshard/json_io.hpp"
@@ -78,14 +79,7 @@ struct Job {
   ~Job() { rs.clear(); }  // before the transports they last set up on
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test_util::error_of;
 bool has(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
 
 ResharderOptions options(bool checksum, bool double_buffered = false) {

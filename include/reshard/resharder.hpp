@@ -312,7 +312,7 @@ class Resharder {
         continue;
       }
       if (set == 1 && !back_executor_) back_executor_ = std::make_unique<Executor<TransportT>>();
-      Executor<TransportT>& ex = set == 0 ? executor_ : *back_executor_;
+      Executor<TransportT>& ex = set == 0 ? *executor_ : *back_executor_;
       ex.set_tensor_names(names);
       ex.setup(*schedule_, s, dset, transport, eo, error);
     }
@@ -341,7 +341,7 @@ class Resharder {
     attempted_ = version;
     const int target = opt_.double_buffered ? 1 - serving_ : 0;
     if (opt_.staged) return run_and_commit(*staged_[static_cast<std::size_t>(target)], version, target);
-    return run_and_commit(target == 0 ? executor_ : *back_executor_, version, target);
+    return run_and_commit(target == 0 ? *executor_ : *back_executor_, version, target);
   }
 
   /// The served destination: current (complete at last_good_version()),
@@ -374,7 +374,7 @@ class Resharder {
     return *schedule_;
   }
   /// The plain executor (unused with a staged schedule: see staged_executor()).
-  const Executor<TransportT>& executor() const { return executor_; }
+  const Executor<TransportT>& executor() const { return *executor_; }
   bool staged() const { return opt_.staged != nullptr; }
   /// With ResharderOptions::staged: the executor of destination set `set`
   /// (0 = dst, 1 = dst_back).
@@ -522,7 +522,10 @@ class Resharder {
   std::int64_t me_ = -1;
   std::shared_ptr<const Schedule> schedule_;
   std::vector<BoundBuffer> src_bound_, dst_bound_, dst_back_bound_;
-  Executor<TransportT> executor_;                         ///< writes LocalBuffers::dst
+  /// Writes LocalBuffers::dst. Executors are held by pointer (they are not
+  /// movable; the bound buffers they point into are heap elements that a
+  /// move keeps in place), so a Resharder moves.
+  std::unique_ptr<Executor<TransportT>> executor_ = std::make_unique<Executor<TransportT>>();
   std::unique_ptr<Executor<TransportT>> back_executor_;  ///< double-buffered: writes dst_back
   /// ResharderOptions::staged: per destination set (0 = dst, 1 = dst_back).
   std::array<std::unique_ptr<StagedExecutor<TransportT>>, 2> staged_;

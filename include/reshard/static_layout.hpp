@@ -694,29 +694,14 @@ constexpr int first_bad_ref(const std::array<axis_ref, N>& r) {
   return -1;
 }
 
-template <class... T>
-struct first_cut {
-  using type = Replicate;
+/// The first of T... for which Trait<T>::value holds, else Default.
+template <template <class> class Trait, class Default, class... T>
+struct first_of {
+  using type = Default;
 };
-template <class T0, class... T>
-struct first_cut<T0, T...> {
-  using type = std::conditional_t<is_cut<T0>::value, T0, typename first_cut<T...>::type>;
-};
-template <class... T>
-struct first_rule {
-  using type = Even;
-};
-template <class T0, class... T>
-struct first_rule<T0, T...> {
-  using type = std::conditional_t<split_rule<T0>::value, T0, typename first_rule<T...>::type>;
-};
-template <class... T>
-struct first_padding {
-  using type = void;
-};
-template <class T0, class... T>
-struct first_padding<T0, T...> {
-  using type = std::conditional_t<padding<T0>::value, T0, typename first_padding<T...>::type>;
+template <template <class> class Trait, class Default, class T0, class... T>
+struct first_of<Trait, Default, T0, T...> {
+  using type = std::conditional_t<Trait<T0>::value, T0, typename first_of<Trait, Default, T...>::type>;
 };
 }  // namespace detail
 
@@ -779,9 +764,9 @@ struct Dim {
     else if constexpr (sizeof...(Rest) > 0)
       report_unknown<Rest...>();
   }
-  using cut_type = typename detail::first_cut<Args...>::type;
-  using rule_type = typename detail::first_rule<Args...>::type;
-  using pad_type = typename detail::first_padding<Args...>::type;
+  using cut_type = typename detail::first_of<detail::is_cut, Replicate, Args...>::type;
+  using rule_type = typename detail::first_of<detail::split_rule, Even, Args...>::type;
+  using pad_type = typename detail::first_of<detail::padding, void, Args...>::type;
   static constexpr bool check() {
     if constexpr (!(known<Args> && ...)) {
       report_unknown<Args...>();

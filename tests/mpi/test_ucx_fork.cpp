@@ -13,6 +13,7 @@
 
 #include <doctest/doctest.h>
 
+#include "error_of.hpp"
 #include "fork_world.hpp"
 #include "refit_util.hpp"
 #include "reshard/backends/ucx.hpp"
@@ -37,13 +38,10 @@ bool names_rank(const std::string& text, int rank) {
   return std::regex_search(text, std::regex(fmt::format("rank {}([^0-9]|$)", rank)));
 }
 
+/// What a call throws, "" when it returns (report() prints only failures).
 std::string fails(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
+  const std::string e = test_util::error_of(f);
+  return e == "(no error)" ? std::string() : e;
 }
 
 /// Runs `body` on n forked ranks; checks every one exited 0; returns the reports.
