@@ -483,6 +483,33 @@ bool for_each_element(const reshard::Copy& c, F&& f) {
 }
 }  // namespace detail
 
+/// Completeness of a schedule's writes: the first destination slot holding
+/// an element that `written` (per (position, buffer), per slot: >= 0 once
+/// written) leaves unwritten, as a message; counts element slots into
+/// `elements`. only_rank >= 0: that rank's slots only.
+inline std::optional<std::string> unwritten_slot(
+    const Layout& dst, SlotWorld& D, const std::map<std::pair<std::int64_t, std::size_t>, std::vector<std::int32_t>>& written,
+    std::int64_t only_rank, std::int64_t& elements) {
+  const auto& dbufs = dst.local_buffers();
+  for (std::int64_t p = 0; p < D.positions(); ++p) {
+    const std::int64_t rank = rank_at(dst.mesh, p);
+    if (only_rank >= 0 && rank != only_rank) continue;
+    const auto& dr = D.at(p);
+    for (std::size_t b = 0; b < dbufs.size(); ++b) {
+      if (!dr.present[b]) continue;
+      auto it = written.find({p, b});
+      for (std::size_t k = 0; k < dr.buffers[b].size(); ++k) {
+        const Slot& to = dr.buffers[b][k];
+        if (to.padding()) continue;
+        ++elements;
+        if (it == written.end() || it->second[k] < 0)
+          return fmt::format("rank {}: {} at '{}'+{} is never written", rank, describe_slot(dst, to), dbufs[b].name, k);
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 /// Simulates every copy of `s` slot by slot against the contract.
 inline CheckResult check_schedule(const Layout& src, const Layout& dst, const reshard::Schedule& s,
                                   const CheckOptions& opt = {}) {
@@ -606,23 +633,7 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
     (c.is_local() ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
   }
   // Completeness: every destination slot holding an element was written.
-  for (std::int64_t p = 0; p < D.positions(); ++p) {
-    const std::int64_t rank = rank_at(dst.mesh, p);
-    if (opt.only_rank >= 0 && rank != opt.only_rank) continue;
-    const auto& dr = D.at(p);
-    for (std::size_t b = 0; b < dbufs.size(); ++b) {
-      if (!dr.present[b]) continue;
-      auto it = writer.find({p, b});
-      for (std::size_t k = 0; k < dr.buffers[b].size(); ++k) {
-        const Slot& to = dr.buffers[b][k];
-        if (to.padding()) continue;
-        ++res.dst_elements;
-        if (it == writer.end() || it->second[k] < 0)
-          return fault(fmt::format("rank {}: {} at '{}'+{} is never written", rank, describe_slot(dst, to),
-                                   dbufs[b].name, k));
-      }
-    }
-  }
+  if (auto m = unwritten_slot(dst, D, writer, opt.only_rank, res.dst_elements)) return fault(*m);
   if (s.stats.bytes != bytes || s.stats.local_bytes != local_bytes ||
       s.stats.copies != static_cast<std::int64_t>(s.copies.size()))
     return fault(fmt::format("stats say bytes {} local_bytes {} copies {}, the copies add up to {} {} {}",

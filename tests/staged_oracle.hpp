@@ -184,21 +184,7 @@ inline CheckResult check_staged(const Layout& src, const Layout& dst, const resh
     // Counted from the elements visited (not the library's Copy::bytes()).
     (c.src_rank == c.dst_rank ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
   }
-  for (std::int64_t p = 0; p < D.positions(); ++p) {
-    const auto& dr = D.at(p);
-    for (std::size_t b = 0; b < dbufs.size(); ++b) {
-      if (!dr.present[b]) continue;
-      auto it = written.find({p, b});
-      for (std::size_t k = 0; k < dr.buffers[b].size(); ++k) {
-        const Slot& to = dr.buffers[b][k];
-        if (to.padding()) continue;
-        ++res.dst_elements;
-        if (it == written.end() || it->second[k] < 0)
-          return fault(fmt::format("rank {}: {} at '{}'+{} is never written", oracle::rank_at(dst.mesh, p),
-                                   oracle::describe_slot(dst, to), dbufs[b].name, k));
-      }
-    }
-  }
+  if (auto m = oracle::unwritten_slot(dst, D, written, -1, res.dst_elements)) return fault(*m);
   if (s.stats.bytes != bytes || s.stats.local_bytes != local_bytes ||
       s.stats.copies != static_cast<std::int64_t>(s.copies.size()))
     return fault(fmt::format("stats say bytes {} local {} copies {}; the copies add up to {} {} {}", s.stats.bytes,

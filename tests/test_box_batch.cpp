@@ -407,29 +407,15 @@ class EmulatedEngine final : public DeviceCopyEngine {
 };
 
 /// LocalTransport that accepts "device" regions (host memory here).
-class HostAsDevice {
+class HostAsDevice : public ForwardingTransport<LocalTransport> {
  public:
-  using request = LocalTransport::request;
-  explicit HostAsDevice(LocalTransport t) : t_(t) {}
-  std::int64_t rank() const { return t_.rank(); }
-  std::span<const std::int64_t> world_ranks() const { return t_.world_ranks(); }
+  explicit HostAsDevice(LocalTransport t) : ForwardingTransport(t) {}
   std::string_view name() const { return "host-as-device"; }
   RegionHandle register_memory(void* p, std::size_t n, MemoryKind kind) {
     if (kind == MemoryKind::device) ++device_regions;
-    return t_.register_memory(p, n, MemoryKind::host);
+    return inner().register_memory(p, n, MemoryKind::host);
   }
-  void deregister_memory(RegionHandle h) { t_.deregister_memory(h); }
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> b, Deadline d) { return t_.all_gather(b, d); }
-  void prepare(std::span<const TransferOp> ops, Deadline d) { t_.prepare(ops, d); }
-  request post(std::span<const TransferOp> ops) { return t_.post(ops); }
-  bool test(request& r) { return t_.test(r); }
-  void wait(request& r, Deadline d) { t_.wait(r, d); }
-  std::size_t wait_any(std::span<request* const> rs, Deadline d) { return t_.wait_any(rs, d); }
-  void abort(std::string_view why) noexcept { t_.abort(why); }
   int device_regions = 0;
-
- private:
-  LocalTransport t_;
 };
 
 using refit_test::cut;

@@ -210,6 +210,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "error.hpp"
@@ -324,5 +325,50 @@ consteval bool check_transport() {
   }, "reshard: a Transport needs `void abort(std::string_view reason) noexcept`: fail every rank's waits");
   return Transport<T>;
 }
+
+/// A decorator's base: forwards every Transport call to an inner transport,
+/// so a decorator (device-memory checks, fault injection, a test's kill
+/// switch) redefines only the calls it changes; the executor, templated on
+/// the decorator, calls the decorator's own where it has one. `Held` is the
+/// inner transport (held by value: a cheap handle such as LocalTransport) or
+/// a pointer to one that lives elsewhere.
+template <class Held>
+class ForwardingTransport {
+  using Inner = std::remove_pointer_t<Held>;
+
+ public:
+  using request = typename Inner::request;
+  explicit ForwardingTransport(Held inner) : held_(std::move(inner)) {}
+
+  std::int64_t rank() const { return inner().rank(); }
+  std::span<const std::int64_t> world_ranks() const { return inner().world_ranks(); }
+  std::string_view name() const { return inner().name(); }
+  RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind) { return inner().register_memory(p, bytes, kind); }
+  void deregister_memory(RegionHandle h) { inner().deregister_memory(h); }
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline d) { return inner().all_gather(blob, d); }
+  void prepare(std::span<const TransferOp> ops, Deadline d) { inner().prepare(ops, d); }
+  request post(std::span<const TransferOp> ops) { return inner().post(ops); }
+  bool test(request& r) { return inner().test(r); }
+  void wait(request& r, Deadline d) { inner().wait(r, d); }
+  std::size_t wait_any(std::span<request* const> rs, Deadline d) { return inner().wait_any(rs, d); }
+  void abort(std::string_view why) noexcept { inner().abort(why); }
+
+ protected:
+  Inner& inner() {
+    if constexpr (std::is_pointer_v<Held>)
+      return *held_;
+    else
+      return held_;
+  }
+  const Inner& inner() const {
+    if constexpr (std::is_pointer_v<Held>)
+      return *held_;
+    else
+      return held_;
+  }
+
+ private:
+  Held held_;
+};
 
 }  // namespace reshard

@@ -228,32 +228,20 @@ enum class Fault { none, kill_before, kill_during, stop };
 /// post() holding a send once armed: a death in the middle of a refit by
 /// construction (a timer could fire after the refit and test nothing).
 template <class Inner>
-class KillAfterFirstSend {
+class KillAfterFirstSend : public ForwardingTransport<Inner*> {
  public:
   using request = typename Inner::request;
-  explicit KillAfterFirstSend(Inner& in) : in_(&in) {}
+  explicit KillAfterFirstSend(Inner& in) : ForwardingTransport<Inner*>(&in) {}
   void arm() { armed_ = true; }
 
-  std::int64_t rank() const { return in_->rank(); }
-  std::span<const std::int64_t> world_ranks() const { return in_->world_ranks(); }
-  std::string_view name() const { return in_->name(); }
-  RegionHandle register_memory(void* p, std::size_t n, MemoryKind k) { return in_->register_memory(p, n, k); }
-  void deregister_memory(RegionHandle h) { in_->deregister_memory(h); }
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> b, Deadline d) { return in_->all_gather(b, d); }
-  void prepare(std::span<const TransferOp> ops, Deadline d) { in_->prepare(ops, d); }
   request post(std::span<const TransferOp> ops) {
-    request r = in_->post(ops);
+    request r = this->inner().post(ops);
     if (armed_ && std::any_of(ops.begin(), ops.end(), [](const TransferOp& op) { return op.kind == OpKind::send; }))
       raise(SIGKILL);
     return r;
   }
-  bool test(request& r) { return in_->test(r); }
-  void wait(request& r, Deadline d) { in_->wait(r, d); }
-  std::size_t wait_any(std::span<request* const> rs, Deadline d) { return in_->wait_any(rs, d); }
-  void abort(std::string_view why) noexcept { in_->abort(why); }
 
  private:
-  Inner* in_;
   bool armed_ = false;
 };
 static_assert(check_transport<KillAfterFirstSend<UcxTransport>>());

@@ -31,18 +31,15 @@ inline LocalWorldOptions device_world_options(LocalWorldOptions o = {}) {
   return o;
 }
 
-class LocalDeviceTransport {
+/// LocalTransport whose device regions must be CUDA memory; the rest forwards.
+class LocalDeviceTransport : public ForwardingTransport<LocalTransport> {
  public:
-  using request = LocalTransport::request;
-
-  explicit LocalDeviceTransport(LocalTransport t) : t_(t) {
-    if (t_.world().options().copy != &copy_device_bytes)
+  explicit LocalDeviceTransport(LocalTransport t) : ForwardingTransport(t) {
+    if (inner().world().options().copy != &copy_device_bytes)
       fail("local-device transport: rank {}: the world copies with the CPU; build it with "
            "LocalWorld(ranks, reshard::cuda::device_world_options())", rank());
   }
 
-  std::int64_t rank() const { return t_.rank(); }
-  std::span<const std::int64_t> world_ranks() const { return t_.world_ranks(); }
   std::string_view name() const { return "local-device"; }
 
   RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind) {
@@ -54,19 +51,8 @@ class LocalDeviceTransport {
         fail("local-device transport: rank {} registers {} bytes at {} as device memory, but CUDA does not know it as device or "
              "managed memory", rank(), bytes, p);
     }
-    return t_.register_memory(p, bytes, MemoryKind::host);
+    return inner().register_memory(p, bytes, MemoryKind::host);
   }
-  void deregister_memory(RegionHandle h) { t_.deregister_memory(h); }
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline d) { return t_.all_gather(blob, d); }
-  void prepare(std::span<const TransferOp> ops, Deadline d) { t_.prepare(ops, d); }
-  request post(std::span<const TransferOp> ops) { return t_.post(ops); }
-  bool test(request& r) { return t_.test(r); }
-  void wait(request& r, Deadline d) { t_.wait(r, d); }
-  std::size_t wait_any(std::span<request* const> rs, Deadline d) { return t_.wait_any(rs, d); }
-  void abort(std::string_view why) noexcept { t_.abort(why); }
-
- private:
-  LocalTransport t_;
 };
 
 static_assert(check_transport<LocalDeviceTransport>());
