@@ -19,11 +19,8 @@ if(TARGET reshard-plan)
     set_tests_properties(cli.bad.${name} PROPERTIES TIMEOUT 120 LABELS cli)
   endforeach()
 
-  file(GLOB _reshard_example_dirs CONFIGURE_DEPENDS LIST_DIRECTORIES true ${PROJECT_SOURCE_DIR}/examples/*)
+  reshard_example_pairs(_reshard_example_dirs)
   foreach(dir ${_reshard_example_dirs})
-    if(NOT EXISTS ${dir}/train.json OR NOT EXISTS ${dir}/infer.json)
-      continue()
-    endif()
     get_filename_component(pair ${dir} NAME)
     foreach(mode json stats rank summary)
       add_test(NAME cli.example.${pair}.${mode}

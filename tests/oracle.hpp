@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -86,17 +87,9 @@ inline std::int64_t part_count(const DimSpec& s) {
 // ---------------------------------------------------------------------------
 // Index sets (§1 "dimspec")
 
-/// The sorted indices of [0, P) that part p of a dim of extent n holds
-/// (padding included: indices >= n are padding).
-inline std::vector<std::int64_t> held_indices(const DimSpec& s, std::int64_t n, std::int64_t p) {
-  const std::int64_t P = s.pad_to > 0 ? s.pad_to : n;
-  const std::int64_t k = part_count(s);
-  std::vector<std::int64_t> out;
-  if (s.split == Split::cyclic) {
-    for (std::int64_t i = 0; i < P; ++i)
-      if ((i / s.block) % k == p) out.push_back(i);
-    return out;
-  }
+/// [lo, hi) of part p of k over a padded extent P, for the contiguous
+/// splits, from the contract's definitions (CONTRACT.md section 1).
+inline std::pair<std::int64_t, std::int64_t> contiguous_part(const DimSpec& s, std::int64_t P, std::int64_t k, std::int64_t p) {
   std::int64_t lo = 0, hi = 0;
   switch (s.split) {
     case Split::even:
@@ -121,6 +114,21 @@ inline std::vector<std::int64_t> held_indices(const DimSpec& s, std::int64_t n, 
       break;
     case Split::cyclic: break;
   }
+  return {lo, hi};
+}
+
+/// The sorted indices of [0, P) that part p of a dim of extent n holds
+/// (padding included: indices >= n are padding).
+inline std::vector<std::int64_t> held_indices(const DimSpec& s, std::int64_t n, std::int64_t p) {
+  const std::int64_t P = s.pad_to > 0 ? s.pad_to : n;
+  const std::int64_t k = part_count(s);
+  std::vector<std::int64_t> out;
+  if (s.split == Split::cyclic) {
+    for (std::int64_t i = 0; i < P; ++i)
+      if ((i / s.block) % k == p) out.push_back(i);
+    return out;
+  }
+  const auto [lo, hi] = contiguous_part(s, P, k, p);
   for (std::int64_t i = lo; i < hi; ++i) out.push_back(i);
   return out;
 }
@@ -135,25 +143,7 @@ inline std::int64_t held_count(const DimSpec& s, std::int64_t n, std::int64_t p,
     const std::int64_t period = k * s.block, full = limit / period;
     return full * s.block + std::clamp<std::int64_t>(limit - full * period - p * s.block, 0, s.block);
   }
-  std::int64_t lo = 0, hi = 0;
-  switch (s.split) {
-    case Split::even: lo = p * (P / k); hi = lo + P / k; break;
-    case Split::chunk: {
-      const std::int64_t q = (P + k - 1) / k;
-      lo = std::min(P, p * q);
-      hi = std::min(P, (p + 1) * q);
-      break;
-    }
-    case Split::balanced:
-      lo = p * (P / k) + std::min(p, P % k);
-      hi = lo + P / k + (p < P % k ? 1 : 0);
-      break;
-    case Split::sizes:
-      for (std::int64_t q = 0; q < p; ++q) lo += s.sizes[static_cast<std::size_t>(q)];
-      hi = lo + s.sizes[static_cast<std::size_t>(p)];
-      break;
-    case Split::cyclic: break;
-  }
+  const auto [lo, hi] = contiguous_part(s, P, k, p);
   return std::max<std::int64_t>(0, std::min(hi, limit) - lo);
 }
 

@@ -1,6 +1,5 @@
 # The UCX transport's tests (tests/mpi/), built only where UCX is found.
-#   test_ucx_fork       doctest; forks its own ranks (no mpirun): transport
-#                       semantics, error messages, killed and stopped peers
+#   (test_ucx_fork and the other forked-rank tests: tests/ucx_forked.cmake)
 #   ucx.mpi.refit       under mpirun -np 8: layout pairs (colocated, flat
 #                       buckets, permuted ranks, a small MoE preset, random
 #                       uneven/fused pairs) refitted over UCX with both
@@ -15,18 +14,7 @@ if(NOT TARGET ucx::ucp)  # found (or not) by the top-level CMakeLists.txt
   return()
 endif()
 
-if(NOT TARGET reshard_ucx)
-  add_library(reshard_ucx INTERFACE)
-  target_link_libraries(reshard_ucx INTERFACE reshard::reshard ucx::ucp ucx::ucs)
-endif()
-
 set(_ucx_env "UCX_NET_DEVICES=lo" "UCX_WARN_UNUSED_ENV_VARS=n")
-
-add_executable(test_ucx_fork ${CMAKE_CURRENT_LIST_DIR}/mpi/test_ucx_fork.cpp)
-target_link_libraries(test_ucx_fork PRIVATE reshard_test_main reshard_warnings reshard_ucx)
-target_include_directories(test_ucx_fork PRIVATE ${CMAKE_CURRENT_LIST_DIR})
-add_test(NAME test_ucx_fork COMMAND test_ucx_fork)
-set_tests_properties(test_ucx_fork PROPERTIES TIMEOUT 240 LABELS ucx ENVIRONMENT "${_ucx_env}")
 
 find_package(MPI QUIET COMPONENTS CXX)
 if(NOT MPI_CXX_FOUND OR NOT MPIEXEC_EXECUTABLE)
