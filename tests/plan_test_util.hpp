@@ -84,23 +84,12 @@ inline Layout mesh_layout(std::vector<Axis> axes, std::int64_t first_rank = 0, s
 
 inline TensorSpec& add_tensor(Layout& L, std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims = {},
                               DType dtype = DType::bf16) {
-  TensorSpec t;
-  t.name = std::move(name);
-  t.shape = std::move(shape);
-  t.dims = std::move(dims);
-  t.dtype = dtype;
-  L.tensors.push_back(std::move(t));
+  L.tensors.push_back(tensor_spec(std::move(name), std::move(shape), dtype, std::move(dims)));
   return L.tensors.back();
 }
 
 inline void add_concat(Layout& L, std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
-  BufferSpec b;
-  b.name = std::move(name);
-  b.parts = std::move(parts);
-  b.kind = BufferKind::concat;
-  b.dim = dim;
-  b.interleave = interleave;
-  L.buffers.push_back(std::move(b));
+  L.buffers.push_back(concat_buffer(std::move(name), std::move(parts), dim, interleave));
 }
 
 inline void add_flat(Layout& L, std::string name, std::vector<std::string> parts, DimSpec flat) {

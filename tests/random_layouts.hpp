@@ -11,8 +11,10 @@
 // axes, first_rank and explicit permuted rank lists, disjoint / colocated /
 // partly overlapping rank sets, 1-D to 4-D tensors, several per layout.
 // Tensors stay small (a few thousand elements) so an element oracle is fast.
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -90,7 +92,8 @@ struct Family {
   int dim = 0;
 };
 
-inline std::int64_t pick_extent(Rng& r, std::int64_t cap) {
+template <class R>
+std::int64_t pick_extent(R& r, std::int64_t cap) {
   if (r.chance(0.1)) return 1;
   if (r.chance(0.5)) {
     std::vector<std::int64_t> nice;
@@ -103,7 +106,8 @@ inline std::int64_t pick_extent(Rng& r, std::int64_t cap) {
 
 /// The mesh's axes split into digits: a random factorization of each axis,
 /// least significant digit first, as sub-axis references.
-inline std::vector<AxisRef> axis_digits(Rng& r, const reshard::Mesh& m, int axis) {
+template <class R>
+std::vector<AxisRef> axis_digits(R& r, const reshard::Mesh& m, int axis) {
   const std::int64_t s = m.axes[static_cast<std::size_t>(axis)].size;
   std::vector<AxisRef> out;
   std::int64_t stride = 1, left = s;
@@ -128,9 +132,10 @@ inline std::vector<std::int64_t> part_sizes(const DimSpec& s, std::int64_t n) {
   return v;
 }
 
+template <class R>
 class SideBuilder {
  public:
-  SideBuilder(Rng& r, const RandomOptions& o) : r_(r), o_(o) {}
+  SideBuilder(R& r, const RandomOptions& o) : r_(r), o_(o) {}
 
   void make_mesh() {
     static const std::vector<std::string> pool = {"pp", "dp", "cp", "tp", "ep", "x", "y", "z"};
@@ -140,9 +145,13 @@ class SideBuilder {
     std::vector<std::int64_t> sizes;
     for (int a = 0; a < n; ++a) sizes.push_back(r_.pick(std::vector<std::int64_t>{1, 2, 2, 2, 3, 4, 4, 6, 8}));
     auto world = [&] { return std::accumulate(sizes.begin(), sizes.end(), std::int64_t{1}, std::multiplies<>()); };
-    while (world() > o_.max_world) {
-      auto& s = sizes[static_cast<std::size_t>(r_.below(n))];
-      s = s % 2 == 0 ? s / 2 : 1;
+    // Shrink random axes; a source that keeps naming axes of size 1 (fuzz
+    // bytes run out and read zeros) falls back to the first axis left to shrink.
+    for (int idle = 0; world() > o_.max_world;) {
+      std::size_t a = static_cast<std::size_t>(r_.below(n));
+      if (sizes[a] == 1 && ++idle > 64)
+        a = static_cast<std::size_t>(std::find_if(sizes.begin(), sizes.end(), [](std::int64_t v) { return v > 1; }) - sizes.begin());
+      sizes[a] = sizes[a] % 2 == 0 ? sizes[a] / 2 : 1;
     }
     for (int a = 0; a < n; ++a) L.mesh.axes.push_back({names[static_cast<std::size_t>(a)], sizes[static_cast<std::size_t>(a)]});
   }
@@ -349,12 +358,13 @@ class SideBuilder {
   Layout L;
 
  private:
-  Rng& r_;
+  R& r_;
   const RandomOptions& o_;
 };
 
 /// Assigns global ranks to both meshes; returns the mode's name.
-inline std::string place_ranks(Rng& r, reshard::Mesh& a, reshard::Mesh& b) {
+template <class R>
+std::string place_ranks(R& r, reshard::Mesh& a, reshard::Mesh& b) {
   const std::int64_t wa = oracle::mesh_positions(a), wb = oracle::mesh_positions(b);
   std::vector<std::int64_t> ra, rb;
   auto take = [&](std::int64_t universe, std::int64_t n) {
@@ -410,14 +420,16 @@ inline std::string place_ranks(Rng& r, reshard::Mesh& a, reshard::Mesh& b) {
 
 }  // namespace detail
 
-/// A random pair of valid layouts over the same tensors (the destination may
-/// take a subset; the source may hold extra tensors).
-inline RandomLayoutPair random_layout_pair(std::uint64_t seed, const RandomOptions& o = {}) {
+/// One draft of a layout pair over the same tensors (the destination may
+/// take a subset; the source may hold extra tensors), every decision drawn
+/// from `r`: an Rng, or any source of decisions with the same calls
+/// (below, between, chance(probability), pick, shuffle), e.g. the fuzzers'
+/// bytes. nullopt when the draft is not a valid pair.
+template <class R>
+std::optional<RandomLayoutPair> draft_layout_pair(R& r, const RandomOptions& o = {}) {
   using namespace detail;
-  Rng r(seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull);
   RandomLayoutPair out;
-  out.seed = seed;
-  for (;;) {
+  {
     // Global tensors, in families that may share a concat buffer.
     std::vector<GlobalTensor> tensors;
     std::vector<Family> families;
@@ -510,13 +522,23 @@ inline RandomLayoutPair random_layout_pair(std::uint64_t seed, const RandomOptio
       src.validate();
       dst.validate();
     } catch (const reshard::LayoutError&) {
-      ++out.rejected;
-      continue;
+      return std::nullopt;
     }
     out.src = std::move(src);
     out.dst = std::move(dst);
     return out;
   }
+}
+
+/// A random pair of valid layouts from a seed (drafts until one is valid).
+inline RandomLayoutPair random_layout_pair(std::uint64_t seed, const RandomOptions& o = {}) {
+  Rng r(seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull);
+  for (int rejected = 0;; ++rejected)
+    if (auto p = draft_layout_pair(r, o)) {
+      p->seed = seed;
+      p->rejected = rejected;
+      return std::move(*p);
+    }
 }
 
 }  // namespace testgen

@@ -45,12 +45,7 @@ inline DimSpec cut(std::int64_t size) {
 }
 inline TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims,
                          DType dt = DType::f32) {
-  TensorSpec t;
-  t.name = std::move(name);
-  t.shape = std::move(shape);
-  t.dims = std::move(dims);
-  t.dtype = dt;
-  return t;
+  return tensor_spec(std::move(name), std::move(shape), dt, std::move(dims));
 }
 
 inline std::uint64_t name_hash(const std::string& s) {

@@ -15,12 +15,7 @@ Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, 
   Layout L;
   L.mesh.axes = {{axis, size}};
   L.mesh.first_rank = first;
-  TensorSpec t;
-  t.name = "w";
-  t.shape = std::move(shape);
-  t.dtype = DType::bf16;
-  t.dims = std::move(dims);
-  L.tensors.push_back(t);
+  L.tensors.push_back(tensor_spec("w", std::move(shape), DType::bf16, std::move(dims)));
   L.validate();
   return L;
 }

@@ -41,21 +41,10 @@ DimSpec on(int axis, std::int64_t size, Split split = Split::even) {
 }
 TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims = {}, DType dt = DType::bf16,
                   std::vector<StageCoord> stage = {}) {
-  TensorSpec t;
-  t.name = std::move(name);
-  t.shape = std::move(shape);
-  t.dtype = dt;
-  t.dims = std::move(dims);
-  t.stage = std::move(stage);
-  return t;
+  return tensor_spec(std::move(name), std::move(shape), dt, std::move(dims), std::move(stage));
 }
 BufferSpec concat(std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
-  BufferSpec b;
-  b.name = std::move(name);
-  b.parts = std::move(parts);
-  b.dim = dim;
-  b.interleave = interleave;
-  return b;
+  return concat_buffer(std::move(name), std::move(parts), dim, interleave);
 }
 
 /// A Llama block: Megatron dp=2 x tp=2 (per-group interleaved qkv, [gate; up])

@@ -117,13 +117,7 @@ DimSpec cut(std::vector<AxisRef> axes, Split split = Split::even) {
 }
 TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, DType dt, std::vector<DimSpec> dims,
                   std::vector<StageCoord> stage = {}) {
-  TensorSpec t;
-  t.name = std::move(name);
-  t.shape = std::move(shape);
-  t.dtype = dt;
-  t.dims = std::move(dims);
-  t.stage = std::move(stage);
-  return t;
+  return tensor_spec(std::move(name), std::move(shape), dt, std::move(dims), std::move(stage));
 }
 
 }  // namespace

@@ -59,6 +59,29 @@ struct BufferSpec {
   std::vector<int> part_ids;
 };
 
+/// A tensor as a layout file's "tensors" entry gives it, built in code.
+inline TensorSpec tensor_spec(std::string name, std::vector<std::int64_t> shape, DType dtype, std::vector<DimSpec> dims = {},
+                              std::vector<StageCoord> stage = {}) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.shape = std::move(shape);
+  t.dtype = dtype;
+  t.dims = std::move(dims);
+  t.stage = std::move(stage);
+  return t;
+}
+
+/// A concat buffer: the parts' local arrays along `dim`, in `interleave` rounds.
+inline BufferSpec concat_buffer(std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
+  BufferSpec b;
+  b.name = std::move(name);
+  b.parts = std::move(parts);
+  b.kind = BufferKind::concat;
+  b.dim = dim;
+  b.interleave = interleave;
+  return b;
+}
+
 /// A buffer as it exists on ranks: a BufferSpec, or one tensor stored alone.
 struct LocalBuffer {
   std::string name;

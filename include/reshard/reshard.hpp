@@ -24,6 +24,7 @@
 #include "reshard/box.hpp"
 #include "reshard/schedule.hpp"
 #include "reshard/plan.hpp"
+#include "reshard/plan_summary.hpp"
 #include "reshard/topology.hpp"
 #include "reshard/hierarchical.hpp"
 

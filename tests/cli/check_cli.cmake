@@ -54,19 +54,21 @@ function(run_plan out_rc out_stdout out_stderr)
   set(${out_stderr} "${se}" PARENT_SCOPE)
 endfunction()
 
-function(json_get out doc)
-  string(JSON v ERROR_VARIABLE err GET "${doc}" ${ARGN})
+# string(JSON <op> ...) that dies with the path on an error: json_get reads a
+# value, json_type its type.
+function(json_query op out doc)
+  string(JSON v ERROR_VARIABLE err ${op} "${doc}" ${ARGN})
   if(err)
     die("JSON: ${err} (path: ${ARGN})")
   endif()
   set(${out} "${v}" PARENT_SCOPE)
 endfunction()
-
+function(json_get out doc)
+  json_query(GET v "${doc}" ${ARGN})
+  set(${out} "${v}" PARENT_SCOPE)
+endfunction()
 function(json_type out doc)
-  string(JSON v ERROR_VARIABLE err TYPE "${doc}" ${ARGN})
-  if(err)
-    die("JSON: ${err} (path: ${ARGN})")
-  endif()
+  json_query(TYPE v "${doc}" ${ARGN})
   set(${out} "${v}" PARENT_SCOPE)
 endfunction()
 

@@ -63,13 +63,7 @@ class LayoutBuilder {
 
   /// A concat buffer of tensors (by name) along `dim`.
   void concat(std::string name, std::vector<std::string> parts, std::int64_t interleave = 1, int dim = 0) {
-    BufferSpec b;
-    b.name = std::move(name);
-    b.parts = std::move(parts);
-    b.kind = BufferKind::concat;
-    b.dim = dim;
-    b.interleave = interleave;
-    L_.buffers.push_back(std::move(b));
+    L_.buffers.push_back(concat_buffer(std::move(name), std::move(parts), dim, interleave));
   }
 
   Layout finish() {
