@@ -5,11 +5,14 @@
 // entry bitwise; bad quant specs each give one clear error.
 #include <doctest/doctest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "quant_reference.hpp"
 #include "refit_util.hpp"
 #include "reshard/json_io.hpp"
+#include "reshard/presets/presets.hpp"
 #include "reshard/quantize.hpp"
 
 using namespace reshard;
@@ -419,4 +422,55 @@ TEST_CASE("bad quant specs: one clear error each, naming the tensor and the fiel
   Layout dst = parse_layout(nlohmann::json::parse(head + R"({"name": "w", "shape": [256, 256], "dtype": "fp8e4m3", "quant": {"scheme": "block", "block": [128, 128], "scale": "s"}},
           {"name": "s", "shape": [2, 2], "dtype": "f32"}]})"), "dst.json");
   CHECK_THROWS_WITH_AS(plan(src, dst), doctest::Contains("tensor 'w': dtype: a quantized tensor's source must be bf16, f16 or f32"), LayoutError);
+}
+
+TEST_CASE("presets: FP8 vLLM layouts of tiny-moe refit bitwise; embedding, lm_head, norms and router stay BF16") {
+  struct Run {
+    const char* infer;
+    QuantScheme scheme;
+    const char* scale_suffix;
+  };
+  for (const Run& run : {Run{"tp=1,dp=2,ep=2,quant=fp8", QuantScheme::block, ".weight_scale_inv"},
+                         Run{"tp=2,quant=mxfp8", QuantScheme::mx, ".weight_scale"}}) {
+    INFO(run.infer);
+    auto m = presets::model_layouts(RESHARD_TEST_MODELS "/tiny-moe.json", "tp=2,dp=1,ep=2", run.infer, {});
+    int quantized = 0;
+    for (const auto& t : m.infer.tensors) {
+      INFO(t.name);
+      const bool bf16 = t.name.find("embed_tokens") != std::string::npos || t.name.find("lm_head") != std::string::npos ||
+                        t.name.find("norm") != std::string::npos || t.name.find("mlp.gate.") != std::string::npos;
+      if (t.scale_of >= 0) continue;
+      CHECK(t.quant.has_value() == !bf16);
+      if (!t.quant) continue;
+      ++quantized;
+      CHECK(t.quant->scheme == run.scheme);
+      CHECK(t.quant->scale == t.name.substr(0, t.name.size() - 7) + run.scale_suffix);
+    }
+    CHECK(quantized > 10);
+    const auto o = refit_and_check(Case{m.train, m.infer, run.infer}, 1);
+    INFO(o.first);
+    CHECK(o.wrong == 0);
+    CHECK(o.sender > 0);
+  }
+}
+
+TEST_CASE("presets: quantization_config fp8 gives block FP8 with its block size; quant=none keeps BF16") {
+  auto j = nlohmann::json::parse(std::ifstream(RESHARD_TEST_MODELS "/tiny-moe.json"));
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}, {"weight_block_size", {64, 32}}};
+  const auto path = std::filesystem::temp_directory_path() / "reshard_test_quant_config.json";
+  std::ofstream(path) << j.dump();
+  auto m = presets::model_layouts(path.string(), "tp=2", "tp=2", {});
+  const auto& w = m.infer.tensors[static_cast<std::size_t>(m.infer.find_tensor("model.layers.0.self_attn.o_proj.weight"))];
+  REQUIRE(w.quant);
+  CHECK(w.quant->block == std::vector<std::int64_t>{64, 32});
+  CHECK(m.infer.find_tensor("model.layers.0.self_attn.o_proj.weight_scale_inv") >= 0);
+  CHECK(m.train.tensors[static_cast<std::size_t>(m.train.find_tensor("model.layers.0.self_attn.o_proj.weight"))].dtype == DType::bf16);
+  auto none = presets::model_layouts(path.string(), "tp=2", "tp=2,quant=none", {});
+  for (const auto& t : none.infer.tensors) CHECK(!t.quant);
+  CHECK_THROWS_WITH(presets::model_layouts(path.string(), "tp=2,quant=fp8", "tp=2", {}), doctest::Contains("quant"));
+  j["quantization_config"]["quant_method"] = "awq";
+  std::ofstream(path) << j.dump();
+  CHECK_THROWS_WITH(presets::model_layouts(path.string(), "tp=2", "tp=2", {}), doctest::Contains("quantization_config.quant_method"));
+  CHECK_THROWS_WITH(presets::parse_parallel_spec("tp=2,quant=int4", "infer spec"), doctest::Contains("quant='int4' is not one of fp8, mxfp8, none"));
+  std::filesystem::remove(path);
 }

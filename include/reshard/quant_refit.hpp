@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "executor.hpp"
@@ -184,102 +186,147 @@ class QuantRefit {
     dpos_ = dpos.value_or(-1);
     // Scale buffers the receiver writes must be bound too.
     for (int t : receiver_tensors_) need_bound(dstb, static_cast<std::size_t>(dst.buffer_of(dst.tensors[static_cast<std::size_t>(t)].quant->scale_tensor)), "destination", s.dst_buffers);
+    compile_sender(s);
+    compile_receiver();
   }
 
   const Schedule& expanded() const { return expanded_; }
   const std::vector<const BoundBuffer*>& src_buffers() const { return src_ptrs_; }
   const std::vector<const BoundBuffer*>& dst_buffers() const { return dst_ptrs_; }
 
-  /// Before each run: quantize what this rank sends quantized.
-  void before_run() {
-    for (int t : sender_tensors_) {
-      const auto& q = *dst_.tensors[static_cast<std::size_t>(t)].quant;
-      const int st = src_.find_tensor(dst_.tensors[static_cast<std::size_t>(t)].name);
-      const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
-      const auto b = static_cast<std::size_t>(src_.buffer_of(st));
-      const std::byte* from = srcb_[b]->data;
-      std::uint8_t* fp8 = shadow_[b] ? reinterpret_cast<std::uint8_t*>(shadow_[b].get()) : nullptr;
-      std::byte* scales = scale_shadow_[b].get();
-      std::vector<std::uint8_t> sink;  // a tile whose values go nowhere (only its scale is sent)
-      const auto E = element_bytes(sts.dtype), SE = element_bytes(scale_dtype(q.scheme));
-      const PieceRuns runs = PieceRuns::of(src_, spos_, st);
-      for_each_whole_tile(src_, spos_, st, q, [&](const auto& origin, const auto& extent) {
-        std::int64_t first = -1;
-        auto rows = [&](auto&& f) {
-          for_each_tile_row(sts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
-            runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) {
-              if (first < 0) first = at;
-              if (!fp8 && sink.size() < static_cast<std::size_t>(k)) sink.resize(static_cast<std::size_t>(k));
-              f(from + at * E, fp8 ? fp8 + at : sink.data(), k);
-            });
-          });
-        };
-        std::byte scale[4];
-        quantize_tile(q.scheme, sts.dtype, rows, scale);
-        if (scales) std::memcpy(scales + first * SE, scale, static_cast<std::size_t>(SE));
-      });
+  /// Before each run: quantize the tiles this rank sends quantized.
+  void before_run() { replay(sender_jobs_); }
+  /// After each run: quantize the tiles that arrived in source dtype.
+  void after_run() { replay(receiver_jobs_); }
+
+ private:
+  /// Tiles of one tensor to quantize, compiled once: rows as (element
+  /// offset, count) pairs into `from` (source dtype) and `to` (FP8), the
+  /// same offsets on both; per tile its last row and its scale's byte offset.
+  struct TileJobs {
+    DType dtype = DType::bf16;
+    QuantScheme scheme = QuantScheme::block;
+    const std::byte* from = nullptr;
+    std::uint8_t* to = nullptr;
+    std::byte* scales = nullptr;
+    std::vector<std::int64_t> rows;
+    std::vector<std::pair<std::size_t, std::int64_t>> tiles;  ///< (end row, scale byte offset)
+  };
+
+  static void replay(const std::vector<TileJobs>& jobs) {
+    for (const auto& j : jobs) {
+      std::size_t row = 0;
+      for (const auto& [end, at] : j.tiles) {
+        quantize_rows(j.scheme, j.dtype, j.from, j.to, j.rows.data() + 2 * row, end - row, j.scales + at);
+        row = end;
+      }
     }
   }
 
-  /// After each run (into the destination set `dstb`, like the constructor's):
-  /// quantize the tiles that arrived in source dtype.
-  void after_run(const std::vector<const BoundBuffer*>& dstb) {
+  /// Element offsets (in `buffer` of the copy's side) of every element of a
+  /// copy's box on one side.
+  template <class F>
+  static void for_each_offset(const Copy& c, bool src_side, F&& f) {
+    const auto& st = src_side ? c.src_stride : c.dst_stride;
+    std::array<std::int64_t, kMaxBoxRank> i{};
+    while (true) {
+      std::int64_t o = src_side ? c.src_offset : c.dst_offset;
+      for (int k = 0; k < c.rank; ++k) o += i[static_cast<std::size_t>(k)] * st[static_cast<std::size_t>(k)];
+      f(o);
+      int k = c.rank - 1;
+      for (; k >= 0; --k) {
+        const auto uk = static_cast<std::size_t>(k);
+        if (++i[uk] < c.extent[uk]) break;
+        i[uk] = 0;
+      }
+      if (k < 0) break;
+    }
+  }
+
+  /// The sender's jobs: the tiles its scale copies name (by their first element).
+  void compile_sender(const Schedule& s) {
+    for (int t : sender_tensors_) {
+      const auto& ts = dst_.tensors[static_cast<std::size_t>(t)];
+      const auto& q = *ts.quant;
+      const int st = src_.find_tensor(ts.name);
+      const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
+      const auto b = static_cast<std::size_t>(src_.buffer_of(st));
+      std::unordered_set<std::int64_t> wanted;
+      for (const Copy& c : s.copies)
+        if (c.quant == CopyQuant::scale && c.src_rank == me_ && dst_.tensors[static_cast<std::size_t>(c.tensor)].scale_of == t)
+          for_each_offset(c, true, [&](std::int64_t o) { wanted.insert(o); });
+      TileJobs j;
+      j.dtype = sts.dtype;
+      j.scheme = q.scheme;
+      j.from = srcb_[b]->data;
+      j.to = reinterpret_cast<std::uint8_t*>(shadow_[b].get());
+      j.scales = scale_shadow_[b].get();
+      const auto SE = element_bytes(scale_dtype(q.scheme));
+      const PieceRuns runs = PieceRuns::of(src_, spos_, st);
+      for_each_whole_tile(src_, spos_, st, q, [&](const auto& origin, const auto& extent) {
+        const std::size_t mark = j.rows.size();
+        for_each_tile_row(sts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
+          runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) {
+            j.rows.push_back(at);
+            j.rows.push_back(k);
+          });
+        });
+        if (!wanted.count(j.rows[mark])) {
+          j.rows.resize(mark);
+          return;
+        }
+        j.tiles.emplace_back(j.rows.size() / 2, j.rows[mark] * SE);
+      });
+      sender_jobs_.push_back(std::move(j));
+    }
+  }
+
+  /// The receiver's jobs: the tiles its receiver copies write (a tile is
+  /// never shared between a sender copy and a receiver copy).
+  void compile_receiver() {
     for (int t : receiver_tensors_) {
       const auto& ts = dst_.tensors[static_cast<std::size_t>(t)];
       const auto& q = *ts.quant;
       const int st = src_.find_tensor(ts.name);
-      const DType sdt = src_.tensors[static_cast<std::size_t>(st)].dtype;
       const auto b = static_cast<std::size_t>(dst_.buffer_of(t));
       const auto sb = static_cast<std::size_t>(dst_.buffer_of(q.scale_tensor));
-      const std::byte* staged = staged_[b].get();
-      auto* out = reinterpret_cast<std::uint8_t*>(dstb[b]->data);
-      std::byte* scales = dstb[sb]->data;
-      const auto E = element_bytes(sdt), SE = element_bytes(scale_dtype(q.scheme));
-      // The elements receiver copies wrote: their tiles are this rank's to quantize.
-      std::vector<bool> mark(static_cast<std::size_t>(dstb[b]->elements()), false);
-      for (const Copy& c : receiver_copies_) {
-        if (c.tensor != t) continue;
-        std::array<std::int64_t, kMaxBoxRank> i{};
-        while (true) {
-          std::int64_t o = c.dst_offset;
-          for (int k = 0; k < c.rank; ++k) o += i[static_cast<std::size_t>(k)] * c.dst_stride[static_cast<std::size_t>(k)];
-          mark[static_cast<std::size_t>(o)] = true;
-          int k = c.rank - 1;
-          for (; k >= 0; --k) {
-            const auto uk = static_cast<std::size_t>(k);
-            if (++i[uk] < c.extent[uk]) break;
-            i[uk] = 0;
-          }
-          if (k < 0) break;
-        }
-      }
+      std::vector<bool> mark(static_cast<std::size_t>(dstb_[b]->elements()), false);
+      for (const Copy& c : receiver_copies_)
+        if (c.tensor == t) for_each_offset(c, false, [&](std::int64_t o) { mark[static_cast<std::size_t>(o)] = true; });
+      TileJobs j;
+      j.dtype = src_.tensors[static_cast<std::size_t>(st)].dtype;
+      j.scheme = q.scheme;
+      j.from = staged_[b].get();
+      j.to = reinterpret_cast<std::uint8_t*>(dstb_[b]->data);
+      j.scales = dstb_[sb]->data;
+      const auto SE = element_bytes(scale_dtype(q.scheme));
       const int n = ts.rank();
       std::vector<std::int64_t> sstride(static_cast<std::size_t>(n), 1);
       for (int d = n - 2; d >= 0; --d)
-        sstride[static_cast<std::size_t>(d)] = sstride[static_cast<std::size_t>(d) + 1] * dst_.dim_part(dpos_, q.scale_tensor, d + 1).local_extent;
+        sstride[static_cast<std::size_t>(d)] =
+            sstride[static_cast<std::size_t>(d) + 1] * dst_.dim_part(dpos_, q.scale_tensor, d + 1).local_extent;
       const PieceRuns runs = PieceRuns::of(dst_, dpos_, t);
       for_each_whole_tile(dst_, dpos_, t, q, [&](const auto& origin, const auto& extent) {
-        bool mine = false;
-        auto rows = [&](auto&& f) {
-          for_each_tile_row(ts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
-            runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) { f(staged + at * E, out + at, k); });
+        const std::size_t first = j.rows.size();
+        for_each_tile_row(ts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
+          runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) {
+            j.rows.push_back(at);
+            j.rows.push_back(k);
           });
-        };
-        runs.pieces(0 + [&] {
-          std::int64_t g = 0;
-          for (int d = 0; d < n; ++d) g = g * ts.shape[static_cast<std::size_t>(d)] + origin[static_cast<std::size_t>(d)];
-          return g;
-        }(), 1, [&](std::int64_t at, std::int64_t) { mine = mark[static_cast<std::size_t>(at)]; });
-        if (!mine) return;
+        });
+        if (!mark[static_cast<std::size_t>(j.rows[first])]) {
+          j.rows.resize(first);
+          return;
+        }
         std::int64_t so = 0;
         for (int d = 0; d < n; ++d)
           so += dst_.dim_part(dpos_, t, d).local(origin[static_cast<std::size_t>(d)]) / q.tile(d, n) * sstride[static_cast<std::size_t>(d)];
-        quantize_tile(q.scheme, sdt, rows, scales + so * SE);
+        j.tiles.emplace_back(j.rows.size() / 2, so * SE);
       });
+      receiver_jobs_.push_back(std::move(j));
     }
   }
 
- private:
   static void add_tensor(std::vector<int>& v, int t) {
     if (std::find(v.begin(), v.end(), t) == v.end()) v.push_back(t);
   }
@@ -310,6 +357,7 @@ class QuantRefit {
   std::vector<std::unique_ptr<BoundBuffer>> owned_;
   std::vector<int> sender_tensors_, receiver_tensors_;
   std::vector<Copy> receiver_copies_;  ///< into this rank, expanded
+  std::vector<TileJobs> sender_jobs_, receiver_jobs_;
 };
 
 /// Checks the quantized tensors of destination buffer `buf` (values and

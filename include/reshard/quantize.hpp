@@ -137,4 +137,72 @@ inline void quantize_tile(QuantScheme scheme, DType dt, Rows&& rows, std::byte* 
   *scale = static_cast<std::byte>(e + 127);
 }
 
+namespace detail {
+template <DType D>
+inline float load_as(const std::byte* p, std::int64_t i) {
+  if constexpr (D == DType::bf16) {
+    std::uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return f32_from_bf16(b);
+  } else if constexpr (D == DType::f16) {
+    std::uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return f32_from_f16(b);
+  } else {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+}
+/// quantize_rows for one source dtype: the loops the executor replays.
+template <DType D>
+inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+                             std::byte* scale) {
+  constexpr std::int64_t E = element_bytes(D);
+  float amax = 0.0f;
+  for (std::size_t r = 0; r < n; ++r) {
+    const std::byte* s = from + rows[2 * r] * E;
+    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) amax = std::max(amax, std::fabs(load_as<D>(s, i)));
+  }
+  if (scheme == QuantScheme::block) {
+    amax = std::max(amax, kBlockAmaxFloor);
+    const float mul = kE4M3Max / amax;  // the quotient in f32 first
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::byte* s = from + rows[2 * r] * E;
+      std::uint8_t* d = to + rows[2 * r];
+      for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
+    }
+    const float inv = amax / kE4M3Max;
+    std::memcpy(scale, &inv, 4);
+    return;
+  }
+  if (amax == 0.0f) {
+    for (std::size_t r = 0; r < n; ++r) std::memset(to + rows[2 * r], 0, static_cast<std::size_t>(rows[2 * r + 1]));
+    *scale = std::byte{0};
+    return;
+  }
+  const int e = mx_exponent(amax);
+  for (std::size_t r = 0; r < n; ++r) {
+    const std::byte* s = from + rows[2 * r] * E;
+    std::uint8_t* d = to + rows[2 * r];
+    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(std::ldexp(load_as<D>(s, i), -e));
+  }
+  *scale = static_cast<std::byte>(e + 127);
+}
+}  // namespace detail
+
+/// Quantizes one tile given as n rows (element offset, count) pairs: source
+/// elements at from + offset (dtype dt), FP8 codes to to + offset (the same
+/// offsets: a shadow or staging copy of one buffer), the scale entry to
+/// `scale`. The same recipe as quantize_tile, with the dtype dispatched once.
+inline void quantize_rows(QuantScheme scheme, DType dt, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+                          std::byte* scale) {
+  switch (dt) {
+    case DType::bf16: return detail::quantize_rows_as<DType::bf16>(scheme, from, to, rows, n, scale);
+    case DType::f16: return detail::quantize_rows_as<DType::f16>(scheme, from, to, rows, n, scale);
+    case DType::f32: return detail::quantize_rows_as<DType::f32>(scheme, from, to, rows, n, scale);
+    default: fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(dt));
+  }
+}
+
 }  // namespace reshard

@@ -432,7 +432,7 @@ class Resharder {
     try {
       if (quant_) quant_->before_run();
       st = ex.run(version);
-      if (quant_) quant_->after_run(quant_->dst_buffers());
+      if (quant_) quant_->after_run();
     } catch (const std::exception& e) {
       local_error = e.what();
     }
