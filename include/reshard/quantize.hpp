@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <type_traits>
 
 #include "dtype.hpp"
 #include "error.hpp"
@@ -31,27 +32,23 @@ inline constexpr std::int64_t kMxTile = 32;
 
 /// f32 -> float8_e4m3fn, round to nearest even; |x| >= 448 gives +-448 (the
 /// format has no infinity; 464 and up would otherwise round to NaN); NaN stays NaN.
+/// Branch-free (selects), so the quantize loops vectorize.
 inline std::uint8_t e4m3_from_f32(float x) {
   const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
-  const std::uint8_t sign = static_cast<std::uint8_t>((bits >> 24) & 0x80u);
+  const std::uint32_t sign = (bits >> 24) & 0x80u;
   const std::uint32_t a = bits & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<std::uint8_t>(sign | 0x7F);
-  if (a >= std::bit_cast<std::uint32_t>(kE4M3Max)) return static_cast<std::uint8_t>(sign | 0x7E);
-  if (a < 0x3C800000u) {  // below 2^-6: subnormal codes m * 2^-9, m = 0..8 (8 is the least normal)
-    const float q = std::bit_cast<float>(a) * 512.0f;  // exact: a power of two
-    auto m = static_cast<std::uint32_t>(q);
-    const float f = q - static_cast<float>(m);
-    if (f > 0.5f || (f == 0.5f && (m & 1u))) ++m;
-    return static_cast<std::uint8_t>(sign | m);
-  }
-  // Normal: keep 3 mantissa bits, round the other 20 to nearest even; a carry
-  // into the exponent is the next code, so adding works.
-  const std::uint32_t exp = (a >> 23) - 127 + 7;
-  const std::uint32_t mant = a & 0x7FFFFFu;
-  std::uint32_t code = (exp << 3) | (mant >> 20);
-  const std::uint32_t rest = mant & 0xFFFFFu;
-  if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) ++code;
-  return static_cast<std::uint8_t>(sign | std::min<std::uint32_t>(code, 0x7E));
+  // Normal codes (|x| >= 2^-6): the f32 pattern's top bits are the code plus
+  // 120 << 3 (exponent bias 127 vs 7); round the 20 dropped bits to nearest
+  // even by adding 0x7FFFF + the kept lsb (a carry moves to the next binade).
+  const std::uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  // Subnormal codes m * 2^-9 (m = 0..8): |x| * 512 rounded to an integer,
+  // nearest even, by adding 2^23 in f32 (exact: a power of two scaling).
+  const float q = std::bit_cast<float>(a) * 512.0f + 8388608.0f;
+  const std::uint32_t sub = std::bit_cast<std::uint32_t>(q) - 0x4B000000u;
+  std::uint32_t code = a < 0x3C800000u ? sub : normal;
+  code = a >= 0x43E00000u ? 0x7Eu : code;  // 448 and past it: saturate
+  code = a > 0x7F800000u ? 0x7Fu : code;   // NaN
+  return static_cast<std::uint8_t>(sign | code);
 }
 
 /// float8_e4m3fn -> f32 (exact).
@@ -159,10 +156,23 @@ template <DType D>
 inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
                              std::byte* scale) {
   constexpr std::int64_t E = element_bytes(D);
-  float amax = 0.0f;
+  // amax on the magnitude bits: for finite floats their order is the values'.
+  using Bits = std::conditional_t<E == 2, std::uint16_t, std::uint32_t>;
+  constexpr Bits kMag = static_cast<Bits>(E == 2 ? 0x7FFFu : 0x7FFFFFFFu);
+  Bits m = 0;
   for (std::size_t r = 0; r < n; ++r) {
     const std::byte* s = from + rows[2 * r] * E;
-    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) amax = std::max(amax, std::fabs(load_as<D>(s, i)));
+    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) {
+      Bits v;
+      std::memcpy(&v, s + i * E, E);
+      m = std::max<Bits>(m, v & kMag);
+    }
+  }
+  float amax;
+  {
+    std::byte mb[4];
+    std::memcpy(mb, &m, sizeof(m));
+    amax = load_as<D>(mb, 0);
   }
   if (scheme == QuantScheme::block) {
     amax = std::max(amax, kBlockAmaxFloor);
