@@ -122,6 +122,30 @@ void for_each_tile_row(const std::vector<std::int64_t>& shape, const std::array<
   }
 }
 
+/// Appends (buffer element, count) pairs for the rows of a tile held in `runs`.
+inline void tile_rows(const PieceRuns& runs, const std::vector<std::int64_t>& shape, const std::array<std::int64_t, kMaxTensorRank>& origin,
+                      const std::array<std::int64_t, kMaxTensorRank>& extent, std::vector<std::int64_t>& rows) {
+  for_each_tile_row(shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
+    runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) {
+      rows.push_back(at);
+      rows.push_back(k);
+    });
+  });
+}
+
+/// Element index, in the rank's scale tensor of quantized tensor t (stored
+/// alone: dense), of the tile at global `origin`.
+inline std::int64_t scale_index(const Layout& L, std::int64_t pos, int t, const std::array<std::int64_t, kMaxTensorRank>& origin) {
+  const auto& ts = L.tensors[static_cast<std::size_t>(t)];
+  const auto& q = *ts.quant;
+  const int n = ts.rank();
+  std::int64_t index = 0;
+  for (int d = 0; d < n; ++d)
+    index = index * L.dim_part(pos, q.scale_tensor, d).local_extent +
+            L.dim_part(pos, t, d).local(origin[static_cast<std::size_t>(d)]) / q.tile(d, n);
+  return index;
+}
+
 class QuantRefit {
  public:
   /// Does the schedule quantize anything?
@@ -265,12 +289,7 @@ class QuantRefit {
       const PieceRuns runs = PieceRuns::of(src_, spos_, st);
       for_each_whole_tile(src_, spos_, st, q, [&](const auto& origin, const auto& extent) {
         const std::size_t mark = j.rows.size();
-        for_each_tile_row(sts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
-          runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) {
-            j.rows.push_back(at);
-            j.rows.push_back(k);
-          });
-        });
+        tile_rows(runs, sts.shape, origin, extent, j.rows);
         if (!wanted.count(j.rows[mark])) {
           j.rows.resize(mark);
           return;
@@ -300,28 +319,15 @@ class QuantRefit {
       j.to = reinterpret_cast<std::uint8_t*>(dstb_[b]->data);
       j.scales = dstb_[sb]->data;
       const auto SE = element_bytes(scale_dtype(q.scheme));
-      const int n = ts.rank();
-      std::vector<std::int64_t> sstride(static_cast<std::size_t>(n), 1);
-      for (int d = n - 2; d >= 0; --d)
-        sstride[static_cast<std::size_t>(d)] =
-            sstride[static_cast<std::size_t>(d) + 1] * dst_.dim_part(dpos_, q.scale_tensor, d + 1).local_extent;
       const PieceRuns runs = PieceRuns::of(dst_, dpos_, t);
       for_each_whole_tile(dst_, dpos_, t, q, [&](const auto& origin, const auto& extent) {
         const std::size_t first = j.rows.size();
-        for_each_tile_row(ts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
-          runs.pieces(g, len, [&](std::int64_t at, std::int64_t k) {
-            j.rows.push_back(at);
-            j.rows.push_back(k);
-          });
-        });
+        tile_rows(runs, ts.shape, origin, extent, j.rows);
         if (!mark[static_cast<std::size_t>(j.rows[first])]) {
           j.rows.resize(first);
           return;
         }
-        std::int64_t so = 0;
-        for (int d = 0; d < n; ++d)
-          so += dst_.dim_part(dpos_, t, d).local(origin[static_cast<std::size_t>(d)]) / q.tile(d, n) * sstride[static_cast<std::size_t>(d)];
-        j.tiles.emplace_back(j.rows.size() / 2, so * SE);
+        j.tiles.emplace_back(j.rows.size() / 2, scale_index(dst_, dpos_, t, origin) * SE);
       });
       receiver_jobs_.push_back(std::move(j));
     }
@@ -378,10 +384,6 @@ inline TagCheck check_quantized(const Layout& src, const Layout& dst, std::int64
     const auto SE = static_cast<std::size_t>(element_bytes(scale_dtype(q.scheme)));
     const std::uint64_t key = tensor_key(ts.name);
     const std::byte* scales = buffers[static_cast<std::size_t>(dst.buffer_of(q.scale_tensor))];
-    const int n = ts.rank();
-    std::vector<std::int64_t> sstride(static_cast<std::size_t>(n), 1);
-    for (int d = n - 2; d >= 0; --d)
-      sstride[static_cast<std::size_t>(d)] = sstride[static_cast<std::size_t>(d) + 1] * dst.dim_part(pos, q.scale_tensor, d + 1).local_extent;
     const PieceRuns runs = PieceRuns::of(dst, pos, t);
     std::vector<std::byte> vals;
     std::vector<std::uint8_t> want;
@@ -408,9 +410,7 @@ inline TagCheck check_quantized(const Layout& src, const Layout& dst, std::int64
           r.first_wrong = fmt::format("rank {} buffer '{}' element {} ({}: FP8 value) is wrong", dst.mesh.global_rank(pos), lb.name,
                                       at[i], ts.name);
       }
-      std::int64_t so = 0;
-      for (int d = 0; d < n; ++d)
-        so += dst.dim_part(pos, t, d).local(origin[static_cast<std::size_t>(d)]) / q.tile(d, n) * sstride[static_cast<std::size_t>(d)];
+      const std::int64_t so = scale_index(dst, pos, t, origin);
       ++r.checked;
       if (!scales || std::memcmp(scales + static_cast<std::size_t>(so) * SE, scale, SE) != 0) {
         if (r.wrong++ == 0)
