@@ -192,10 +192,11 @@ inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uin
     return;
   }
   const int e = mx_exponent(amax);
+  const float mul = std::ldexp(1.0f, -e);  // 2^-e, exact in f32 for e in [-127, 127]: x * mul rounds like x / 2^e
   for (std::size_t r = 0; r < n; ++r) {
     const std::byte* s = from + rows[2 * r] * E;
     std::uint8_t* d = to + rows[2 * r];
-    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(std::ldexp(load_as<D>(s, i), -e));
+    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
   }
   *scale = static_cast<std::byte>(e + 127);
 }
