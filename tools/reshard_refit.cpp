@@ -9,6 +9,7 @@
 // in-process transport. Every destination element is checked after every
 // refit of each method (new source values each iteration). Exit status: 0 validated, 1 validation failed or
 // invalid input, 2 usage error.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -175,6 +176,12 @@ int main(int argc, char** argv) {
       src = refit_harness::megatron_layout(m, 2, 2, 2, 0);
       dst = refit_harness::vllm_layout(m, 4, 1, 8);
       model = m.name;
+    }
+    // The traditional refit gathers and broadcasts whole tensors in the
+    // destination's dtype; it has no FP8 form here (docs/fp8.md).
+    if (std::any_of(dst.tensors.begin(), dst.tensors.end(), [](const TensorSpec& t) { return t.quant.has_value(); })) {
+      if (!no_baseline) fmt::print(stderr, "reshard-refit: FP8 destination: no traditional baseline (as with --no-baseline)\n");
+      no_baseline = true;
     }
 #ifdef RESHARD_HAVE_UCX
     if (transport == "ucx") return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json);

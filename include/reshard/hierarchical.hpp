@@ -384,6 +384,8 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
   if (direct.only_rank >= 0) fail("plan_hierarchical: needs the whole plan, not one rank's (only_rank)");
   if (opt.pipeline < 1) fail("plan_hierarchical: pipeline must be >= 1, not {}", opt.pipeline);
   HierarchicalReport rep;
+  for (const auto& t : dst.tensors)
+    if (t.quant) fail("plan_hierarchical: tensor '{}' is quantized (FP8); two-hop plans of FP8 destinations are not supported yet", t.name);
   const std::vector<int> src_of = match_tensors(src, dst);
   const auto T = static_cast<std::int64_t>(dst.tensors.size());
   const std::int64_t D = dst.mesh.size();

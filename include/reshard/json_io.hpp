@@ -261,7 +261,7 @@ inline void read_tensor(const json& j, const Mesh& m, TensorSpec& t, const Where
   if (t.name.empty()) bad(wt.at("name"), "tensor name is empty");
   w.tensor = t.name;
   w.field.clear();
-  check_keys(j, w, {"name", "shape", "dtype", "dims", "stage"});
+  check_keys(j, w, {"name", "shape", "dtype", "dims", "stage", "quant"});
   const json& shape = required(j, "shape", w);
   expect_array(shape, w.at("shape"));
   for (std::size_t d = 0; d < shape.size(); ++d) t.shape.push_back(as_int(shape[d], w.at("shape").at(d)));
@@ -288,6 +288,25 @@ inline void read_tensor(const json& j, const Mesh& m, TensorSpec& t, const Where
         bad(wc, "coordinate {} is outside axis '{}' of size {}", c, ax.name, ax.size);
       t.stage.push_back(StageCoord{a, c});
     }
+  }
+  if (const json* quant = member(j, "quant")) {
+    const Where wq = w.at("quant");
+    expect_object(*quant, wq);
+    check_keys(*quant, wq, {"scheme", "block", "scale"});
+    QuantSpec q;
+    const auto scheme = as_string(required(*quant, "scheme", wq), wq.at("scheme"));
+    if (scheme == "block") q.scheme = QuantScheme::block;
+    else if (scheme == "mx") q.scheme = QuantScheme::mx;
+    else bad(wq.at("scheme"), "unknown scheme '{}'; expected block or mx", scheme);
+    if (const json* block = member(*quant, "block")) {
+      expect_array(*block, wq.at("block"));
+      for (std::size_t d = 0; d < block->size(); ++d) q.block.push_back(as_int((*block)[d], wq.at("block").at(d)));
+      if (q.block.empty()) bad(wq.at("block"), "block needs at least one extent");
+    } else if (q.scheme == QuantScheme::block) {
+      bad(wq, "scheme block needs \"block\" (tile extents of the trailing dims, e.g. [128, 128])");
+    }
+    q.scale = as_string(required(*quant, "scale", wq), wq.at("scale"));
+    t.quant = std::move(q);
   }
 }
 
@@ -502,6 +521,11 @@ inline nlohmann::json layout_to_json(const Layout& L) {
       }
       o["stage"] = stage;
     }
+    if (t.quant) {
+      json q{{"scheme", t.quant->scheme == QuantScheme::block ? "block" : "mx"}, {"scale", t.quant->scale}};
+      if (t.quant->scheme == QuantScheme::block || !t.quant->block.empty()) q["block"] = t.quant->block;
+      o["quant"] = q;
+    }
     tensors.push_back(std::move(o));
   }
   json buffers = json::array();
@@ -636,6 +660,10 @@ inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const 
       num(stage[i]);
     }
     if (from_dst && from_dst[i]) put(",\"src_layout\":\"dst\"");
+    // docs/fp8.md: where a copy into a quantized tensor is quantized.
+    if (c.quant == CopyQuant::sender) put(",\"quantize\":\"sender\"");
+    else if (c.quant == CopyQuant::receiver) put(",\"quantize\":\"receiver\"");
+    else if (c.quant == CopyQuant::scale) put(",\"quantize\":\"scale\"");
     buf.push_back('}');
     if (buf.size() > (std::size_t{1} << 20)) flush();
   }

@@ -17,6 +17,7 @@
 #include "dtype.hpp"
 #include "error.hpp"
 #include "mesh.hpp"
+#include "quantize.hpp"
 
 namespace reshard {
 
@@ -25,15 +26,34 @@ struct StageCoord {
   std::int64_t coord = 0;
 };
 
+/// A quantized destination tensor (CONTRACT.md §1 "Quantized destination
+/// tensors"): its FP8 values are the tile-wise quantization of the source
+/// tensor of that name, with one entry per tile in the scale tensor.
+struct QuantSpec {
+  QuantScheme scheme = QuantScheme::block;
+  std::vector<std::int64_t> block;  ///< tile extents of the trailing dims (mx: {32})
+  std::string scale;                ///< name of the scale tensor (same layout)
+
+  // Resolved by Layout::validate().
+  int scale_tensor = -1;
+  /// Tile extent along dim d of a tensor of rank n (1 for the leading dims).
+  std::int64_t tile(int d, int n) const {
+    const int first = n - static_cast<int>(block.size());
+    return d < first ? 1 : block[static_cast<std::size_t>(d - first)];
+  }
+};
+
 struct TensorSpec {
   std::string name;
   std::vector<std::int64_t> shape;
   DType dtype = DType::f32;
   std::vector<DimSpec> dims;       ///< one per dim, or empty = none cut
   std::vector<StageCoord> stage;   ///< lives only where these coordinates match
+  std::optional<QuantSpec> quant;  ///< destination only: FP8 with a scale tensor
 
   // Resolved by Layout::validate().
   std::vector<DimCut> cuts;
+  int scale_of = -1;  ///< >= 0: this is the scale tensor of that quantized tensor
   int buffer = -1;  ///< index into Layout::buffers, -1 = stored alone
   int rank() const { return static_cast<int>(shape.size()); }
   std::int64_t elements() const {
@@ -145,6 +165,7 @@ class Layout {
  private:
   inline void validate_tensor(std::size_t i, std::vector<std::vector<AxisRef>>& refs);
   inline void validate_buffer(std::size_t b);
+  inline void validate_quant(std::size_t i);
   ErrorContext ctx(const std::string& tensor, const std::string& field) const {
     return ErrorContext{origin, tensor, field};
   }
@@ -343,6 +364,86 @@ inline void Layout::validate_buffer(std::size_t b) {
   }
 }
 
+/// A quantized tensor's pieces are whole tiles, and its scale tensor holds
+/// exactly the tiles of them (CONTRACT.md §1): checked on the cuts, per
+/// position, without walking indices.
+inline void Layout::validate_quant(std::size_t i) {
+  auto& t = tensors[i];
+  if (!t.quant) return;
+  auto& q = *t.quant;
+  const int n = t.rank();
+  if (t.dtype != DType::fp8e4m3)
+    layout_fail(ctx(t.name, "dtype"), "a tensor with quant must be fp8e4m3, not {}", to_string(t.dtype));
+  if (q.scheme == QuantScheme::mx) {
+    if (q.block.empty()) q.block = {kMxTile};
+    if (q.block != std::vector<std::int64_t>{kMxTile})
+      layout_fail(ctx(t.name, "quant.block"), "scheme mx tiles the last dim by 32; block must be [32] or absent");
+  }
+  if (q.block.empty() || static_cast<int>(q.block.size()) > n)
+    layout_fail(ctx(t.name, "quant.block"), "block has {} extents for a tensor of {} dims; it needs 1 to {}",
+                q.block.size(), n, n);
+  for (std::size_t k = 0; k < q.block.size(); ++k)
+    if (q.block[k] < 1)
+      layout_fail(ctx(t.name, fmt::format("quant.block[{}]", k)), "block extent {} must be >= 1", q.block[k]);
+  const int s = find_tensor(q.scale);
+  if (s < 0) layout_fail(ctx(t.name, "quant.scale"), "no tensor named '{}' in this layout", q.scale);
+  if (s == static_cast<int>(i)) layout_fail(ctx(t.name, "quant.scale"), "a tensor cannot be its own scale");
+  auto& st = tensors[static_cast<std::size_t>(s)];
+  if (st.quant) layout_fail(ctx(t.name, "quant.scale"), "scale tensor '{}' is itself quantized", st.name);
+  if (st.scale_of >= 0)
+    layout_fail(ctx(t.name, "quant.scale"), "scale tensor '{}' is also the scale of '{}'", st.name,
+                tensors[static_cast<std::size_t>(st.scale_of)].name);
+  st.scale_of = static_cast<int>(i);
+  q.scale_tensor = s;
+  const DType want = scale_dtype(q.scheme);
+  if (st.dtype != want)
+    layout_fail(ctx(st.name, "dtype"), "scale tensor of '{}' (scheme {}) must be {}, not {}", t.name,
+                q.scheme == QuantScheme::block ? "block" : "mx", to_string(want), to_string(st.dtype));
+  std::vector<std::int64_t> shape(t.shape);
+  for (int d = 0; d < n; ++d) {
+    const std::int64_t b = q.tile(d, n);
+    shape[static_cast<std::size_t>(d)] = (t.shape[static_cast<std::size_t>(d)] + b - 1) / b;
+    if (b > 1 && t.cuts[static_cast<std::size_t>(d)].padded != t.shape[static_cast<std::size_t>(d)])
+      layout_fail(ctx(t.name, fmt::format("dims[{}].pad_to", d)), "a tiled dim of a quantized tensor cannot be padded");
+  }
+  if (st.shape != shape)
+    layout_fail(ctx(st.name, "shape"), "scale tensor of '{}' must have shape [{}] (tiles of [{}]), not [{}]", t.name,
+                fmt::join(shape, ", "), fmt::join(t.shape, ", "), fmt::join(st.shape, ", "));
+  if (st.buffer >= 0)
+    layout_fail(ctx(st.name, "buffer"), "the scale tensor of '{}' must be stored alone, not in buffer '{}'", t.name,
+                buffers[static_cast<std::size_t>(st.buffer)].name);
+  for (std::int64_t pos = 0; pos < mesh.size(); ++pos) {
+    const bool held = holds(pos, static_cast<int>(i)), sheld = holds(pos, s);
+    if (held != sheld)
+      layout_fail(ctx(st.name, "dims"), "rank {} holds {} of '{}' but {} of its scale tensor", mesh.global_rank(pos),
+                  held ? "a piece" : "nothing", t.name, sheld ? "a piece" : "nothing");
+    if (!held) continue;
+    for (int d = 0; d < n; ++d) {
+      const DimPart w = dim_part(pos, static_cast<int>(i), d), c = dim_part(pos, s, d);
+      const std::int64_t b = q.tile(d, n), ext = t.shape[static_cast<std::size_t>(d)];
+      const auto field = fmt::format("dims[{}]", d);
+      bool whole = true, alike = true;
+      if (w.cyclic) {
+        whole = w.B % b == 0;
+        alike = c.cyclic && c.k == w.k && c.p == w.p && c.B == w.B / b;
+      } else {
+        whole = w.lo % b == 0 && (w.hi % b == 0 || w.hi == ext);
+        alike = !c.cyclic && c.lo == w.lo / b && c.hi == (w.hi + b - 1) / b;
+      }
+      if (!whole)
+        layout_fail(ctx(t.name, field),
+                    "rank {} holds a piece that cuts tiles of {} along dim {} (a quantized tensor's pieces must be "
+                    "whole tiles)",
+                    mesh.global_rank(pos), b, d);
+      if (!alike)
+        layout_fail(ctx(st.name, field),
+                    "rank {} holds other tiles of scale tensor '{}' along dim {} than its piece of '{}' has (the scale "
+                    "must be cut like the weight, at tile granularity)",
+                    mesh.global_rank(pos), st.name, d, t.name);
+    }
+  }
+}
+
 inline void Layout::validate() {
   validated_ = false;
   mesh.validate(ErrorContext{origin, "", ""});
@@ -353,6 +454,8 @@ inline void Layout::validate() {
   for (std::size_t i = 0; i < tensors.size(); ++i) validate_tensor(i, refs);
   tensor_slot_.assign(tensors.size(), -1);
   for (std::size_t b = 0; b < buffers.size(); ++b) validate_buffer(b);
+  for (auto& t : tensors) t.scale_of = -1;
+  for (std::size_t i = 0; i < tensors.size(); ++i) validate_quant(i);
   tensor_buffer_.assign(tensors.size(), -1);
   auto add = [&](LocalBuffer lb, const ErrorContext& c) {
     if (!buffer_index_.emplace(lb.name, static_cast<int>(local_buffers_.size())).second)

@@ -74,13 +74,19 @@ inline std::vector<int> match_tensors(const Layout& src, const Layout& dst) {
   std::vector<int> map(dst.tensors.size(), -1);
   for (std::size_t t = 0; t < dst.tensors.size(); ++t) {
     const auto& d = dst.tensors[t];
+    if (d.scale_of >= 0) continue;  // a scale tensor has no source: the quantizer writes it
     const int s = src.find_tensor(d.name);
     if (s < 0) layout_fail(ErrorContext{dst.origin, d.name, "name"}, "no tensor of this name in {}", src.origin);
     const auto& st = src.tensors[static_cast<std::size_t>(s)];
     if (st.shape != d.shape)
       layout_fail(ErrorContext{dst.origin, d.name, "shape"}, "shape [{}] differs from [{}] in {}",
                   fmt::join(d.shape, ", "), fmt::join(st.shape, ", "), src.origin);
-    if (st.dtype != d.dtype)
+    if (d.quant) {
+      if (st.dtype != DType::bf16 && st.dtype != DType::f16 && st.dtype != DType::f32)
+        layout_fail(ErrorContext{dst.origin, d.name, "dtype"},
+                    "a quantized tensor's source must be bf16, f16 or f32, but it is {} in {}", to_string(st.dtype),
+                    src.origin);
+    } else if (st.dtype != d.dtype)
       layout_fail(ErrorContext{dst.origin, d.name, "dtype"}, "dtype {} differs from {} in {}", to_string(d.dtype),
                   to_string(st.dtype), src.origin);
     map[t] = s;
@@ -217,7 +223,7 @@ class CopyLog {
     w[3] = c.dst_offset;
     w[4] = pack(c.src_buffer, c.dst_buffer);
     w[5] = pack(c.tensor, c.element_bytes);
-    w[6] = c.rank;
+    w[6] = pack(static_cast<std::int32_t>(c.quant), c.rank);
     for (std::size_t d = 0; d < r; ++d) {
       w[kHeaderWords + 3 * d] = c.extent[d];
       w[kHeaderWords + 3 * d + 1] = c.src_stride[d];
@@ -273,7 +279,8 @@ class CopyLog {
     c.dst_buffer = low(w[4]);
     c.tensor = high(w[5]);
     c.element_bytes = low(w[5]);
-    c.rank = static_cast<std::int32_t>(w[6]);
+    c.rank = low(w[6]);
+    c.quant = static_cast<CopyQuant>(high(w[6]));
   }
 
   std::vector<std::unique_ptr<std::int64_t[]>> blocks_;
@@ -580,7 +587,7 @@ class Planner {
     if (!spos) return;
     for (int dt = 0; dt < static_cast<int>(dst_.tensors.size()); ++dt) {
       const int st = src_of_dst_[static_cast<std::size_t>(dt)];
-      if (!src_.holds(*spos, st)) continue;
+      if (st < 0 || !src_.holds(*spos, st)) continue;
       const auto& dts = dst_.tensors[static_cast<std::size_t>(dt)];
       const int n = dts.rank();
       std::vector<std::vector<std::int64_t>> cand(static_cast<std::size_t>(n));
@@ -643,6 +650,7 @@ class Planner {
   void plan_dst_tensor(std::int64_t dpos, int dt, std::int64_t keep_src, detail::CopySink& out,
                        const TensorStorage* known = nullptr) {
     const int st = src_of_dst_[static_cast<std::size_t>(dt)];
+    if (st < 0) return;  // a scale tensor: written with its tiles' copies
     const auto& sts = src_.tensors[static_cast<std::size_t>(st)];
     const int n = sts.rank();
     // Copies from keep_src come only from the one part it holds: the other
@@ -740,6 +748,11 @@ class Planner {
     const std::span<const std::int64_t> holders = src_holders(c.st, parts);
     if (holders.empty()) fail("plan: no source rank holds a part of tensor '{}'", sts.name);
     const bool flat = flat_of(src_, holders[0], c.st, src_flat_) != nullptr;
+    // Slabs among replicas and balanced reassignment may cut tiles, which the
+    // sender then could not quantize: a quantized destination's pieces are
+    // cut along untiled dims only, else go whole to one replica.
+    const auto& quant = dst_.tensors[static_cast<std::size_t>(c.dt)].quant;
+    const int cut_dims = quant ? n - static_cast<int>(quant->block.size()) : n;
     const auto rot = static_cast<std::uint64_t>(c.dpos) + static_cast<std::uint64_t>(c.dt) + part_key;
     // Replica i of R for slab j (a rotation, so each replica starts elsewhere).
     auto replica = [&](std::uint64_t j, std::size_t R) { return static_cast<std::size_t>((rot + j) % R); };
@@ -750,7 +763,7 @@ class Planner {
       // A piece that goes whole: to the group's balanced assignment when the
       // rotation would overload a replica, else by rotation.
       auto whole = [&] {
-        if (opt_.balance_limit > 0 && emit_balanced(c, parts, holders, part_key, sp, need)) return;
+        if (!quant && opt_.balance_limit > 0 && emit_balanced(c, parts, holders, part_key, sp, need)) return;
         emit(c, holders[replica(0, holders.size())], sp, need);
       };
       if (local) {
@@ -771,13 +784,13 @@ class Planner {
       // within 1/8 of each other), else the one with the most.
       const NeededBox needed = needed_box();
       int cut = -1;
-      for (int d = 0; d < n && cut < 0; ++d)
+      for (int d = 0; d < cut_dims && cut < 0; ++d)
         if (needed.total(d) >= R && needed.total(d) % R == 0) cut = d;
-      for (int d = 0; d < n && cut < 0; ++d)
+      for (int d = 0; d < cut_dims && cut < 0; ++d)
         if (needed.total(d) >= 8 * R) cut = d;
-      for (int d = 0; d < n && cut < 0; ++d)
+      for (int d = 0; d < cut_dims && cut < 0; ++d)
         if (needed.total(d) >= R) cut = d;
-      for (int d = cut + 1; cut >= 0 && needed.total(cut) < 8 * R && d < n; ++d)
+      for (int d = cut + 1; cut >= 0 && needed.total(cut) < 8 * R && d < cut_dims; ++d)
         if (needed.total(d) > needed.total(cut)) cut = d;
       if (cut < 0) {
         whole();
@@ -1328,7 +1341,16 @@ class Planner {
       cp.tensor = c.dt;
       cp.element_bytes = ebytes;
       WideDims ext, sst, dst;  // dims [0, r) set per copy
+      const auto& quant = dst_.tensors[static_cast<std::size_t>(c.dt)].quant;
       while (true) {
+        if (quant) {
+          const CopyQuant at = quant_side(*quant, c, groups, idx, n);
+          if (at == CopyQuant::sender) emit_scales(*quant, c, groups, idx, n, S, cp);  // reuses cp
+          cp.quant = at;
+          cp.tensor = c.dt;
+          cp.dst_buffer = dst_buffer;
+          cp.element_bytes = at == CopyQuant::sender ? 1 : ebytes;
+        }
         std::int64_t so = S.base(), doff = D.base;
         int r = 0;
         for (int d = 0; d < n; ++d) {
@@ -1358,6 +1380,66 @@ class Planner {
         if (d < 0) break;
       }
     }
+  }
+
+  /// Where the box of run groups `idx` into a quantized tensor is quantized:
+  /// on the sender when it is whole tiles (then the sender holds every
+  /// element of them: it reads them all), else on the receiver. Local
+  /// indices of the destination piece are tile-aligned (Layout::validate).
+  template <class Groups>
+  CopyQuant quant_side(const QuantSpec& q, const Ctx& c, const Groups& groups, const std::array<std::size_t, kMaxTensorRank>& idx,
+                       int n) const {
+    for (int d = n - static_cast<int>(q.block.size()); d < n; ++d) {
+      const auto ud = static_cast<std::size_t>(d);
+      const std::int64_t b = q.tile(d, n), L = c.ds->parts[ud].local_extent;
+      const RunGroup& g = groups[ud][idx[ud]];
+      const bool whole = g.d0 % b == 0 && (g.count == 1 || g.dper % b == 0) &&
+                         (g.len % b == 0 || (g.count == 1 && g.d0 + g.len == L));
+      if (!whole) return CopyQuant::receiver;
+    }
+    return CopyQuant::sender;
+  }
+
+  /// The scale copy of a sender-quantized box: one entry per tile, read at the
+  /// tile's first element on the sender (where its quantizer leaves the
+  /// scale), written into the destination's scale tensor (stored alone: a
+  /// dense array of the rank's tiles).
+  template <class Groups>
+  void emit_scales(const QuantSpec& q, Ctx& c, const Groups& groups, const std::array<std::size_t, kMaxTensorRank>& idx, int n,
+                   const HeldWords& S, Copy& cp) {
+    const int sc = q.scale_tensor;
+    std::array<std::int64_t, kMaxTensorRank> sstride{};
+    std::int64_t acc = 1;
+    for (int d = n - 1; d >= 0; --d) {
+      sstride[static_cast<std::size_t>(d)] = acc;
+      acc *= dst_.dim_part(c.dpos, sc, d).local_extent;
+    }
+    WideDims ext, sst, dst;
+    std::int64_t so = S.base(), doff = 0;
+    int r = 0;
+    for (int d = 0; d < n; ++d) {
+      const auto ud = static_cast<std::size_t>(d);
+      const RunGroup& g = groups[ud][idx[ud]];
+      const std::int64_t b = q.tile(d, n);
+      so += g.s0 * S.stride(ud);
+      doff += g.d0 / b * sstride[ud];
+      if (g.count > 1) {
+        ext[static_cast<std::size_t>(r)] = g.count;
+        sst[static_cast<std::size_t>(r)] = g.sper * S.stride(ud);
+        dst[static_cast<std::size_t>(r)] = g.dper / b * sstride[ud];
+        ++r;
+      }
+      ext[static_cast<std::size_t>(r)] = (g.len + b - 1) / b;
+      sst[static_cast<std::size_t>(r)] = b * S.stride(ud);
+      dst[static_cast<std::size_t>(r)] = sstride[ud];
+      ++r;
+    }
+    r = collapse_dims(r, ext, sst, dst);
+    cp.quant = CopyQuant::scale;
+    cp.tensor = sc;
+    cp.dst_buffer = dst_.buffer_of(sc);
+    cp.element_bytes = static_cast<std::int32_t>(element_bytes(scale_dtype(q.scheme)));
+    emit_box(cp, so, doff, r, ext, sst, dst, *c.out);
   }
 
   /// Sorts `copies` by (destination rank, destination buffer, source rank,
@@ -1629,7 +1711,11 @@ inline ReplicaShares replica_shares(const Schedule& s, const Layout& src, const 
     if (c.is_local()) continue;
     const auto p = src.mesh.position_of(c.src_rank);
     if (!p || c.tensor < 0 || static_cast<std::size_t>(c.tensor) >= src_of.size()) continue;
-    const std::int32_t g = group_of[static_cast<std::size_t>(*p * T + src_of[static_cast<std::size_t>(c.tensor)])];
+    // A scale copy counts with its weight's source (the scale tensor has none).
+    const int dt = dst.tensors[static_cast<std::size_t>(c.tensor)].scale_of >= 0
+                       ? dst.tensors[static_cast<std::size_t>(c.tensor)].scale_of
+                       : c.tensor;
+    const std::int32_t g = group_of[static_cast<std::size_t>(*p * T + src_of[static_cast<std::size_t>(dt)])];
     if (g < 0) continue;
     out.sent[static_cast<std::size_t>(*p)] += static_cast<double>(c.bytes());
     bytes[static_cast<std::size_t>(g)] += static_cast<double>(c.bytes());

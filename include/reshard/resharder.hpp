@@ -89,6 +89,7 @@
 #include "hierarchical.hpp"
 #include "layout.hpp"
 #include "plan.hpp"
+#include "quant_refit.hpp"
 #include "schedule.hpp"
 #include "staged_executor.hpp"
 #include "storage.hpp"
@@ -294,6 +295,22 @@ class Resharder {
       d = bound_pointers(dst_bound_);
       d2 = bound_pointers(dst_back_bound_);
     }
+    // Quantized destinations: the executor runs the expanded schedule, with
+    // this rank's quantizer shadows and staging bound beside its buffers.
+    quant_.reset();
+    const Schedule* run_schedule = schedule_.get();
+    if (error.empty() && QuantRefit::needed(*schedule_)) {
+      try {
+        if (opt_.staged || opt_.double_buffered || opt_.executor.device)
+          fail("rank {}: quantized (FP8) destinations run single-buffered, unstaged, on host memory only", me_);
+        quant_ = std::make_unique<QuantRefit>(src_, dst_, *schedule_, me_, s, d);
+        s = quant_->src_buffers();
+        d = quant_->dst_buffers();
+        run_schedule = &quant_->expanded();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
     std::vector<std::string> names;
     for (const auto& t : dst_.tensors) names.push_back(t.name);
     ExecutorOptions eo = opt_.executor;
@@ -314,7 +331,7 @@ class Resharder {
       if (set == 1 && !back_executor_) back_executor_ = std::make_unique<Executor<TransportT>>();
       Executor<TransportT>& ex = set == 0 ? *executor_ : *back_executor_;
       ex.set_tensor_names(names);
-      ex.setup(*schedule_, s, dset, transport, eo, error);
+      ex.setup(*run_schedule, s, dset, transport, eo, error);
     }
     serving_views_[0] = buffers.dst;
     serving_views_[1] = buffers.dst_back;
@@ -398,7 +415,9 @@ class Resharder {
     // reason (through the abort) instead of timing out beside it.
     const Deadline verdict_deadline = Clock::now() + 2 * opt_.executor.timeout;
     try {
+      if (quant_) quant_->before_run();
       st = ex.run(version);
+      if (quant_) quant_->after_run();
     } catch (const std::exception& e) {
       local_error = e.what();
     }
@@ -522,6 +541,7 @@ class Resharder {
   std::int64_t me_ = -1;
   std::shared_ptr<const Schedule> schedule_;
   std::vector<BoundBuffer> src_bound_, dst_bound_, dst_back_bound_;
+  std::unique_ptr<QuantRefit> quant_;  ///< quantized destinations: shadows, staging, expanded schedule
   /// Writes LocalBuffers::dst. Executors are held by pointer (they are not
   /// movable; the bound buffers they point into are heap elements that a
   /// move keeps in place), so a Resharder moves.

@@ -19,6 +19,14 @@ namespace reshard {
 /// every Copy stays small (a full plan holds millions of them).
 inline constexpr int kMaxBoxRank = 8;
 
+/// Where a copy into a quantized destination tensor is quantized (docs/fp8.md).
+enum class CopyQuant : std::uint8_t {
+  none,      ///< a plain copy
+  sender,    ///< the sender quantizes whole tiles: FP8 crosses the wire (element_bytes 1)
+  receiver,  ///< source-dtype elements cross; the receiver quantizes once its tiles are complete
+  scale,     ///< scale entries of sender-quantized tiles: src offsets name each tile's first element
+};
+
 /// A strided box copy between two local buffers.
 struct Copy {
   std::int64_t src_rank = 0, dst_rank = 0;
@@ -27,6 +35,7 @@ struct Copy {
   std::int32_t element_bytes = 1;
   std::int64_t src_offset = 0, dst_offset = 0;
   std::int32_t rank = 0;                        ///< number of box dims
+  CopyQuant quant = CopyQuant::none;            ///< into a quantized destination: see CopyQuant
   std::array<std::int64_t, kMaxBoxRank> extent{}, src_stride{}, dst_stride{};
 
   std::int64_t elements() const {
@@ -153,7 +162,8 @@ inline void collapse(Copy& c) {
 namespace detail {
 inline bool same_route(const Copy& a, const Copy& b) {
   return a.src_rank == b.src_rank && a.dst_rank == b.dst_rank && a.src_buffer == b.src_buffer &&
-         a.dst_buffer == b.dst_buffer && a.element_bytes == b.element_bytes && a.tensor == b.tensor;
+         a.dst_buffer == b.dst_buffer && a.element_bytes == b.element_bytes && a.tensor == b.tensor &&
+         a.quant == b.quant;
 }
 inline bool same_shape(const Copy& a, const Copy& b, int from) {
   if (a.rank != b.rank) return false;

@@ -940,6 +940,8 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
   std::vector<double> gpu_need(need_gpu.size(), 0);  // destination-only GPUs
   // Source GPUs holding a tensor -> unique bytes of such tensors the domains need.
   std::map<std::vector<std::int64_t>, std::pair<double, std::int64_t>> group_bytes;  // (bytes, tensors)
+  for (const auto& t : dst.tensors)
+    if (t.quant) fail("simulate: tensor '{}' is quantized (FP8); the hierarchical estimate does not model FP8 destinations yet", t.name);
   const std::vector<int> src_of = match_tensors(src, dst);
   // What a position holds of a tensor: (domain, part) and a linear interval
   // of the part's local array; sorted, as a map of (domain, part) to its

@@ -114,10 +114,14 @@ struct Side {
       views[lbs[b].name] = bytes_view(mem[b].get(), static_cast<std::size_t>(bytes), E);
     }
   }
+  /// The other side of the refit: sources of its quantized tensors get
+  /// finite values; its quantized tensors are checked against their sources.
+  const Layout* other = nullptr;
+
   void fill(TagFill mode, std::uint64_t salt) {
     if (!pos) return;
     for (std::size_t b = 0; b < mem.size(); ++b)
-      if (mem[b]) fill_tags(*L, *pos, static_cast<int>(b), mem[b].get(), mode, salt);
+      if (mem[b]) fill_tags(*L, *pos, static_cast<int>(b), mem[b].get(), mode, salt, other);
   }
   TagCheck check(std::uint64_t salt) const {
     TagCheck all;
@@ -125,6 +129,11 @@ struct Side {
     for (std::size_t b = 0; b < mem.size(); ++b) {
       if (!mem[b]) continue;
       all.add(check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt));
+      if (other) {
+        std::vector<const std::byte*> ptrs;
+        for (const auto& m : mem) ptrs.push_back(m.get());
+        all.add(check_quantized(*other, *L, *pos, static_cast<int>(b), mem[b].get(), ptrs, salt));
+      }
     }
     return all;
   }
@@ -231,6 +240,8 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
     Side s, d;
     s.allocate(src, t.rank(), main_bufs.src);
     d.allocate(dst, t.rank(), main_bufs.dst);
+    s.other = &dst;  // quantized destinations (docs/fp8.md)
+    d.other = &src;
     s.fill(TagFill::source, 0);
     d.fill(TagFill::poison, 0);
     ResharderOptions ro;

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "layout.hpp"
+#include "quantize.hpp"
 #include "rank_buffers.hpp"
 #include "storage.hpp"
 
@@ -68,8 +69,25 @@ enum class TagFill : std::uint8_t {
   poison,  ///< the complement of each tag (always wrong); padding kDestinationPadding
 };
 
-/// Writes every slot of a dense local buffer.
-inline void fill_tags(const Layout& L, std::int64_t pos, int buf, std::byte* data, TagFill mode, std::uint64_t salt) {
+/// A tag as a finite float of dtype dt (the exponent's top bit cleared:
+/// |x| < 2, no NaN or infinity), for sources of quantized tensors, whose
+/// quantization needs numbers.
+inline std::uint64_t finite_tag(DType dt, std::uint64_t v) {
+  if (dt == DType::bf16 || dt == DType::f16) return v & ~std::uint64_t{0x4000};
+  if (dt == DType::f32) return v & ~std::uint64_t{0x40000000};
+  return v;
+}
+/// Does source tensor t feed a quantized tensor of `dst`?
+inline bool feeds_quantized(const Layout& src, int t, const Layout* dst) {
+  if (!dst) return false;
+  const int d = dst->find_tensor(src.tensors[static_cast<std::size_t>(t)].name);
+  return d >= 0 && dst->tensors[static_cast<std::size_t>(d)].quant.has_value();
+}
+
+/// Writes every slot of a dense local buffer. With `quantized_dst`, source
+/// tensors that feed its quantized tensors get finite_tag values.
+inline void fill_tags(const Layout& L, std::int64_t pos, int buf, std::byte* data, TagFill mode, std::uint64_t salt,
+                      const Layout* quantized_dst = nullptr) {
   const auto E = static_cast<std::size_t>(element_bytes(L.local_buffers()[static_cast<std::size_t>(buf)].dtype));
   const std::size_t w = std::min<std::size_t>(E, 8);
   for_each_slot_run(L, pos, buf, [&](std::int64_t b0, std::int64_t count, int t, std::int64_t g0) {
@@ -80,7 +98,10 @@ inline void fill_tags(const Layout& L, std::int64_t pos, int buf, std::byte* dat
     }
     const std::uint64_t key = tensor_key(L.tensors[static_cast<std::size_t>(t)].name);
     const std::uint64_t flip = mode == TagFill::poison ? ~std::uint64_t{0} : 0;
+    const bool finite = mode == TagFill::source && feeds_quantized(L, t, quantized_dst);
+    const DType dt = L.tensors[static_cast<std::size_t>(t)].dtype;
     detail::for_each_tag(key, g0, count, salt, [&](std::int64_t i, std::uint64_t v) {
+      if (finite) v = finite_tag(dt, v);
       v ^= flip;
       std::memcpy(p + static_cast<std::size_t>(i) * E, &v, w);
     });
@@ -120,6 +141,10 @@ inline TagCheck check_tags(const Layout& L, std::int64_t pos, int buf, const std
       return;
     }
     const auto& ts = L.tensors[static_cast<std::size_t>(t)];
+    if (ts.quant || ts.scale_of >= 0) {  // check_quantized's
+      r.checked -= count;
+      return;
+    }
     const std::uint64_t key = tensor_key(ts.name);
     detail::for_each_tag(key, g0, count, salt, [&](std::int64_t i, std::uint64_t v) {
       if (std::memcmp(p + static_cast<std::size_t>(i) * E, &v, w) != 0 && r.wrong++ == 0)

@@ -165,6 +165,7 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
   std::int64_t world = 0;
   if (__builtin_mul_overflow(tp * s.cp, s.dp * pp, &world) || world > (std::int64_t{1} << 31))
     fail("{}: world tp*cp*dp*pp is too large", where);
+  if (s.has("quant")) fail("{}: quant is an inference key (training keeps the config's dtype)", where);
   if (c.heads % tp != 0) fail("{}: tp={} does not divide num_attention_heads={}", where, tp, c.heads);
   if (!c.mla) {
     const std::int64_t ng = c.kv_heads, group_rows = (c.heads / ng + 2) * c.head_dim;

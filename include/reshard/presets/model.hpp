@@ -65,6 +65,8 @@ struct ModelConfig {
   std::int64_t q_lora_rank = 0;  ///< 0: no q compression (q_proj)
   std::int64_t kv_lora_rank = 0, qk_nope_dim = 0, qk_rope_dim = 0, v_head_dim = 0;
   std::int64_t mtp_layers = 0;
+  /// quantization_config (quant_method fp8): weight_block_size; empty for BF16 checkpoints.
+  std::vector<std::int64_t> fp8_block;
 
   bool is_moe_layer(std::int64_t l) const {
     if (experts == 0) return false;
@@ -268,8 +270,25 @@ inline ModelConfig parse_model_config(const nlohmann::json& j, const std::string
   else if (ds == "float16") c.dtype = DType::f16;
   else if (ds == "float32") c.dtype = DType::f32;
   else r.bad(dkey, fmt::format("unsupported dtype '{}' (expected bfloat16, float16 or float32)", ds));
-  if (r.find("quantization_config"))
-    r.bad("quantization_config", "quantized checkpoints are not modelled (give the bf16 config)");
+  // An FP8 checkpoint's config (DeepSeek-V3, Kimi-K2, Qwen3-FP8): the
+  // inference side serves block FP8; training keeps torch_dtype (docs/fp8.md).
+  if (const auto* q = r.find("quantization_config")) {
+    auto qbad = [&](const char* key, const std::string& what) {
+      throw LayoutError(ErrorContext{origin, "", fmt::format("quantization_config.{}", key)}, what);
+    };
+    if (!q->is_object()) r.bad("quantization_config", fmt::format("expected an object, got {}", q->dump()));
+    const auto m = q->find("quant_method");
+    if (m == q->end() || !m->is_string() || m->get<std::string>() != "fp8")
+      qbad("quant_method", fmt::format("only \"fp8\" is modelled, got {}", m == q->end() ? "nothing" : m->dump()));
+    if (const auto f = q->find("fmt"); f != q->end() && (!f->is_string() || f->get<std::string>() != "e4m3"))
+      qbad("fmt", fmt::format("only \"e4m3\" is modelled, got {}", f->dump()));
+    const auto b = q->find("weight_block_size");
+    if (b == q->end() || !b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() || !(*b)[1].is_number_integer() ||
+        (*b)[0].get<std::int64_t>() < 1 || (*b)[1].get<std::int64_t>() < 1)
+      qbad("weight_block_size", fmt::format("expected two positive integers like [128, 128] (per-tensor FP8 is not modelled), got {}",
+                                            b == q->end() ? "nothing" : b->dump()));
+    c.fp8_block = {(*b)[0].get<std::int64_t>(), (*b)[1].get<std::int64_t>()};
+  }
 
   c.hidden = r.required("hidden_size");
   c.layers = r.required("num_hidden_layers");

@@ -9,6 +9,8 @@
 //                                              Megatron's default: etp = tp)
 //   pp_first, pp_last  layers on the first / last pipeline stage (training; Megatron's
 //                      --decoder-first/last-pipeline-num-layers)
+//   quant  inference weights: fp8 (block FP8, 128x128 tiles), mxfp8, or none
+//          (BF16 even where the config has a quantization_config); docs/fp8.md
 // Which keys a side accepts is checked by its preset (megatron.hpp, vllm.hpp).
 #include <cstdint>
 #include <optional>
@@ -24,6 +26,7 @@ struct ParallelSpec {
   std::int64_t tp = 1, pp = 1, dp = 1, cp = 1, ep = 1;
   std::optional<std::int64_t> etp;                 ///< unset: the preset's default
   std::optional<std::int64_t> pp_first, pp_last;   ///< uneven pipeline ends
+  std::string quant;                               ///< "fp8", "mxfp8", "none" or "" (the config's)
   std::string text;                                ///< as given, for messages
   std::vector<std::string> keys;                   ///< keys given, in order
 
@@ -49,7 +52,7 @@ inline ParallelSpec parse_parallel_spec(std::string_view text, std::string_view 
   s.text = std::string(text);
   const std::string head = fmt::format("{} '{}'", what, text);
   if (detail::trim(text).empty())
-    fail("{}: empty; expected keys like tp=2,pp=4,dp=2 (keys: tp pp dp cp ep etp pp_first pp_last)", head);
+    fail("{}: empty; expected keys like tp=2,pp=4,dp=2 (keys: tp pp dp cp ep etp pp_first pp_last quant)", head);
   std::size_t at = 0;
   while (at <= text.size()) {
     const std::size_t comma = std::min(text.find(',', at), text.size());
@@ -60,6 +63,15 @@ inline ParallelSpec parse_parallel_spec(std::string_view text, std::string_view 
     if (eq == std::string_view::npos) fail("{}: '{}' is not key=value", head, item);
     const std::string key(detail::trim(item.substr(0, eq)));
     const std::string_view val = detail::trim(item.substr(eq + 1));
+    if (key == "quant") {
+      if (s.has(key)) fail("{}: key '{}' is given twice", head, key);
+      if (val != "fp8" && val != "mxfp8" && val != "none")
+        fail("{}: quant='{}' is not one of fp8, mxfp8, none", head, val);
+      s.keys.push_back(key);
+      s.quant = std::string(val);
+      if (comma == text.size()) break;
+      continue;
+    }
     std::int64_t* field = nullptr;
     std::optional<std::int64_t>* opt = nullptr;
     if (key == "tp") field = &s.tp;
@@ -71,7 +83,7 @@ inline ParallelSpec parse_parallel_spec(std::string_view text, std::string_view 
     else if (key == "pp_first") opt = &s.pp_first;
     else if (key == "pp_last") opt = &s.pp_last;
     else
-      fail("{}: unknown key '{}' (keys: tp pp dp cp ep etp pp_first pp_last)", head, key);
+      fail("{}: unknown key '{}' (keys: tp pp dp cp ep etp pp_first pp_last quant)", head, key);
     if (s.has(key)) fail("{}: key '{}' is given twice", head, key);
     s.keys.push_back(key);
     // A positive decimal integer, at most 2^31 (mesh sizes are bounded there).
@@ -105,6 +117,7 @@ inline std::string to_string(const ParallelSpec& s) {
   if (s.etp) out += fmt::format(",etp={}", *s.etp);
   if (s.pp_first) out += fmt::format(",pp_first={}", *s.pp_first);
   if (s.pp_last) out += fmt::format(",pp_last={}", *s.pp_last);
+  if (!s.quant.empty()) out += ",quant=" + s.quant;
   return out;
 }
 

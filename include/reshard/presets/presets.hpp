@@ -61,7 +61,7 @@ inline ModelLayouts model_layouts(Manifest manifest, const ParallelSpec& train, 
   // Every inference tensor must come from the training side with the same
   // shape and dtype (the planner checks it too; say it here in model words).
   for (const auto& t : out.infer.tensors)
-    if (out.train.find_tensor(t.name) < 0)
+    if (t.scale_of < 0 && out.train.find_tensor(t.name) < 0)  // scale tensors: the quantizer writes them
       fail("{}: tensor '{}' is in the inference layout but not in the training layout", c.origin, t.name);
   out.manifest = std::move(manifest);
   return out;

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "builder.hpp"
+#include "fp8.hpp"
 
 namespace reshard::presets {
 
@@ -221,7 +222,19 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
     b.concat(p + "mlp.experts.w13_weight", std::move(w13));
     b.concat(p + "mlp.experts.w2_weight", std::move(w2));
   }
-  return b.finish();
+  Layout L = b.finish();
+  // FP8 serving: the spec's quant=, else the config's quantization_config.
+  const std::string quant = !s.quant.empty() ? s.quant : c.fp8_block.empty() ? "none" : "fp8";
+  if (quant != "none") {
+    try {
+      if (quant == "mxfp8") quantize_linear_weights(L, m, QuantScheme::mx, {kMxTile}, "weight_scale");
+      else quantize_linear_weights(L, m, QuantScheme::block, c.fp8_block.empty() ? std::vector<std::int64_t>{128, 128} : c.fp8_block,
+                                   "weight_scale_inv");
+    } catch (const LayoutError& e) {
+      fail("{}: quant={}: {}", where, quant, e.what());
+    }
+  }
+  return L;
 }
 
 }  // namespace reshard::presets

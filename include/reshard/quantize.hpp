@@ -1,0 +1,219 @@
+#pragma once
+// Host quantization kernels for FP8 destinations (CONTRACT.md §1 "Quantized
+// destination tensors", docs/fp8.md): float8_e4m3fn encoding (round to
+// nearest even, no infinities, magnitudes past 448 saturate to 448) and the
+// two tile recipes:
+//  * block (DeepSeek-V3 / vLLM block FP8): amax = max(max |x|, 1e-4),
+//    q = e4m3(x * (448 / amax)) with the quotient in f32 first, scale entry
+//    amax / 448 (f32);
+//  * mx (MXFP8, OCP Microscaling v1.0): shared exponent
+//    e = floor(log2(amax)) - 8 clamped to [-127, 127], q = e4m3(x / 2^e),
+//    scale byte e + 127 (E8M0); an all-zero tile has scale byte 0.
+// A tile is given as rows of contiguous elements (the trailing tiled dim);
+// the caller walks the rows (quant_plan.hpp maps them into local buffers).
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <type_traits>
+
+#include "dtype.hpp"
+#include "error.hpp"
+
+namespace reshard {
+
+enum class QuantScheme : std::uint8_t { block, mx };
+
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kBlockAmaxFloor = 1e-4f;
+inline constexpr std::int64_t kMxTile = 32;
+
+/// f32 -> float8_e4m3fn, round to nearest even; |x| >= 448 gives +-448 (the
+/// format has no infinity; 464 and up would otherwise round to NaN); NaN stays NaN.
+/// Branch-free (selects), so the quantize loops vectorize.
+inline std::uint8_t e4m3_from_f32(float x) {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
+  const std::uint32_t sign = (bits >> 24) & 0x80u;
+  const std::uint32_t a = bits & 0x7FFFFFFFu;
+  // Normal codes (|x| >= 2^-6): the f32 pattern's top bits are the code plus
+  // 120 << 3 (exponent bias 127 vs 7); round the 20 dropped bits to nearest
+  // even by adding 0x7FFFF + the kept lsb (a carry moves to the next binade).
+  const std::uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  // Subnormal codes m * 2^-9 (m = 0..8): |x| * 512 rounded to an integer,
+  // nearest even, by adding 2^23 in f32 (exact: a power of two scaling).
+  const float q = std::bit_cast<float>(a) * 512.0f + 8388608.0f;
+  const std::uint32_t sub = std::bit_cast<std::uint32_t>(q) - 0x4B000000u;
+  std::uint32_t code = a < 0x3C800000u ? sub : normal;
+  code = a >= 0x43E00000u ? 0x7Eu : code;  // 448 and past it: saturate
+  code = a > 0x7F800000u ? 0x7Fu : code;   // NaN
+  return static_cast<std::uint8_t>(sign | code);
+}
+
+/// float8_e4m3fn -> f32 (exact).
+inline float f32_from_e4m3(std::uint8_t c) {
+  const float s = (c & 0x80) ? -1.0f : 1.0f;
+  const int e = (c >> 3) & 15, m = c & 7;
+  if (e == 15 && m == 7) return std::nanf("");
+  if (e == 0) return s * std::ldexp(static_cast<float>(m), -9);
+  return s * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+}
+
+inline float f32_from_bf16(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+
+inline float f32_from_f16(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const int e = (h >> 10) & 31;
+  const std::uint32_t m = h & 0x3FFu;
+  float v;
+  if (e == 0) v = std::ldexp(static_cast<float>(m), -24);
+  else if (e == 31) v = m ? std::nanf("") : INFINITY;
+  else v = std::ldexp(1.0f + static_cast<float>(m) / 1024.0f, e - 15);
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(v) | sign);
+}
+
+/// Element `i` of a source row of dtype `dt` (bf16, f16 or f32) as f32.
+inline float load_f32(DType dt, const std::byte* row, std::int64_t i) {
+  switch (dt) {
+    case DType::bf16: {
+      std::uint16_t b;
+      std::memcpy(&b, row + 2 * i, 2);
+      return f32_from_bf16(b);
+    }
+    case DType::f16: {
+      std::uint16_t b;
+      std::memcpy(&b, row + 2 * i, 2);
+      return f32_from_f16(b);
+    }
+    case DType::f32: {
+      float f;
+      std::memcpy(&f, row + 4 * i, 4);
+      return f;
+    }
+    default:
+      fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(dt));
+  }
+}
+
+/// The dtype a scheme's scale entries have.
+constexpr DType scale_dtype(QuantScheme s) { return s == QuantScheme::block ? DType::f32 : DType::u8; }
+
+/// MXFP8 shared exponent of a tile with amax > 0.
+inline int mx_exponent(float amax) { return std::clamp(std::ilogb(amax) - 8, -127, 127); }
+
+/// Quantizes one tile whose rows are given by rows(f): f(const std::byte*
+/// src_row, std::uint8_t* dst_row, count) is called for each row (source in
+/// dtype `dt`, destination FP8 bytes). Two passes over the rows: amax, then
+/// encode. Writes the scale entry (f32 for block, E8M0 byte for mx) to `scale`.
+template <class Rows>
+inline void quantize_tile(QuantScheme scheme, DType dt, Rows&& rows, std::byte* scale) {
+  float amax = 0.0f;
+  rows([&](const std::byte* s, std::uint8_t*, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(load_f32(dt, s, i)));
+  });
+  if (scheme == QuantScheme::block) {
+    amax = std::max(amax, kBlockAmaxFloor);
+    const float mul = kE4M3Max / amax;  // the quotient in f32 first (the contract's formula)
+    rows([&](const std::byte* s, std::uint8_t* d, std::int64_t n) {
+      for (std::int64_t i = 0; i < n; ++i) d[i] = e4m3_from_f32(load_f32(dt, s, i) * mul);
+    });
+    const float inv = amax / kE4M3Max;
+    std::memcpy(scale, &inv, 4);
+    return;
+  }
+  if (amax == 0.0f) {  // all zero: codes 0, scale byte 0
+    rows([&](const std::byte*, std::uint8_t* d, std::int64_t n) { std::memset(d, 0, static_cast<std::size_t>(n)); });
+    *scale = std::byte{0};
+    return;
+  }
+  const int e = mx_exponent(amax);
+  rows([&](const std::byte* s, std::uint8_t* d, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) d[i] = e4m3_from_f32(std::ldexp(load_f32(dt, s, i), -e));
+  });
+  *scale = static_cast<std::byte>(e + 127);
+}
+
+namespace detail {
+template <DType D>
+inline float load_as(const std::byte* p, std::int64_t i) {
+  if constexpr (D == DType::bf16) {
+    std::uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return f32_from_bf16(b);
+  } else if constexpr (D == DType::f16) {
+    std::uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return f32_from_f16(b);
+  } else {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+}
+/// quantize_rows for one source dtype: the loops the executor replays.
+template <DType D>
+inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+                             std::byte* scale) {
+  constexpr std::int64_t E = element_bytes(D);
+  // amax on the magnitude bits: for finite floats their order is the values'.
+  using Bits = std::conditional_t<E == 2, std::uint16_t, std::uint32_t>;
+  constexpr Bits kMag = static_cast<Bits>(E == 2 ? 0x7FFFu : 0x7FFFFFFFu);
+  Bits m = 0;
+  for (std::size_t r = 0; r < n; ++r) {
+    const std::byte* s = from + rows[2 * r] * E;
+    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) {
+      Bits v;
+      std::memcpy(&v, s + i * E, E);
+      m = std::max<Bits>(m, v & kMag);
+    }
+  }
+  float amax;
+  {
+    std::byte mb[4];
+    std::memcpy(mb, &m, sizeof(m));
+    amax = load_as<D>(mb, 0);
+  }
+  if (scheme == QuantScheme::block) {
+    amax = std::max(amax, kBlockAmaxFloor);
+    const float mul = kE4M3Max / amax;  // the quotient in f32 first
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::byte* s = from + rows[2 * r] * E;
+      std::uint8_t* d = to + rows[2 * r];
+      for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
+    }
+    const float inv = amax / kE4M3Max;
+    std::memcpy(scale, &inv, 4);
+    return;
+  }
+  if (amax == 0.0f) {
+    for (std::size_t r = 0; r < n; ++r) std::memset(to + rows[2 * r], 0, static_cast<std::size_t>(rows[2 * r + 1]));
+    *scale = std::byte{0};
+    return;
+  }
+  const int e = mx_exponent(amax);
+  const float mul = std::ldexp(1.0f, -e);  // 2^-e, exact in f32 for e in [-127, 127]: x * mul rounds like x / 2^e
+  for (std::size_t r = 0; r < n; ++r) {
+    const std::byte* s = from + rows[2 * r] * E;
+    std::uint8_t* d = to + rows[2 * r];
+    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
+  }
+  *scale = static_cast<std::byte>(e + 127);
+}
+}  // namespace detail
+
+/// Quantizes one tile given as n rows (element offset, count) pairs: source
+/// elements at from + offset (dtype dt), FP8 codes to to + offset (the same
+/// offsets: a shadow or staging copy of one buffer), the scale entry to
+/// `scale`. The same recipe as quantize_tile, with the dtype dispatched once.
+inline void quantize_rows(QuantScheme scheme, DType dt, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+                          std::byte* scale) {
+  switch (dt) {
+    case DType::bf16: return detail::quantize_rows_as<DType::bf16>(scheme, from, to, rows, n, scale);
+    case DType::f16: return detail::quantize_rows_as<DType::f16>(scheme, from, to, rows, n, scale);
+    case DType::f32: return detail::quantize_rows_as<DType::f32>(scheme, from, to, rows, n, scale);
+    default: fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(dt));
+  }
+}
+
+}  // namespace reshard
