@@ -76,6 +76,7 @@ struct Result {
   std::vector<double> fraction;    ///< measured changed fraction per version
   std::vector<std::int64_t> sent;  ///< bytes sent (all ranks) per version
   int failures = 0;
+  std::int64_t chunks[delta::kChunkModes] = {};  ///< chunks sent per ChunkMode, all ranks and versions
 };
 
 /// Refits versions 1..densities.size() (source values evolved as above),
@@ -154,6 +155,7 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
         if (wrong && res.first_wrong.empty()) res.first_wrong = first + " (mode " + ds.mode + ")";
         if (res.sent.size() < u) res.sent.resize(u), res.modes.resize(u), res.fraction.resize(u);
         res.sent[u - 1] += rep.bytes_sent;
+        for (int c = 0; c < delta::kChunkModes; ++c) res.chunks[c] += ds.chunks[c];
         if (i == 0) {
           res.modes[u - 1] = ds.mode;
           res.fraction[u - 1] = ds.changed_fraction();
@@ -214,6 +216,13 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
       std::vector<std::uint16_t> back(static_cast<std::size_t>(n));
       REQUIRE(delta::indices_from_mask(mask.data(), n, back.data()) == k);
       CHECK(std::equal(back.begin(), back.begin() + k, idx.begin()));
+      const auto esc = delta::gap_escapes(idx.data(), k);
+      std::vector<std::byte> gaps(static_cast<std::size_t>(k + 2 * esc) + 1);
+      delta::gaps_from_indices(idx.data(), k, gaps.data());
+      std::fill(back.begin(), back.end(), 0);
+      CHECK(delta::indices_from_gaps(gaps.data(), k, n, k + 2 * esc, back.data()) == k + 2 * esc);
+      CHECK(std::equal(back.begin(), back.begin() + k, idx.begin()));
+      if (k > 0) CHECK(delta::indices_from_gaps(gaps.data(), k, n, k + 2 * esc - 1, back.data()) == -1);  // truncated
       // Scatter into a strided 2-D destination (every other column of a [rows, 2*cols] array).
       const std::int64_t cols = 50, rows = (n + cols - 1) / cols;
       std::vector<std::byte> dst(static_cast<std::size_t>(rows * 2 * cols) * E, std::byte{0});
@@ -233,7 +242,8 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
     }
   }
   CHECK(delta::best_mode(65536, 0, 2) == delta::ChunkMode::same);
-  CHECK(delta::best_mode(65536, 100, 2) == delta::ChunkMode::index);
+  CHECK(delta::best_mode(65536, 100, 2) == delta::ChunkMode::index);   // (gaps all escaped)
+  CHECK(delta::best_mode(65536, 1000, 2, 10) == delta::ChunkMode::gap);
   CHECK(delta::best_mode(65536, 20000, 2) == delta::ChunkMode::mask);
   CHECK(delta::best_mode(65536, 65000, 2) == delta::ChunkMode::dense);
 }
@@ -241,6 +251,7 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
 TEST_CASE("delta refits are bit-exact over every message kind, densities 0..100%, single and double-buffered") {
   const Layout& src = refit_test::message_kinds_src();
   const Layout& dst = refit_test::message_kinds_dst();
+  std::int64_t chunks[delta::kChunkModes] = {};
   for (bool dbl : {false, true})
     for (double above : {0.25, 1.0}) {
       CAPTURE(dbl);
@@ -250,11 +261,16 @@ TEST_CASE("delta refits are bit-exact over every message kind, densities 0..100%
       REQUIRE(r.modes.size() == sweep().size());
       CHECK(r.modes[0] == "prime");
       if (!dbl) CHECK(r.modes[1] == "delta");
+      for (int c = 0; c < delta::kChunkModes; ++c) chunks[c] += r.chunks[c];
       if (above > 0.5) {
         // Never dense once primed: every version (100% ones included) went as payloads.
         for (std::size_t k = dbl ? 2 : 1; k < r.modes.size(); ++k) CHECK(r.modes[k] == "delta");
       }
     }
+  for (int c = 0; c < delta::kChunkModes; ++c) {
+    CAPTURE(delta::to_string(static_cast<delta::ChunkMode>(c)));
+    CHECK(chunks[c] > 0);  // every encoding was exercised
+  }
 }
 
 TEST_CASE("a delta refit at density 0 moves almost nothing; the measured fraction follows the density") {

@@ -20,8 +20,8 @@
 //    dense every time by a plain Executor over just those copies).
 //  * Encoding. The sender packs each chunk (the copy kernels), diffs it with
 //    the shadow (updating the shadow) and writes the cheapest of: nothing
-//    (unchanged), 16-bit indices + values, a bitmask + values, or the dense
-//    values. A payload header carries the version and the base version, and
+//    (unchanged), byte gaps + values, 16-bit indices + values, a bitmask +
+//    values, or the dense values. A payload header carries the version and the base version, and
 //    with ExecutorOptions::checksum a CRC32C of the payload.
 //  * Wire. Payloads vary in size but a Transport replays prepared ops of
 //    fixed sizes, so each pair's payload capacity (DeltaOptions::capacity of
@@ -80,7 +80,7 @@ struct DeltaOptions {
   /// chunk table): the staging each side holds for delta payloads.
   double capacity = 0.375;
   /// Payloads move in blocks of this many bytes (the last one of a pair shorter).
-  std::int64_t block_bytes = std::int64_t{256} << 10;
+  std::int64_t block_bytes = std::int64_t{64} << 10;
   /// After a refit above dense_above: this many dense refits without diffing.
   int dense_streak = 16;
 };
@@ -90,34 +90,92 @@ namespace delta {
 /// Elements per chunk: indices within a chunk fit in 16 bits.
 inline constexpr std::int64_t kChunk = 65536;
 
-enum class ChunkMode : std::uint8_t { same = 0, index = 1, mask = 2, dense = 3 };
+/// How a chunk travels: nothing; 16-bit positions + values; a bitmask +
+/// values; the dense values; byte gaps between positions (255 escapes to a
+/// 16-bit position) + values, the smallest at RL densities (a few %).
+enum class ChunkMode : std::uint8_t { same = 0, index = 1, mask = 2, dense = 3, gap = 4 };
+inline constexpr int kChunkModes = 5;
 
 inline const char* to_string(ChunkMode m) {
   switch (m) {
     case ChunkMode::same: return "same";
     case ChunkMode::index: return "index";
     case ChunkMode::mask: return "mask";
+    case ChunkMode::gap: return "gap";
     default: return "dense";
   }
 }
 
-/// Bytes of a chunk's body: n elements of E bytes, k of them changed.
-inline std::int64_t body_bytes(ChunkMode m, std::int64_t n, std::int64_t k, std::int64_t E) {
+/// Bytes of a chunk's body: n elements of E bytes, k of them changed, `esc`
+/// of the gaps escaped (gap mode).
+inline std::int64_t body_bytes(ChunkMode m, std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = 0) {
   switch (m) {
     case ChunkMode::same: return 0;
     case ChunkMode::index: return k * (2 + E);
     case ChunkMode::mask: return (n + 7) / 8 + k * E;
+    case ChunkMode::gap: return k * (1 + E) + 2 * esc;
     default: return n * E;
   }
 }
 
+/// Gaps that do not fit a byte (gap mode escapes them).
+inline std::int64_t gap_escapes(const std::uint16_t* idx, std::int64_t k) {
+  std::int64_t esc = 0, prev = -1;
+  for (std::int64_t j = 0; j < k; ++j) {
+    esc += idx[j] - prev - 1 >= 255;
+    prev = idx[j];
+  }
+  return esc;
+}
+
 /// The smallest encoding of a chunk (ties go to the simpler one).
-inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E) {
+inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = INT64_MAX / 4) {
   if (k == 0) return ChunkMode::same;
   ChunkMode best = ChunkMode::dense;
-  for (ChunkMode m : {ChunkMode::mask, ChunkMode::index})
-    if (body_bytes(m, n, k, E) < body_bytes(best, n, k, E)) best = m;
+  for (ChunkMode m : {ChunkMode::mask, ChunkMode::index, ChunkMode::gap})
+    if (body_bytes(m, n, k, E, esc) < body_bytes(best, n, k, E, esc)) best = m;
   return best;
+}
+
+/// Gap stream of a sorted index list: per position the distance from the
+/// previous one minus one as a byte, or 255 and the position in 16 bits.
+inline void gaps_from_indices(const std::uint16_t* idx, std::int64_t k, std::byte* out) {
+  std::int64_t prev = -1;
+  for (std::int64_t j = 0; j < k; ++j) {
+    const std::int64_t g = idx[j] - prev - 1;
+    if (g < 255) {
+      *out++ = static_cast<std::byte>(g);
+    } else {
+      *out++ = std::byte{255};
+      std::memcpy(out, &idx[j], 2);
+      out += 2;
+    }
+    prev = idx[j];
+  }
+}
+
+/// The index list of a gap stream of k positions within n; returns the
+/// stream's bytes, or -1 if it is malformed (past `limit` bytes or n).
+inline std::int64_t indices_from_gaps(const std::byte* in, std::int64_t k, std::int64_t n, std::int64_t limit, std::uint16_t* idx) {
+  std::int64_t at = 0, prev = -1;
+  for (std::int64_t j = 0; j < k; ++j) {
+    if (at >= limit) return -1;
+    const auto g = static_cast<std::int64_t>(in[at++]);
+    std::int64_t p;
+    if (g < 255) {
+      p = prev + 1 + g;
+    } else {
+      if (at + 2 > limit) return -1;
+      std::uint16_t x;
+      std::memcpy(&x, in + at, 2);
+      at += 2;
+      p = x;
+    }
+    if (p <= prev || p >= n) return -1;
+    idx[j] = static_cast<std::uint16_t>(p);
+    prev = p;
+  }
+  return at;
 }
 
 /// A chunk table entry: mode in the top byte, the changed count below.
@@ -304,7 +362,7 @@ struct DeltaStats {
   std::int64_t world_compared = 0, world_changed = 0;  ///< over all ranks (delta and dense modes)
   std::int64_t payload_bytes = 0;                      ///< encoded bytes this rank sent
   std::int64_t block_bytes_sent = 0;                   ///< what those payloads moved (whole blocks)
-  std::int64_t chunks[4] = {0, 0, 0, 0};               ///< per ChunkMode, chunks this rank sent
+  std::int64_t chunks[delta::kChunkModes] = {};        ///< per ChunkMode, chunks this rank sent
   double diff_seconds = 0, scatter_seconds = 0;
   double changed_fraction() const { return world_compared ? static_cast<double>(world_changed) / static_cast<double>(world_compared) : 0; }
 };
@@ -625,12 +683,13 @@ void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
       const std::int64_t k = diff_compact_bytes(s.E, chunk_.data(), shadow + c0 * E, n, idx_.data(), vals_.data());
       last_.compared += n;
       last_.changed += k;
-      const ChunkMode m = best_mode(n, k, E);
+      const std::int64_t esc = gap_escapes(idx_.data(), k);
+      const ChunkMode m = best_mode(n, k, E, esc);
       ++last_.chunks[static_cast<int>(m)];
       const std::uint32_t entry = table_entry(m, k);
       std::memcpy(table, &entry, 4);
       table += 4;
-      const std::int64_t need = body_bytes(m, n, k, E);
+      const std::int64_t need = body_bytes(m, n, k, E, esc);
       if (p.overflow || body + need > end) {
         p.overflow = true;  // keep diffing: the shadow must still become this version
         continue;
@@ -641,6 +700,9 @@ void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
       } else if (m == ChunkMode::mask) {
         mask_from_indices(idx_.data(), k, n, body);
         std::memcpy(body + (n + 7) / 8, vals_.data(), static_cast<std::size_t>(k * E));
+      } else if (m == ChunkMode::gap) {
+        gaps_from_indices(idx_.data(), k, body);
+        std::memcpy(body + k + 2 * esc, vals_.data(), static_cast<std::size_t>(k * E));
       } else if (m == ChunkMode::dense) {
         std::memcpy(body, chunk_.data(), static_cast<std::size_t>(n * E));
       }
@@ -687,12 +749,20 @@ void DeltaExecutor<T>::decode(Pair& p, std::uint64_t version) {
       table += 4;
       const auto m = static_cast<ChunkMode>(entry >> 24);
       const std::int64_t k = entry & 0xFFFFFF;
-      if (entry >> 24 > 3 || k > n || (m == ChunkMode::same) != (k == 0)) bad(fmt::format("has a bad chunk entry {:#x}", entry));
-      const std::int64_t need = body_bytes(m, n, k, E);
+      if (entry >> 24 >= kChunkModes || k > n || (m == ChunkMode::same) != (k == 0)) bad(fmt::format("has a bad chunk entry {:#x}", entry));
+      std::int64_t esc = 0;
+      if (m == ChunkMode::gap) {
+        const std::int64_t g = indices_from_gaps(body, k, n, end - body, idx_.data());
+        if (g < 0) bad("has a malformed gap list");
+        esc = (g - k) / 2;
+      }
+      const std::int64_t need = body_bytes(m, n, k, E, esc);
       if (body + need > end) bad("is shorter than its chunk table says");
       if (m == ChunkMode::index) {
         std::memcpy(idx_.data(), body, static_cast<std::size_t>(2 * k));
         scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + 2 * k);
+      } else if (m == ChunkMode::gap) {
+        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + k + 2 * esc);
       } else if (m == ChunkMode::mask) {
         if (indices_from_mask(body, n, idx_.data()) != k) bad("has a bitmask whose count is not its table's");
         scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + (n + 7) / 8);
