@@ -54,7 +54,9 @@ struct Options {
 /// Per version, over all ranks.
 struct Version {
   std::string mode;  ///< the delta executor's mode (rank 0's set)
-  double changed_fraction = 0;
+  /// Over all ranks' shadowed elements; < 0 when not measured (a dense
+  /// refit that did not diff: "prime", "streak").
+  double changed_fraction = -1;
   std::int64_t delta_bytes = 0, dense_bytes = 0;
   double delta_seconds = 0, dense_seconds = 0;
   std::int64_t wrong = 0;
@@ -70,7 +72,8 @@ struct Result {
   /// Medians over the versions after the first.
   double median_of(double Version::*f) const {
     std::vector<double> v;
-    for (std::size_t k = 1; k < versions.size(); ++k) v.push_back(versions[k].*f);
+    for (std::size_t k = 1; k < versions.size(); ++k)
+      if (versions[k].*f >= 0) v.push_back(versions[k].*f);  // (unmeasured fractions are left out)
     return median(v);
   }
   double median_of(std::int64_t Version::*f) const {
@@ -334,7 +337,7 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
       res.wrong += m.wrong;
       if (r == 0) {
         v.mode = m.mode;
-        v.changed_fraction = m.fraction;
+        v.changed_fraction = std::string(m.mode) == "delta" || std::string(m.mode) == "dense" ? m.fraction : -1;
       }
       lo0[k] = std::min(lo0[k], m.t0);
       hi0[k] = std::max(hi0[k], m.t1);

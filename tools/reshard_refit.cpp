@@ -73,7 +73,7 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
   if (json) {
     nlohmann::json per = nlohmann::json::array();
     for (const auto& v : r.versions)
-      per.push_back({{"mode", v.mode}, {"changed_fraction", v.changed_fraction}, {"bytes_moved", v.delta_bytes}, {"seconds", v.delta_seconds},
+      per.push_back({{"mode", v.mode}, {"changed_fraction", v.changed_fraction >= 0 ? nlohmann::json(v.changed_fraction) : nlohmann::json()}, {"bytes_moved", v.delta_bytes}, {"seconds", v.delta_seconds},
                      {"dense_bytes_moved", v.dense_bytes}, {"dense_seconds", v.dense_seconds}, {"wrong_elements", v.wrong}});
     nlohmann::json j = {{"model", model},
                         {"transport", transport},
@@ -108,7 +108,8 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
                "dense time");
     for (std::size_t k = 0; k < r.versions.size(); ++k) {
       const auto& v = r.versions[k];
-      fmt::print("{:>8} {:>8} {:>9.4f}% {:>14} {:>12} {:>14} {:>12}\n", k + 1, v.mode, 100 * v.changed_fraction,
+      fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12}\n", k + 1, v.mode,
+                 v.changed_fraction >= 0 ? fmt::format("{:.4f}%", 100 * v.changed_fraction) : std::string("-"),
                  human_bytes(static_cast<double>(v.delta_bytes)), human_seconds(v.delta_seconds), human_bytes(static_cast<double>(v.dense_bytes)),
                  human_seconds(v.dense_seconds));
     }
