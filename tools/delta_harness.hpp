@@ -60,6 +60,7 @@ struct Version {
   std::int64_t delta_bytes = 0, dense_bytes = 0;
   double delta_seconds = 0, dense_seconds = 0;
   std::int64_t wrong = 0;
+  double diff_seconds = 0, scatter_seconds = 0;  ///< the slowest rank's
 };
 
 struct Result {
@@ -270,7 +271,7 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
   // Per version: delta (start, end, bytes sent, wrong), dense (start, end, bytes sent); mode and fraction.
   struct Mine {
     std::int64_t t0, t1, b0, b1, delta_bytes, dense_bytes, wrong, checked;
-    double fraction;
+    double fraction, diff, scatter;
     char mode[8];
   };
   std::vector<Mine> mine;
@@ -295,6 +296,8 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
     }
     const auto& ds = delta.delta_executor(0).last_delta();
     m.fraction = ds.changed_fraction();
+    m.diff = ds.diff_seconds;
+    m.scatter = ds.scatter_seconds;
     std::snprintf(m.mode, sizeof m.mode, "%s", ds.mode.c_str());
     // Every element: the delta set against the dense set.
     for (std::size_t b = 0; b < d_delta.mem.size(); ++b) {
@@ -333,6 +336,8 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
       v.delta_bytes += m.delta_bytes;
       v.dense_bytes += m.dense_bytes;
       v.wrong += m.wrong;
+      v.diff_seconds = std::max(v.diff_seconds, m.diff);
+      v.scatter_seconds = std::max(v.scatter_seconds, m.scatter);
       res.checked += m.checked;
       res.wrong += m.wrong;
       if (r == 0) {

@@ -74,7 +74,8 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
     nlohmann::json per = nlohmann::json::array();
     for (const auto& v : r.versions)
       per.push_back({{"mode", v.mode}, {"changed_fraction", v.changed_fraction >= 0 ? nlohmann::json(v.changed_fraction) : nlohmann::json()}, {"bytes_moved", v.delta_bytes}, {"seconds", v.delta_seconds},
-                     {"dense_bytes_moved", v.dense_bytes}, {"dense_seconds", v.dense_seconds}, {"wrong_elements", v.wrong}});
+                     {"dense_bytes_moved", v.dense_bytes}, {"dense_seconds", v.dense_seconds}, {"wrong_elements", v.wrong},
+                     {"diff_seconds", v.diff_seconds}, {"scatter_seconds", v.scatter_seconds}});
     nlohmann::json j = {{"model", model},
                         {"transport", transport},
                         {"src_ranks", src.mesh.size()},
@@ -104,14 +105,14 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
   } else {
     fmt::print("reshard-refit --delta: {} ({}, {} ranks -> {}, {} ranks) on the {} transport, {} versions, Adam lr {:g}\n", model, src.origin,
                src.mesh.size(), dst.origin, dst.mesh.size(), transport, r.versions.size(), lr);
-    fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12}\n", "version", "mode", "changed", "delta bytes", "delta time", "dense bytes",
-               "dense time");
+    fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10}\n", "version", "mode", "changed", "delta bytes", "delta time",
+               "dense bytes", "dense time", "diff", "scatter");
     for (std::size_t k = 0; k < r.versions.size(); ++k) {
       const auto& v = r.versions[k];
-      fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12}\n", k + 1, v.mode,
+      fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10}\n", k + 1, v.mode,
                  v.changed_fraction >= 0 ? fmt::format("{:.4f}%", 100 * v.changed_fraction) : std::string("-"),
                  human_bytes(static_cast<double>(v.delta_bytes)), human_seconds(v.delta_seconds), human_bytes(static_cast<double>(v.dense_bytes)),
-                 human_seconds(v.dense_seconds));
+                 human_seconds(v.dense_seconds), human_seconds(v.diff_seconds), human_seconds(v.scatter_seconds));
     }
     fmt::print("median after the first: changed {:.4f}%, delta {} in {}, dense {} in {}: {:.4f} of the bytes, {:.3f} of the time\n", 100 * frac,
                human_bytes(dbytes), human_seconds(dsec), human_bytes(nbytes), human_seconds(nsec), nbytes > 0 ? dbytes / nbytes : 0,
@@ -132,6 +133,9 @@ int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const
   try {
     UcxOptions uo;
     uo.protocol = parse_ucx_protocol(protocol);
+    // --delta: the source ranks run Adam over their weights between refits
+    // (seconds per GB on a busy host) while the others wait in the bootstrap.
+    if (delta) uo.stall_timeout = std::chrono::minutes(10);
     UcxTransport t(mpi_bootstrap(), uo);
     if (delta) {
       std::int64_t need = 0;

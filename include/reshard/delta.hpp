@@ -199,8 +199,18 @@ inline std::int64_t diff_compact(const std::byte* cur, std::byte* base, std::int
     std::memcpy(b, c, E);
     ++k;
   };
-  if constexpr (E < 8 && 8 % E == 0) {
+  if constexpr (E <= 8 && 8 % E == 0) {
+    // 32 bytes at a time (one vector compare once vectorized), then 8.
     constexpr std::int64_t W = 8 / E;
+    for (; i + 4 * W <= n; i += 4 * W) {
+      std::uint64_t a[4], b[4];
+      std::memcpy(a, cur + i * static_cast<std::int64_t>(E), 32);
+      std::memcpy(b, base + i * static_cast<std::int64_t>(E), 32);
+      if (((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0) continue;
+      for (int w = 0; w < 4; ++w)
+        if (a[w] != b[w])
+          for (std::int64_t j = i + w * W; j < i + (w + 1) * W; ++j) one(j);
+    }
     for (; i + W <= n; i += W) {
       std::uint64_t a, b;
       std::memcpy(&a, cur + i * static_cast<std::int64_t>(E), 8);
@@ -266,6 +276,7 @@ struct StreamSegment {
   int rank = 1;
   std::array<std::int64_t, kMaxBoxRank> extent{}, stride{};
   std::int64_t first = 0, count = 0;
+  bool contiguous = false;  ///< row-major dense: element e is at offset + e
 
   /// Element offset (from base) of the copy's e-th element.
   std::int64_t at(std::int64_t e) const {
@@ -532,6 +543,11 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
       }
       g.first = s.elements;
       g.count = c.elements();
+      std::array<std::int64_t, kMaxBoxRank> dense{};
+      kernels::dense_strides(g.rank, g.extent.data(), dense.data());
+      g.contiguous = true;
+      for (int d = 0; d < g.rank; ++d)
+        g.contiguous &= g.extent[static_cast<std::size_t>(d)] == 1 || g.stride[static_cast<std::size_t>(d)] == dense[static_cast<std::size_t>(d)];
       s.elements += g.count;
       s.segs.push_back(g);
       p.bytes += c.bytes();
@@ -679,8 +695,13 @@ void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
     std::size_t cursor = 0;
     for (std::int64_t c0 = 0; c0 < s.elements; c0 += kChunk) {
       const std::int64_t n = std::min(kChunk, s.elements - c0);
-      stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
-      const std::int64_t k = diff_compact_bytes(s.E, chunk_.data(), shadow + c0 * E, n, idx_.data(), vals_.data());
+      // Compare in place when one contiguous segment holds the whole chunk (no pack).
+      while (cursor < s.segs.size() && s.segs[cursor].first + s.segs[cursor].count <= c0) ++cursor;
+      const StreamSegment* g = cursor < s.segs.size() ? &s.segs[cursor] : nullptr;
+      const bool direct = g && g->contiguous && g->first + g->count >= c0 + n;
+      const std::byte* cur = direct ? g->base + (g->offset + c0 - g->first) * E : chunk_.data();
+      if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
+      const std::int64_t k = diff_compact_bytes(s.E, cur, shadow + c0 * E, n, idx_.data(), vals_.data());
       last_.compared += n;
       last_.changed += k;
       const std::int64_t esc = gap_escapes(idx_.data(), k);
@@ -704,7 +725,7 @@ void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
         gaps_from_indices(idx_.data(), k, body);
         std::memcpy(body + k + 2 * esc, vals_.data(), static_cast<std::size_t>(k * E));
       } else if (m == ChunkMode::dense) {
-        std::memcpy(body, chunk_.data(), static_cast<std::size_t>(n * E));
+        std::memcpy(body, cur, static_cast<std::size_t>(n * E));
       }
       body += need;
     }
