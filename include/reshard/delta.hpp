@@ -200,23 +200,23 @@ inline std::int64_t diff_compact(const std::byte* cur, std::byte* base, std::int
     ++k;
   };
   if constexpr (E <= 8 && 8 % E == 0) {
-    // 32 bytes at a time (one vector compare once vectorized), then 8.
-    constexpr std::int64_t W = 8 / E;
-    for (; i + 4 * W <= n; i += 4 * W) {
-      std::uint64_t a[4], b[4];
-      std::memcpy(a, cur + i * static_cast<std::int64_t>(E), 32);
-      std::memcpy(b, base + i * static_cast<std::int64_t>(E), 32);
-      if (((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0) continue;
-      for (int w = 0; w < 4; ++w)
-        if (a[w] != b[w])
-          for (std::int64_t j = i + w * W; j < i + (w + 1) * W; ++j) one(j);
-    }
-    for (; i + W <= n; i += W) {
-      std::uint64_t a, b;
-      std::memcpy(&a, cur + i * static_cast<std::int64_t>(E), 8);
-      std::memcpy(&b, base + i * static_cast<std::int64_t>(E), 8);
-      if (a == b) continue;
-      for (std::int64_t j = i; j < i + W; ++j) one(j);
+    // 32 bytes at a time: a clean block is one compare; a dirty one is
+    // compacted without branches (every element written, the count advanced
+    // by whether it differs) and copied into the base whole.
+    constexpr std::int64_t B = 32 / static_cast<std::int64_t>(E);
+    for (; i + B <= n; i += B) {
+      const std::byte* c = cur + i * static_cast<std::int64_t>(E);
+      std::byte* b = base + i * static_cast<std::int64_t>(E);
+      std::uint64_t a[4], o[4];
+      std::memcpy(a, c, 32);
+      std::memcpy(o, b, 32);
+      if (((a[0] ^ o[0]) | (a[1] ^ o[1]) | (a[2] ^ o[2]) | (a[3] ^ o[3])) == 0) continue;
+      for (std::int64_t j = 0; j < B; ++j) {
+        idx[k] = static_cast<std::uint16_t>(i + j);
+        std::memcpy(vals + k * static_cast<std::int64_t>(E), c + j * static_cast<std::int64_t>(E), E);
+        k += std::memcmp(c + j * static_cast<std::int64_t>(E), b + j * static_cast<std::int64_t>(E), E) != 0;
+      }
+      std::memcpy(b, c, 32);
     }
   }
   for (; i < n; ++i) one(i);
@@ -320,7 +320,8 @@ inline void scatter(const std::vector<StreamSegment>& segs, std::size_t& cursor,
     const std::int64_t p = chunk_first + idx[j];
     while (segs[cursor].first + segs[cursor].count <= p) ++cursor;
     const StreamSegment& g = segs[cursor];
-    std::memcpy(g.base + g.at(p - g.first) * static_cast<std::int64_t>(esz), vals + j * static_cast<std::int64_t>(esz), esz);
+    const std::int64_t at = g.contiguous ? g.offset + (p - g.first) : g.at(p - g.first);
+    std::memcpy(g.base + at * static_cast<std::int64_t>(esz), vals + j * static_cast<std::int64_t>(esz), esz);
   }
 }
 
