@@ -74,8 +74,9 @@ struct DeltaOptions {
   /// (in peer order) are refit dense every time.
   std::int64_t shadow_budget = INT64_MAX;
   /// Changed fraction (over all ranks) above which a refit goes dense: the
-  /// break-even measured with bench/delta_breakeven (docs/delta.md).
-  double dense_above = 0.25;
+  /// break-even measured with reshard-refit --delta (docs/delta.md: about
+  /// 7% over UCX loopback on 2 cores, where the diff pass is CPU-bound).
+  double dense_above = 0.06;
   /// Payload capacity per pair, as a fraction of its dense bytes (plus the
   /// chunk table): the staging each side holds for delta payloads.
   double capacity = 0.375;

@@ -54,6 +54,11 @@
 // written. setup() checks the staged schedule against the layouts (buffer
 // lists, every copy's buffers, tensor and ranks).
 //
+// Delta refits (ResharderOptions::delta, delta.hpp): each destination set
+// gets a DeltaExecutor that, after a dense first refit, sends only the
+// elements that changed since what that set holds, under the same commit.
+// Any failure needs setup() again, which makes the next refit dense.
+//
 // Buffers are bound by bind_buffers() (binding.hpp), which also serves
 // callers that drive an executor themselves.
 #include <algorithm>
