@@ -36,6 +36,7 @@
 
 #include <fmt/format.h>
 
+#include "refit_harness.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/storage.hpp"
 #include "reshard/verify.hpp"
@@ -82,12 +83,7 @@ struct Result {
     for (std::size_t k = 1; k < versions.size(); ++k) v.push_back(static_cast<double>(versions[k].*f));
     return median(v);
   }
-  static double median(std::vector<double> v) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    const auto n = v.size();
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  }
+  static double median(std::vector<double> v) { return refit_harness::median(std::move(v)); }
 };
 
 namespace detail {
@@ -126,30 +122,7 @@ struct Run {
   std::int64_t state = 0;   ///< offset of the run in the master / moment arrays
 };
 
-/// This rank's buffers under one layout.
-struct Side {
-  const Layout* L = nullptr;
-  std::optional<std::int64_t> pos;
-  std::vector<std::unique_ptr<std::byte[]>> mem;
-  std::vector<std::int64_t> bytes;
-
-  void allocate(const Layout& layout, std::int64_t rank, std::map<std::string, BufferView>& views) {
-    L = &layout;
-    pos = layout.mesh.position_of(rank);
-    const auto& lbs = layout.local_buffers();
-    mem.resize(lbs.size());
-    bytes.assign(lbs.size(), 0);
-    if (!pos) return;
-    for (std::size_t b = 0; b < lbs.size(); ++b) {
-      const auto shape = buffer_shape(layout, *pos, static_cast<int>(b));
-      if (shape.empty()) continue;
-      const std::int64_t E = element_bytes(lbs[b].dtype);
-      bytes[b] = product(shape) * E;
-      mem[b] = std::make_unique<std::byte[]>(static_cast<std::size_t>(std::max<std::int64_t>(bytes[b], 1)));
-      views[lbs[b].name] = bytes_view(mem[b].get(), static_cast<std::size_t>(bytes[b]), E);
-    }
-  }
-};
+using refit_harness::detail::Side;
 
 /// The source rank's optimizer: master weights and Adam moments.
 struct Adam {

@@ -188,19 +188,22 @@ inline std::uint32_t table_entry(ChunkMode m, std::int64_t k) {
 /// writes the positions that differ to `idx` and their new values to `vals`,
 /// copies them into `base`, and returns how many. Equal 8-byte words are
 /// skipped in one compare (most of a chunk at RL densities).
+/// E == 0: a runtime element size `eb`.
 template <std::size_t E>
-inline std::int64_t diff_compact(const std::byte* cur, std::byte* base, std::int64_t n, std::uint16_t* idx, std::byte* vals) {
+inline std::int64_t diff_compact(const std::byte* cur, std::byte* base, std::int64_t n, std::uint16_t* idx, std::byte* vals,
+                                 std::size_t eb = E) {
+  const std::size_t esz = E ? E : eb;
   std::int64_t k = 0, i = 0;
   auto one = [&](std::int64_t j) {
-    const std::byte* c = cur + j * static_cast<std::int64_t>(E);
-    std::byte* b = base + j * static_cast<std::int64_t>(E);
-    if (std::memcmp(c, b, E) == 0) return;
+    const std::byte* c = cur + j * static_cast<std::int64_t>(esz);
+    std::byte* b = base + j * static_cast<std::int64_t>(esz);
+    if (std::memcmp(c, b, esz) == 0) return;
     idx[k] = static_cast<std::uint16_t>(j);
-    std::memcpy(vals + k * static_cast<std::int64_t>(E), c, E);
-    std::memcpy(b, c, E);
+    std::memcpy(vals + k * static_cast<std::int64_t>(esz), c, esz);
+    std::memcpy(b, c, esz);
     ++k;
   };
-  if constexpr (E <= 8 && 8 % E == 0) {
+  if constexpr (E != 0 && E <= 8 && 8 % (E ? E : 1) == 0) {
     // 32 bytes at a time: a clean block is one compare; a dirty one is
     // compacted without branches (every element written, the count advanced
     // by whether it differs) and copied into the base whole.
@@ -232,19 +235,7 @@ inline std::int64_t diff_compact_bytes(std::size_t E, const std::byte* cur, std:
     case 2: return diff_compact<2>(cur, base, n, idx, vals);
     case 4: return diff_compact<4>(cur, base, n, idx, vals);
     case 8: return diff_compact<8>(cur, base, n, idx, vals);
-    default: {
-      std::int64_t k = 0;
-      for (std::int64_t j = 0; j < n; ++j) {
-        const std::byte* c = cur + j * static_cast<std::int64_t>(E);
-        std::byte* b = base + j * static_cast<std::int64_t>(E);
-        if (std::memcmp(c, b, E) == 0) continue;
-        idx[k] = static_cast<std::uint16_t>(j);
-        std::memcpy(vals + k * static_cast<std::int64_t>(E), c, E);
-        std::memcpy(b, c, E);
-        ++k;
-      }
-      return k;
-    }
+    default: return diff_compact<0>(cur, base, n, idx, vals, E);
   }
 }
 
