@@ -4,15 +4,20 @@
 #   refit.default            the embedded model validates (--json, one iteration)
 #   refit.example.<pair>     every examples/<pair>/{train,infer}.json refits and validates
 #   refit.hierarchical.*     a hierarchical (staged) plan runs and validates
+#   refit.delta.*            --delta: Adam-evolved versions, delta and dense refits, validated
 #   refit.usage.*            usage errors: an unknown transport, --hierarchical without --topology
 if(TARGET reshard-refit)
   set(_reshard_check ${CMAKE_CURRENT_LIST_DIR}/cli/check_cli.cmake)
   set(_reshard_refit $<TARGET_FILE:reshard-refit>)
   # name, timeout, baseline (ON/OFF), then the arguments ('|'-separated).
   function(reshard_refit_test name timeout baseline args)
+    set(delta OFF)
+    if(args MATCHES "--delta")
+      set(delta ON)
+    endif()
     add_test(NAME ${name}
              COMMAND ${CMAKE_COMMAND} -DEXE=${_reshard_refit} -DMODE=refit "-DARGS=${args}" -DBASELINE=${baseline}
-                     -DTIMEOUT=${timeout} -P ${_reshard_check})
+                     -DDELTA=${delta} -DTIMEOUT=${timeout} -P ${_reshard_check})
     set_tests_properties(${name} PROPERTIES TIMEOUT ${timeout} LABELS refit)
   endfunction()
   reshard_refit_test(refit.default 600 ON "--iterations|1|--json")
@@ -27,7 +32,13 @@ if(TARGET reshard-refit)
   set(_moe ${PROJECT_SOURCE_DIR}/examples/moe-experts)
   reshard_refit_test(refit.hierarchical.moe-experts 120 ON
                      "--src|${_moe}/train.json|--dst|${_moe}/infer.json|--topology|h100-8x400g|--placement|separate|--hierarchical|--pipeline|2|--iterations|2|--json|--staging-budget|4096")
+  # Delta refits: tiny-llama Megatron tp=2 -> vLLM tp=4, Adam at lr 1e-6 and
+  # at lr 1e-3 (most elements change: the dense fallback).
+  set(_tiny ${PROJECT_SOURCE_DIR}/examples/models/tiny-llama.json)
+  reshard_refit_test(refit.delta.tiny-llama 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|4|--json")
+  reshard_refit_test(refit.delta.dense-fallback 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|3|--lr|1e-3|--dense-above|0.2|--json")
   reshard_cli_usage_tests(refit.usage ${_reshard_refit} refit
+      "delta-versions|2|only go with --delta|--versions|3"
       "hierarchical|2|--hierarchical needs --topology|--hierarchical"
       "transport|2|unknown transport 'carrier-pigeon'|--transport|carrier-pigeon")
 endif()

@@ -6,6 +6,8 @@
 #                       protocols, validated element by element
 #   ucx.mpi.cli         under mpirun -np 6: `reshard-refit --transport ucx`
 #                       (tiny MoE tp=2,dp=1,ep=2 -> tp=4), must validate
+#   ucx.mpi.cli.delta   the same with --delta (tiny-llama tp=2 -> tp=4, 4
+#                       Adam versions, every one checked against the dense refit)
 # Loopback only: UCX_NET_DEVICES=lo; shared memory + CMA carry the data, TCP
 # the error-handling control endpoints. mpirun runs as root in CI containers,
 # oversubscribed (2 cores).
@@ -40,4 +42,8 @@ if(TARGET reshard-refit)
            COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/examples/models/tiny-moe.json
                    --train tp=2,dp=1,ep=2 --infer tp=4 --iterations 3 --json)
   set_tests_properties(ucx.mpi.cli PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")
+  add_test(NAME ucx.mpi.cli.delta
+           COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/examples/models/tiny-llama.json
+                   --train tp=2 --infer tp=4 --delta --versions 4 --json)
+  set_tests_properties(ucx.mpi.cli.delta PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")
 endif()

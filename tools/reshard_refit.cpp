@@ -4,21 +4,29 @@
 //                 [--model CONFIG.json --train SPEC --infer SPEC [--colocate] [--group-experts]]
 //                 [--staging-budget BYTES] [--no-baseline]
 //                 [--topology NAME|FILE [--placement launch|separate] --hierarchical [--pipeline K]]
+//                 [--delta --versions N [--lr LR] [--dense-above F]]
 // With no arguments: an embedded Llama-like model (8 layers, hidden 2048,
 // bf16, ~700 MB) from Megatron pp=2 x dp=2 x tp=2 to vLLM tp=4 on the
 // in-process transport. Every destination element is checked after every
 // refit of each method (new source values each iteration). Exit status: 0 validated, 1 validation failed or
 // invalid input, 2 usage error.
+// --delta: N versions of the weights evolved by Adam (tools/delta_harness.hpp),
+// each refit as a delta refit and as a dense refit in the same run, every
+// element of the delta destination checked against the dense one.
 #include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "delta_harness.hpp"
 #include "refit_harness.hpp"
 #include "reshard/hierarchical.hpp"
 #include "reshard/json_io.hpp"
@@ -53,16 +61,97 @@ nlohmann::json method_json(const MethodResult& m) {
           {"checked_elements", m.checked},    {"wrong_elements", m.wrong}};
 }
 
+/// The --delta report: the contract's fields (bytes_moved / seconds: the
+/// delta refit's medians over the versions after the first; "baseline": the
+/// dense refit of the same versions) plus "delta" and "dense".
+int print_delta(const delta_harness::Result& r, const Layout& src, const Layout& dst, const std::string& model, const std::string& transport,
+                double lr, bool json) {
+  using V = delta_harness::Version;
+  const double dbytes = r.median_of(&V::delta_bytes), nbytes = r.median_of(&V::dense_bytes);
+  const double dsec = r.median_of(&V::delta_seconds), nsec = r.median_of(&V::dense_seconds);
+  const double frac = r.median_of(&V::changed_fraction);
+  const bool ok = r.validated();
+  if (json) {
+    nlohmann::json per = nlohmann::json::array();
+    for (const auto& v : r.versions)
+      per.push_back({{"mode", v.mode}, {"changed_fraction", v.changed_fraction >= 0 ? nlohmann::json(v.changed_fraction) : nlohmann::json()}, {"bytes_moved", v.delta_bytes}, {"seconds", v.delta_seconds},
+                     {"dense_bytes_moved", v.dense_bytes}, {"dense_seconds", v.dense_seconds}, {"wrong_elements", v.wrong},
+                     {"diff_seconds", v.diff_seconds}, {"scatter_seconds", v.scatter_seconds}});
+    nlohmann::json j = {{"model", model},
+                        {"transport", transport},
+                        {"src_ranks", src.mesh.size()},
+                        {"dst_ranks", dst.mesh.size()},
+                        {"src_layout", src.origin},
+                        {"dst_layout", dst.origin},
+                        {"bytes_moved", static_cast<std::int64_t>(dbytes)},
+                        {"seconds", dsec},
+                        {"validated", ok},
+                        {"baseline", {{"method", "dense"}, {"bytes_moved", static_cast<std::int64_t>(nbytes)}, {"seconds", nsec}}},
+                        {"lr", lr},
+                        {"delta",
+                         {{"versions", r.versions.size()},
+                          {"changed_fraction", frac},
+                          {"bytes_moved", static_cast<std::int64_t>(dbytes)},
+                          {"seconds", dsec},
+                          {"per_version", per}}},
+                        {"dense", {{"bytes_moved", static_cast<std::int64_t>(nbytes)}, {"seconds", nsec}}},
+                        {"bytes_ratio", nbytes > 0 ? dbytes / nbytes : 0},
+                        {"time_ratio", nsec > 0 ? dsec / nsec : 0},
+                        {"shadow_bytes_max_rank", r.shadow_bytes},
+                        {"delta_staging_bytes_max_rank", r.delta_staging_bytes},
+                        {"adam_seconds", r.adam_seconds},
+                        {"checked_elements", r.checked},
+                        {"wrong_elements", r.wrong}};
+    std::cout << j.dump() << std::endl;
+  } else {
+    fmt::print("reshard-refit --delta: {} ({}, {} ranks -> {}, {} ranks) on the {} transport, {} versions, Adam lr {:g}\n", model, src.origin,
+               src.mesh.size(), dst.origin, dst.mesh.size(), transport, r.versions.size(), lr);
+    fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10}\n", "version", "mode", "changed", "delta bytes", "delta time",
+               "dense bytes", "dense time", "diff", "scatter");
+    for (std::size_t k = 0; k < r.versions.size(); ++k) {
+      const auto& v = r.versions[k];
+      fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10}\n", k + 1, v.mode,
+                 v.changed_fraction >= 0 ? fmt::format("{:.4f}%", 100 * v.changed_fraction) : std::string("-"),
+                 human_bytes(static_cast<double>(v.delta_bytes)), human_seconds(v.delta_seconds), human_bytes(static_cast<double>(v.dense_bytes)),
+                 human_seconds(v.dense_seconds), human_seconds(v.diff_seconds), human_seconds(v.scatter_seconds));
+    }
+    fmt::print("median after the first: changed {:.4f}%, delta {} in {}, dense {} in {}: {:.4f} of the bytes, {:.3f} of the time\n", 100 * frac,
+               human_bytes(dbytes), human_seconds(dsec), human_bytes(nbytes), human_seconds(nsec), nbytes > 0 ? dbytes / nbytes : 0,
+               nsec > 0 ? dsec / nsec : 0);
+    fmt::print("shadow {} and delta staging {} on the busiest rank; {} elements checked against the dense refit, {} wrong\n",
+               human_bytes(static_cast<double>(r.shadow_bytes)), human_bytes(static_cast<double>(r.delta_staging_bytes)), r.checked, r.wrong);
+  }
+  if (!ok) fmt::print(stderr, "reshard-refit: validation failed: {}\n", r.first_wrong.empty() ? "nothing was checked" : r.first_wrong);
+  return ok ? 0 : 1;
+}
+
 #ifdef RESHARD_HAVE_UCX
 /// `--transport ucx` under mpirun: world = both sides' ranks. Rank 0 prints
 /// the report; every rank exits 1 unless the refit validated.
 int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const std::string& model, int iterations,
-            bool baseline, std::int64_t budget, const std::string& protocol, bool json) {
+            bool baseline, std::int64_t budget, const std::string& protocol, bool json, const delta_harness::Options* delta) {
   MpiSession mpi(argc, argv);
   try {
     UcxOptions uo;
     uo.protocol = parse_ucx_protocol(protocol);
+    // --delta: the source ranks run Adam over their weights between refits
+    // (seconds per GB on a busy host) while the others wait in the bootstrap.
+    if (delta) uo.stall_timeout = std::chrono::minutes(10);
     UcxTransport t(mpi_bootstrap(), uo);
+    if (delta) {
+      std::int64_t need = 0;
+      for (const Layout* L : {&src, &dst})
+        for (auto r : L->mesh.global_ranks()) need = std::max(need, r + 1);
+      if (static_cast<std::int64_t>(t.world_ranks().size()) < need)
+        fail("ucx refit: the layouts use {} ranks but the job has {} processes (run under mpirun with -np {})", need, t.world_ranks().size(), need);
+      delta_harness::Options o = *delta;
+      o.executor.staging_budget = budget;
+      const auto r = delta_harness::run(src, dst, t, o);
+      int rc = r.validated() ? 0 : 1;
+      if (t.rank() == 0) rc = print_delta(r, src, dst, model, "ucx", o.lr, json);
+      t.all_gather({}, Clock::now() + std::chrono::seconds(30));
+      return rc;
+    }
     UcxRefitOptions ro;
     ro.iterations = iterations;
     ro.baseline = baseline;
@@ -124,6 +213,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"launch", "separate"}));
   app.add_flag("--hierarchical", hierarchical, "run the hierarchical (staged) plan on the topology (local transport)");
   app.add_option("--pipeline", pipeline, "with --hierarchical: network chunks per rank")->check(CLI::Range(1, 64));
+  bool delta = false;
+  int versions = 5;
+  double lr = 1e-6, dense_above = DeltaOptions{}.dense_above;
+  app.add_flag("--delta", delta, "refit N versions evolved by Adam, sending only what changed (and each dense, to compare)");
+  auto* vo = app.add_option("--versions", versions, "with --delta: versions to refit (the first is dense)")->check(CLI::Range(2, 1000));
+  auto* lo = app.add_option("--lr", lr, "with --delta: Adam learning rate (default 1e-6)")->check(CLI::PositiveNumber);
+  auto* dao = app.add_option("--dense-above", dense_above, "with --delta: changed fraction above which a refit goes dense")
+                  ->check(CLI::Range(0.0, 1.0));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -149,6 +246,14 @@ int main(int argc, char** argv) {
   }
   if (!hierarchical && (!topology.empty() || !placement.empty())) {
     fmt::print(stderr, "reshard-refit: --topology and --placement only go with --hierarchical\n");
+    return 2;
+  }
+  if (!delta && (vo->count() || lo->count() || dao->count())) {
+    fmt::print(stderr, "reshard-refit: --versions, --lr and --dense-above only go with --delta\n");
+    return 2;
+  }
+  if (delta && hierarchical) {
+    fmt::print(stderr, "reshard-refit: --delta does not run hierarchical (staged) plans\n");
     return 2;
   }
   if (hierarchical && transport != "local") {
@@ -180,12 +285,33 @@ int main(int argc, char** argv) {
     // The traditional refit gathers and broadcasts whole tensors in the
     // destination's dtype; it has no FP8 form here (docs/fp8.md).
     if (std::any_of(dst.tensors.begin(), dst.tensors.end(), [](const TensorSpec& t) { return t.quant.has_value(); })) {
-      if (!no_baseline) fmt::print(stderr, "reshard-refit: FP8 destination: no traditional baseline (as with --no-baseline)\n");
+      if (!no_baseline && !json) fmt::print("reshard-refit: FP8 destination: no traditional baseline (as with --no-baseline)\n");
       no_baseline = true;
     }
+    delta_harness::Options dho;
+    dho.versions = versions;
+    dho.lr = lr;
+    dho.delta.dense_above = dense_above;
 #ifdef RESHARD_HAVE_UCX
-    if (transport == "ucx") return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json);
+    if (transport == "ucx")
+      return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json, delta ? &dho : nullptr);
 #endif
+    if (delta) {
+      dho.executor.staging_budget = budget;
+      std::set<std::int64_t> ws;
+      for (const Layout* L : {&src, &dst})
+        for (auto r : L->mesh.global_ranks()) ws.insert(r);
+      const std::vector<std::int64_t> ranks(ws.begin(), ws.end());
+      LocalWorld world(ranks);
+      std::optional<delta_harness::Result> result;
+      std::mutex m;
+      world.run([&](LocalTransport& t) {
+        auto r = delta_harness::run(src, dst, t, dho);
+        std::lock_guard lk(m);
+        if (!result) result = std::move(r);
+      });
+      return print_delta(*result, src, dst, model, "local", lr, json);
+    }
     refit_harness::RunOptions opt;
     opt.iterations = iterations;
     opt.baseline = !no_baseline;

@@ -65,6 +65,11 @@
 // written. setup() checks the staged schedule against the layouts (buffer
 // lists, every copy's buffers, tensor and ranks).
 //
+// Delta refits (ResharderOptions::delta, delta.hpp): each destination set
+// gets a DeltaExecutor that, after a dense first refit, sends only the
+// elements that changed since what that set holds, under the same commit.
+// Any failure needs setup() again, which makes the next refit dense.
+//
 // Buffers are bound by bind_buffers() (binding.hpp), which also serves
 // callers that drive an executor themselves.
 #include <algorithm>
@@ -84,6 +89,7 @@
 #include <fmt/format.h>
 
 #include "binding.hpp"
+#include "delta.hpp"
 #include "error.hpp"
 #include "executor.hpp"
 #include "hierarchical.hpp"
@@ -119,6 +125,9 @@ struct ResharderOptions {
   /// StagedExecutor (stage k on channel executor.channel + k) under the same
   /// versioned commit. Not together with `schedule`.
   std::shared_ptr<const StagedSchedule> staged;
+  /// Delta refits (delta.hpp): after the first refit, send only the changed
+  /// elements. Not together with `staged`. All ranks alike.
+  DeltaOptions delta{};
 };
 
 /// A refit that did not complete on every rank. Single-buffered: this
@@ -321,6 +330,16 @@ class Resharder {
     for (int set = 0; set < (opt_.double_buffered ? 2 : 1); ++set) {
       if (set == 1) eo.channel = static_cast<std::uint16_t>(opt_.executor.channel | 0x8000u);
       const auto& dset = set == 0 ? d : d2;
+      if (opt_.delta.enabled) {
+        // One DeltaExecutor per destination set: each keeps the shadow of
+        // what its own set holds (double-buffered: the version before last).
+        if (opt_.staged && error.empty()) error = fmt::format("rank {}: delta refits do not run staged schedules (ResharderOptions::staged)", me_);
+        auto& ex = delta_[static_cast<std::size_t>(set)];
+        if (!ex) ex = std::make_unique<DeltaExecutor<TransportT>>();
+        ex->set_tensor_names(names);
+        ex->setup(*schedule_, s, dset, transport, eo, opt_.delta, error);
+        continue;
+      }
       if (opt_.staged) {
         auto& ex = staged_[static_cast<std::size_t>(set)];
         if (!ex) ex = std::make_unique<StagedExecutor<TransportT>>();
@@ -357,6 +376,7 @@ class Resharder {
     }
     attempted_ = version;
     const int target = opt_.double_buffered ? 1 - serving_ : 0;
+    if (opt_.delta.enabled) return run_and_commit(*delta_[static_cast<std::size_t>(target)], version, target);
     if (opt_.staged) return run_and_commit(*staged_[static_cast<std::size_t>(target)], version, target);
     return run_and_commit(target == 0 ? *executor_ : *back_executor_, version, target);
   }
@@ -395,6 +415,12 @@ class Resharder {
   bool staged() const { return opt_.staged != nullptr; }
   /// With ResharderOptions::staged: the executor of destination set `set`
   /// (0 = dst, 1 = dst_back).
+  /// With ResharderOptions::delta: the delta executor of destination set `set`.
+  const DeltaExecutor<TransportT>& delta_executor(int set = 0) const {
+    if (!opt_.delta.enabled || set < 0 || set > 1 || !delta_[static_cast<std::size_t>(set)])
+      fail("Resharder::delta_executor({}): {}", set, opt_.delta.enabled ? "no such destination set is set up" : "ResharderOptions::delta is off");
+    return *delta_[static_cast<std::size_t>(set)];
+  }
   const StagedExecutor<TransportT>& staged_executor(int set = 0) const {
     if (!opt_.staged || set < 0 || set > 1 || !staged_[static_cast<std::size_t>(set)])
       fail("Resharder::staged_executor({}): {}", set, opt_.staged ? "no such destination set is set up" : "ResharderOptions::staged is not set");
@@ -549,6 +575,8 @@ class Resharder {
   std::unique_ptr<Executor<TransportT>> back_executor_;  ///< double-buffered: writes dst_back
   /// ResharderOptions::staged: per destination set (0 = dst, 1 = dst_back).
   std::array<std::unique_ptr<StagedExecutor<TransportT>>, 2> staged_;
+  /// ResharderOptions::delta: per destination set.
+  std::array<std::unique_ptr<DeltaExecutor<TransportT>>, 2> delta_;
   std::array<std::map<std::string, BufferView>, 2> serving_views_;
   bool ready_ = false, broken_ = false;
   // Versions: survive setup().

@@ -2,7 +2,7 @@
 #   -DEXE=reshard-plan -DMODE=bad     -DCASE=tests/bad_inputs/NAME.expect
 #   -DEXE=reshard-plan -DMODE=json|stats|rank|summary -DSRC=a.json -DDST=b.json
 #   -DEXE=reshard-plan -DMODE=usage   -DARGS=a|b|c -DWANT_RC=2 [-DCONTAINS=phrase|phrase]
-#   -DEXE=reshard-refit -DMODE=refit  -DARGS=a|b|c [-DBASELINE=ON] [-DTIMEOUT=600]
+#   -DEXE=reshard-refit -DMODE=refit  -DARGS=a|b|c [-DBASELINE=ON] [-DDELTA=ON] [-DTIMEOUT=600]
 # bad:     non-zero exit, nothing on stdout, exactly one line on stderr that
 #          names the file and holds every `contains` line of the .expect file.
 # json:    the schedule parses, every copy has exactly the contract's fields
@@ -17,6 +17,8 @@
 # refit:   reshard-refit --json: exit 0, nothing on stderr (a sanitizer report
 #          fails it), one JSON object whose reshard figures say validated with
 #          every checked element right, and (BASELINE) the baseline's too.
+#          DELTA (--delta): the "delta" and "dense" objects carry the
+#          contract's fields, and the delta refit moved no more bytes.
 cmake_minimum_required(VERSION 3.25)
 
 function(die)
@@ -410,7 +412,27 @@ if(MODE STREQUAL "refit")
       die("${what}: validated ${ok}, ${wrong} of ${checked} checked elements wrong: ${so}")
     endif()
   endforeach()
-  if(NOT BASELINE)
+  if(DELTA)
+    foreach(k versions changed_fraction bytes_moved seconds)
+      json_type(t "${so}" delta ${k})
+      if(NOT t STREQUAL "NUMBER")
+        die("delta.${k} is ${t}, not a number: ${so}")
+      endif()
+    endforeach()
+    foreach(k bytes_moved seconds)
+      json_type(t "${so}" dense ${k})
+      if(NOT t STREQUAL "NUMBER")
+        die("dense.${k} is ${t}, not a number: ${so}")
+      endif()
+    endforeach()
+    expect_integer("${so}" delta bytes_moved)
+    expect_integer("${so}" dense bytes_moved)
+    json_get(db "${so}" delta bytes_moved)
+    json_get(nb "${so}" dense bytes_moved)
+    if(db GREATER nb)
+      die("the delta refit moved ${db} bytes, more than the dense refit's ${nb}: ${so}")
+    endif()
+  elseif(NOT BASELINE)
     string(JSON b ERROR_VARIABLE err GET "${so}" baseline)
     if(NOT err)
       die("a baseline ran although the test expects none: ${so}")

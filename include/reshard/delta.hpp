@@ -1,0 +1,976 @@
+#pragma once
+// Delta refits: after a version has reached the destination, the next refit
+// sends, per peer pair, only the elements whose bits changed, exactly.
+//
+// At RL learning rates most BF16 weights do not change from one step to the
+// next (the Adam update is below half an ulp), so a dense refit moves mostly
+// bytes the receiver already holds. DeltaExecutor<T> replays the same
+// schedule as the Executor, but:
+//
+//  * Streams. A remote peer pair's copies, in one canonical order both ends
+//    compute, form one stream of elements per element size. The stream is
+//    cut into chunks of kChunk elements (so an index fits in 16 bits).
+//  * Shadow (the base). The sender keeps a copy of the stream it last
+//    delivered to this executor's destination set: the shadow. It is exactly
+//    what the receiver's target holds, because this executor is the only
+//    writer of that set (double-buffered: one DeltaExecutor per set, so each
+//    set's shadow is the version before last, never the last). Memory: the
+//    shadowed pairs' bytes on each sender, per destination set
+//    (DeltaOptions::shadow_budget bounds it; pairs past the bound are refit
+//    dense every time by a plain Executor over just those copies).
+//  * Encoding. The sender packs each chunk (the copy kernels), diffs it with
+//    the shadow (updating the shadow) and writes the cheapest of: nothing
+//    (unchanged), byte gaps + values, 16-bit indices + values, a bitmask +
+//    values, or the dense values. A payload header carries the version and the base version, and
+//    with ExecutorOptions::checksum a CRC32C of the payload.
+//  * Wire. Payloads vary in size but a Transport replays prepared ops of
+//    fixed sizes, so each pair's payload capacity (DeltaOptions::capacity of
+//    its dense bytes) is prepared as blocks of block_bytes; a refit posts the
+//    prefix of blocks its payload needs, both ends the same prefix, learned
+//    from one bootstrap all-gather per refit (which also carries every
+//    sender's changed count).
+//  * Fallback. All ranks decide alike from that all-gather: when the
+//    changed fraction is above DeltaOptions::dense_above (the break-even,
+//    measured: docs/delta.md) or a payload outgrew its capacity, the refit
+//    runs the plain Executor over the whole schedule (zero-copy as usual;
+//    the shadows are already current). Above dense_above the next
+//    dense_streak refits go dense without diffing (no shadow upkeep), then
+//    one refit re-primes the shadows (a pack of the sources) and the next
+//    one measures the density again.
+//  * A base that is always right. The first refit after setup() is dense
+//    and primes the shadows. Any failure breaks the executor (like the
+//    Executor); the Resharder then needs setup() again, which drops every
+//    shadow, so the next refit of every pair is dense. The receiver checks
+//    each payload's base version against the version its set last got from
+//    this executor: a mismatch fails the refit instead of scattering onto
+//    the wrong base. Nothing else may write the destination between refits
+//    (invalidate_base() after doing so).
+//
+// Limits: host memory, dense (unstrided) buffers, unstaged schedules.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "checksum.hpp"
+#include "copy_kernels.hpp"
+#include "error.hpp"
+#include "executor.hpp"
+#include "schedule.hpp"
+#include "transport.hpp"
+
+namespace reshard {
+
+struct DeltaOptions {
+  bool enabled = false;
+  /// Shadow bytes one sender may keep per destination set; pairs past it
+  /// (in peer order) are refit dense every time.
+  std::int64_t shadow_budget = INT64_MAX;
+  /// Changed fraction (over all ranks) above which a refit goes dense: the
+  /// break-even measured with reshard-refit --delta (docs/delta.md: about
+  /// 7% over UCX loopback on 2 cores, where the diff pass is CPU-bound).
+  double dense_above = 0.06;
+  /// Payload capacity per pair, as a fraction of its dense bytes (plus the
+  /// chunk table): the staging each side holds for delta payloads.
+  double capacity = 0.375;
+  /// Payloads move in blocks of this many bytes (the last one of a pair shorter).
+  std::int64_t block_bytes = std::int64_t{64} << 10;
+  /// After a refit above dense_above: this many dense refits without diffing.
+  int dense_streak = 16;
+};
+
+namespace delta {
+
+/// Elements per chunk: indices within a chunk fit in 16 bits.
+inline constexpr std::int64_t kChunk = 65536;
+
+/// How a chunk travels: nothing; 16-bit positions + values; a bitmask +
+/// values; the dense values; byte gaps between positions (255 escapes to a
+/// 16-bit position) + values, the smallest at RL densities (a few %).
+enum class ChunkMode : std::uint8_t { same = 0, index = 1, mask = 2, dense = 3, gap = 4 };
+inline constexpr int kChunkModes = 5;
+
+inline const char* to_string(ChunkMode m) {
+  switch (m) {
+    case ChunkMode::same: return "same";
+    case ChunkMode::index: return "index";
+    case ChunkMode::mask: return "mask";
+    case ChunkMode::gap: return "gap";
+    default: return "dense";
+  }
+}
+
+/// Bytes of a chunk's body: n elements of E bytes, k of them changed, `esc`
+/// of the gaps escaped (gap mode).
+inline std::int64_t body_bytes(ChunkMode m, std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = 0) {
+  switch (m) {
+    case ChunkMode::same: return 0;
+    case ChunkMode::index: return k * (2 + E);
+    case ChunkMode::mask: return (n + 7) / 8 + k * E;
+    case ChunkMode::gap: return k * (1 + E) + 2 * esc;
+    default: return n * E;
+  }
+}
+
+/// Gaps that do not fit a byte (gap mode escapes them).
+inline std::int64_t gap_escapes(const std::uint16_t* idx, std::int64_t k) {
+  std::int64_t esc = 0, prev = -1;
+  for (std::int64_t j = 0; j < k; ++j) {
+    esc += idx[j] - prev - 1 >= 255;
+    prev = idx[j];
+  }
+  return esc;
+}
+
+/// The smallest encoding of a chunk (ties go to the simpler one).
+inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = INT64_MAX / 4) {
+  if (k == 0) return ChunkMode::same;
+  ChunkMode best = ChunkMode::dense;
+  for (ChunkMode m : {ChunkMode::mask, ChunkMode::index, ChunkMode::gap})
+    if (body_bytes(m, n, k, E, esc) < body_bytes(best, n, k, E, esc)) best = m;
+  return best;
+}
+
+/// Gap stream of a sorted index list: per position the distance from the
+/// previous one minus one as a byte, or 255 and the position in 16 bits.
+inline void gaps_from_indices(const std::uint16_t* idx, std::int64_t k, std::byte* out) {
+  std::int64_t prev = -1;
+  for (std::int64_t j = 0; j < k; ++j) {
+    const std::int64_t g = idx[j] - prev - 1;
+    if (g < 255) {
+      *out++ = static_cast<std::byte>(g);
+    } else {
+      *out++ = std::byte{255};
+      std::memcpy(out, &idx[j], 2);
+      out += 2;
+    }
+    prev = idx[j];
+  }
+}
+
+/// The index list of a gap stream of k positions within n; returns the
+/// stream's bytes, or -1 if it is malformed (past `limit` bytes or n).
+inline std::int64_t indices_from_gaps(const std::byte* in, std::int64_t k, std::int64_t n, std::int64_t limit, std::uint16_t* idx) {
+  std::int64_t at = 0, prev = -1;
+  for (std::int64_t j = 0; j < k; ++j) {
+    if (at >= limit) return -1;
+    const auto g = static_cast<std::int64_t>(in[at++]);
+    std::int64_t p;
+    if (g < 255) {
+      p = prev + 1 + g;
+    } else {
+      if (at + 2 > limit) return -1;
+      std::uint16_t x;
+      std::memcpy(&x, in + at, 2);
+      at += 2;
+      p = x;
+    }
+    if (p <= prev || p >= n) return -1;
+    idx[j] = static_cast<std::uint16_t>(p);
+    prev = p;
+  }
+  return at;
+}
+
+/// A chunk table entry: mode in the top byte, the changed count below.
+inline std::uint32_t table_entry(ChunkMode m, std::int64_t k) {
+  return static_cast<std::uint32_t>(m) << 24 | static_cast<std::uint32_t>(k);
+}
+
+/// Diff-and-compact: compares n elements of E bytes of `cur` with `base`;
+/// writes the positions that differ to `idx` and their new values to `vals`,
+/// copies them into `base`, and returns how many. Equal 8-byte words are
+/// skipped in one compare (most of a chunk at RL densities).
+/// E == 0: a runtime element size `eb`.
+template <std::size_t E>
+inline std::int64_t diff_compact(const std::byte* cur, std::byte* base, std::int64_t n, std::uint16_t* idx, std::byte* vals,
+                                 std::size_t eb = E) {
+  const std::size_t esz = E ? E : eb;
+  std::int64_t k = 0, i = 0;
+  auto one = [&](std::int64_t j) {
+    const std::byte* c = cur + j * static_cast<std::int64_t>(esz);
+    std::byte* b = base + j * static_cast<std::int64_t>(esz);
+    if (std::memcmp(c, b, esz) == 0) return;
+    idx[k] = static_cast<std::uint16_t>(j);
+    std::memcpy(vals + k * static_cast<std::int64_t>(esz), c, esz);
+    std::memcpy(b, c, esz);
+    ++k;
+  };
+  if constexpr (E != 0 && E <= 8 && 8 % (E ? E : 1) == 0) {
+    // 32 bytes at a time: a clean block is one compare; a dirty one is
+    // compacted without branches (every element written, the count advanced
+    // by whether it differs) and copied into the base whole.
+    constexpr std::int64_t B = 32 / static_cast<std::int64_t>(E);
+    for (; i + B <= n; i += B) {
+      const std::byte* c = cur + i * static_cast<std::int64_t>(E);
+      std::byte* b = base + i * static_cast<std::int64_t>(E);
+      std::uint64_t a[4], o[4];
+      std::memcpy(a, c, 32);
+      std::memcpy(o, b, 32);
+      if (((a[0] ^ o[0]) | (a[1] ^ o[1]) | (a[2] ^ o[2]) | (a[3] ^ o[3])) == 0) continue;
+      for (std::int64_t j = 0; j < B; ++j) {
+        idx[k] = static_cast<std::uint16_t>(i + j);
+        std::memcpy(vals + k * static_cast<std::int64_t>(E), c + j * static_cast<std::int64_t>(E), E);
+        k += std::memcmp(c + j * static_cast<std::int64_t>(E), b + j * static_cast<std::int64_t>(E), E) != 0;
+      }
+      std::memcpy(b, c, 32);
+    }
+  }
+  for (; i < n; ++i) one(i);
+  return k;
+}
+
+/// diff_compact for any element size (runtime E).
+inline std::int64_t diff_compact_bytes(std::size_t E, const std::byte* cur, std::byte* base, std::int64_t n, std::uint16_t* idx,
+                                       std::byte* vals) {
+  switch (E) {
+    case 1: return diff_compact<1>(cur, base, n, idx, vals);
+    case 2: return diff_compact<2>(cur, base, n, idx, vals);
+    case 4: return diff_compact<4>(cur, base, n, idx, vals);
+    case 8: return diff_compact<8>(cur, base, n, idx, vals);
+    default: return diff_compact<0>(cur, base, n, idx, vals, E);
+  }
+}
+
+/// Bitmask of n positions from a sorted index list (bit j of byte j/8).
+inline void mask_from_indices(const std::uint16_t* idx, std::int64_t k, std::int64_t n, std::byte* mask) {
+  std::memset(mask, 0, static_cast<std::size_t>((n + 7) / 8));
+  for (std::int64_t j = 0; j < k; ++j) mask[idx[j] >> 3] |= std::byte{static_cast<unsigned char>(1u << (idx[j] & 7))};
+}
+
+/// The index list of a bitmask of n positions; returns the count.
+inline std::int64_t indices_from_mask(const std::byte* mask, std::int64_t n, std::uint16_t* idx) {
+  std::int64_t k = 0;
+  for (std::int64_t w = 0; w < (n + 7) / 8; ++w) {
+    auto bits = static_cast<unsigned>(mask[w]);
+    while (bits) {
+      const int b = __builtin_ctz(bits);
+      const std::int64_t j = w * 8 + b;
+      if (j < n) idx[k++] = static_cast<std::uint16_t>(j);
+      bits &= bits - 1;
+    }
+  }
+  return k;
+}
+
+/// One copy's side as a run of a stream: elements [first, first + count) of
+/// the stream are the copy's elements in row-major order.
+struct StreamSegment {
+  std::byte* base = nullptr;  ///< the buffer's data
+  std::int64_t offset = 0;    ///< the copy's offset in elements
+  int rank = 1;
+  std::array<std::int64_t, kMaxBoxRank> extent{}, stride{};
+  std::int64_t first = 0, count = 0;
+  bool contiguous = false;  ///< row-major dense: element e is at offset + e
+
+  /// Element offset (from base) of the copy's e-th element.
+  std::int64_t at(std::int64_t e) const {
+    if (rank == 1) return offset + e * stride[0];
+    std::int64_t o = offset;
+    for (int d = rank - 1; d >= 0; --d) {
+      const auto ud = static_cast<std::size_t>(d);
+      o += (e % extent[ud]) * stride[ud];
+      e /= extent[ud];
+    }
+    return o;
+  }
+};
+
+/// Packs (or unpacks) stream elements [first, first + n) through the segments.
+template <bool Pack>
+inline void stream_copy(std::size_t E, const std::vector<StreamSegment>& segs, std::size_t& cursor, std::int64_t first, std::int64_t n,
+                        std::byte* stream) {
+  while (cursor < segs.size() && segs[cursor].first + segs[cursor].count <= first) ++cursor;
+  for (std::size_t s = cursor; s < segs.size() && n > 0; ++s) {
+    const StreamSegment& g = segs[s];
+    const std::int64_t in = first - g.first, m = std::min(n, g.count - in);
+    const BoxSide side{g.base, g.offset, g.stride.data()};
+    if constexpr (Pack)
+      pack_range(E, g.rank, g.extent.data(), side, in, m, stream);
+    else
+      unpack_range(E, g.rank, g.extent.data(), side, in, m, stream);
+    stream += m * static_cast<std::int64_t>(E);
+    first += m;
+    n -= m;
+  }
+}
+
+/// Scatter: writes k values (E bytes each) to stream positions chunk_first +
+/// idx[j] (sorted) through the segments.
+template <std::size_t E>
+inline void scatter(const std::vector<StreamSegment>& segs, std::size_t& cursor, std::int64_t chunk_first, const std::uint16_t* idx,
+                    std::int64_t k, const std::byte* vals, std::size_t eb = E) {
+  const std::size_t esz = E ? E : eb;
+  for (std::int64_t j = 0; j < k; ++j) {
+    const std::int64_t p = chunk_first + idx[j];
+    while (segs[cursor].first + segs[cursor].count <= p) ++cursor;
+    const StreamSegment& g = segs[cursor];
+    const std::int64_t at = g.contiguous ? g.offset + (p - g.first) : g.at(p - g.first);
+    std::memcpy(g.base + at * static_cast<std::int64_t>(esz), vals + j * static_cast<std::int64_t>(esz), esz);
+  }
+}
+
+inline void scatter_bytes(std::size_t E, const std::vector<StreamSegment>& segs, std::size_t& cursor, std::int64_t chunk_first,
+                          const std::uint16_t* idx, std::int64_t k, const std::byte* vals) {
+  switch (E) {
+    case 1: return scatter<1>(segs, cursor, chunk_first, idx, k, vals);
+    case 2: return scatter<2>(segs, cursor, chunk_first, idx, k, vals);
+    case 4: return scatter<4>(segs, cursor, chunk_first, idx, k, vals);
+    case 8: return scatter<8>(segs, cursor, chunk_first, idx, k, vals);
+    default: return scatter<0>(segs, cursor, chunk_first, idx, k, vals, E);
+  }
+}
+
+/// Payload header (then a u32 table entry per chunk, then the chunk bodies).
+struct PayloadHeader {
+  std::uint32_t magic = 0x44454c54;  // "DELT"
+  std::uint32_t chunks = 0;
+  std::uint64_t version = 0, base_version = 0;
+  std::uint64_t bytes = 0;  ///< the whole payload, header included
+  std::uint32_t crc = 0;    ///< CRC32C of the table and bodies (ExecutorOptions::checksum)
+  std::uint32_t reserved = 0;
+};
+
+/// One element size's stream of a peer pair.
+struct Stream {
+  std::size_t E = 0;
+  std::int64_t elements = 0;
+  std::vector<StreamSegment> segs;
+  std::int64_t chunks() const { return (elements + kChunk - 1) / kChunk; }
+};
+
+/// Canonical order of a pair's copies (both ends sort the same set alike).
+inline bool copy_before(const Copy& a, const Copy& b) {
+  auto key = [](const Copy& c) {
+    return std::tie(c.element_bytes, c.tensor, c.dst_buffer, c.dst_offset, c.src_buffer, c.src_offset, c.rank, c.extent, c.src_stride,
+                    c.dst_stride);
+  };
+  return key(a) < key(b);
+}
+
+}  // namespace delta
+
+/// What one delta refit did on this rank (beside its ExecutorStats).
+struct DeltaStats {
+  /// "delta" (payloads), "dense" (decided from the densities), "prime"
+  /// (dense, shadows filled), "streak" (dense without diffing).
+  std::string mode;
+  std::int64_t compared = 0, changed = 0;              ///< this rank's shadowed send elements
+  std::int64_t world_compared = 0, world_changed = 0;  ///< over all ranks (delta and dense modes)
+  std::int64_t payload_bytes = 0;                      ///< encoded bytes this rank sent
+  std::int64_t block_bytes_sent = 0;                   ///< what those payloads moved (whole blocks)
+  std::int64_t chunks[delta::kChunkModes] = {};        ///< per ChunkMode, chunks this rank sent
+  double diff_seconds = 0, scatter_seconds = 0;
+  double changed_fraction() const { return world_compared ? static_cast<double>(world_changed) / static_cast<double>(world_compared) : 0; }
+};
+
+template <class T>
+class DeltaExecutor {
+  static_assert(check_transport<T>(), "reshard::DeltaExecutor<T>: T must model reshard::Transport (see transport.hpp)");
+
+ public:
+  DeltaExecutor() = default;
+  DeltaExecutor(const DeltaExecutor&) = delete;
+  DeltaExecutor& operator=(const DeltaExecutor&) = delete;
+  ~DeltaExecutor() { release(); }
+
+  /// Like Executor::setup (collective); drops every shadow, so the next run is dense.
+  void setup(const Schedule& schedule, std::vector<const BoundBuffer*> src, std::vector<const BoundBuffer*> dst, T& transport,
+             ExecutorOptions opt = {}, DeltaOptions dopt = {}, std::string local_error = {});
+  /// One refit (every rank the same version, increasing). Throws after
+  /// aborting the transport on any failure, and refuses later runs.
+  ExecutorStats run(std::uint64_t version);
+
+  void set_tensor_names(std::vector<std::string> names) { names_ = std::move(names); }
+  /// Forces the next refit dense (e.g. the destination was written by someone else). Every rank alike.
+  void invalidate_base() {
+    base_valid_ = false;
+    streak_left_ = 0;
+  }
+  const DeltaStats& last_delta() const { return last_; }
+  bool base_valid() const { return base_valid_; }
+  std::int64_t shadow_bytes() const { return static_cast<std::int64_t>(shadow_.size()); }
+  std::int64_t staging_bytes() const { return static_cast<std::int64_t>(send_stage_.size() + recv_stage_.size()); }
+  bool broken() const { return broken_; }
+  std::int64_t planned_bytes_sent() const { return full_.planned_bytes_sent(); }
+  std::int64_t planned_bytes_received() const { return full_.planned_bytes_received(); }
+  std::int64_t planned_local_bytes() const { return full_.planned_local_bytes(); }
+  std::vector<MissingPieces> missing() const;
+
+ private:
+  struct Pair {
+    std::int64_t peer = -1;
+    bool send = true;
+    std::vector<delta::Stream> streams;
+    std::vector<std::int32_t> tensors;
+    std::int64_t bytes = 0, chunks = 0;
+    std::int64_t capacity = 0;      ///< payload bytes prepared
+    std::int64_t stage_offset = 0;  ///< in send_stage_ or recv_stage_
+    std::int64_t shadow_offset = 0;
+    std::int64_t payload = 0;       ///< this run's encoded bytes (sender) or posted bytes (receiver)
+    bool overflow = false, done = false;
+  };
+
+  void release();
+  [[noreturn]] void fail_run(const std::string& what);
+  std::int64_t blocks_of(std::int64_t bytes) const { return (bytes + dopt_.block_bytes - 1) / dopt_.block_bytes; }
+  std::uint64_t tag(std::int64_t block) const { return static_cast<std::uint64_t>(channel_) << 48 | static_cast<std::uint64_t>(block); }
+  std::vector<TransferOp> block_ops(const Pair& p, std::int64_t bytes) const;
+  void encode(Pair& p, std::uint64_t version);
+  void decode(Pair& p, std::uint64_t version);
+  void prime();
+  std::string tensors_of(const Pair& p) const;
+
+  T* t_ = nullptr;
+  ExecutorOptions opt_;
+  DeltaOptions dopt_;
+  std::int64_t me_ = -1;
+  std::uint16_t channel_ = 0;
+  Executor<T> full_;  ///< the whole schedule, dense
+  Executor<T> rest_;  ///< local copies and the pairs without a shadow, dense, every refit
+  std::vector<Pair> pairs_;
+  std::vector<std::byte> shadow_, send_stage_, recv_stage_;
+  RegionHandle send_region_, recv_region_;
+  std::vector<std::byte> chunk_;        ///< one packed chunk (sender) scratch
+  std::vector<std::uint16_t> idx_;      ///< one chunk's changed positions
+  std::vector<std::byte> vals_;         ///< one chunk's changed values
+  std::vector<std::string> names_;
+  bool ready_ = false, broken_ = false, base_valid_ = false, used_full_ = true;
+  int streak_left_ = 0;
+  std::uint64_t base_version_ = 0;  ///< the version the shadows (and the targets) hold
+  DeltaStats last_;
+};
+
+// ---------------------------------------------------------------------------
+
+template <class T>
+void DeltaExecutor<T>::release() {
+  if (t_) {
+    if (send_region_.valid()) t_->deregister_memory(send_region_);
+    if (recv_region_.valid()) t_->deregister_memory(recv_region_);
+  }
+  send_region_ = recv_region_ = RegionHandle{};
+}
+
+template <class T>
+void DeltaExecutor<T>::fail_run(const std::string& what) {
+  broken_ = true;
+  t_->abort(what);
+  throw TransportError(what);
+}
+
+template <class T>
+void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*> src, std::vector<const BoundBuffer*> dst, T& transport,
+                             ExecutorOptions opt, DeltaOptions dopt, std::string local_error) {
+  release();
+  t_ = &transport;
+  opt_ = opt;
+  dopt_ = dopt;
+  me_ = transport.rank();
+  ready_ = broken_ = base_valid_ = false;
+  streak_left_ = 0;
+  base_version_ = 0;
+  pairs_.clear();
+  shadow_.clear();
+  send_stage_.clear();
+  recv_stage_.clear();
+  const Deadline deadline = Clock::now() + opt_.timeout;
+  channel_ = static_cast<std::uint16_t>(opt_.channel | 0x4000u);
+
+  // 1. This rank's pairs (canonical copy order) and local checks.
+  std::map<std::pair<std::int64_t, bool>, std::vector<Copy>> by_pair;
+  try {
+    if (!local_error.empty()) throw Error(local_error);
+    if (opt_.channel & 0x6000)
+      fail("rank {}: delta refits use channel | 0x2000 and channel | 0x4000; channel {:#x} has those bits set", me_, opt_.channel);
+    if (opt_.device) fail("rank {}: delta refits run on host memory; ExecutorOptions::device is set", me_);
+    if (dopt_.block_bytes < 64) fail("rank {}: DeltaOptions::block_bytes {} is below 64", me_, dopt_.block_bytes);
+    if (!(dopt_.capacity > 0) || dopt_.capacity > 2) fail("rank {}: DeltaOptions::capacity {} is outside (0, 2]", me_, dopt_.capacity);
+    if (dopt_.shadow_budget < 0) fail("rank {}: DeltaOptions::shadow_budget is negative", me_);
+    if (dopt_.dense_streak < 0) fail("rank {}: DeltaOptions::dense_streak is negative", me_);
+    for (const auto* v : {&src, &dst})
+      for (const BoundBuffer* b : *v)
+        if (b && (!b->dense() || b->memory != MemoryKind::host))
+          fail("rank {}: delta refits need dense host buffers, but '{}' is {}", me_, b->name,
+               b->memory != MemoryKind::host ? "device memory" : "a strided view");
+    for (const Copy& c : schedule.copies) {
+      if (c.is_local() || (c.src_rank != me_ && c.dst_rank != me_)) continue;
+      const bool send = c.src_rank == me_;
+      by_pair[{send ? c.dst_rank : c.src_rank, send}].push_back(c);
+    }
+  } catch (const std::exception& e) {
+    local_error = e.what();
+    by_pair.clear();
+  }
+  std::int64_t budget = dopt_.shadow_budget;
+  for (auto& [key, copies] : by_pair) {
+    std::sort(copies.begin(), copies.end(), delta::copy_before);
+    Pair p;
+    p.peer = key.first;
+    p.send = key.second;
+    std::map<std::size_t, delta::Stream> streams;
+    for (const Copy& c : copies) {
+      const auto E = static_cast<std::size_t>(c.element_bytes);
+      delta::Stream& s = streams[E];
+      s.E = E;
+      delta::StreamSegment g;
+      const BoundBuffer* b = p.send ? (static_cast<std::size_t>(c.src_buffer) < src.size() ? src[static_cast<std::size_t>(c.src_buffer)] : nullptr)
+                                    : (static_cast<std::size_t>(c.dst_buffer) < dst.size() ? dst[static_cast<std::size_t>(c.dst_buffer)] : nullptr);
+      if (!b && local_error.empty())
+        local_error = fmt::format("rank {}: delta refit: copy of tensor {} needs a {} buffer #{} this rank has not bound", me_,
+                                  c.tensor, p.send ? "source" : "destination", p.send ? c.src_buffer : c.dst_buffer);
+      g.base = b ? b->data : nullptr;
+      g.offset = p.send ? c.src_offset : c.dst_offset;
+      g.rank = std::max(c.rank, 1);
+      for (int d = 0; d < g.rank; ++d) {
+        const auto ud = static_cast<std::size_t>(d);
+        g.extent[ud] = c.rank ? c.extent[ud] : 1;
+        g.stride[ud] = c.rank ? (p.send ? c.src_stride[ud] : c.dst_stride[ud]) : 1;
+      }
+      g.first = s.elements;
+      g.count = c.elements();
+      std::array<std::int64_t, kMaxBoxRank> dense{};
+      kernels::dense_strides(g.rank, g.extent.data(), dense.data());
+      g.contiguous = true;
+      for (int d = 0; d < g.rank; ++d)
+        g.contiguous &= g.extent[static_cast<std::size_t>(d)] == 1 || g.stride[static_cast<std::size_t>(d)] == dense[static_cast<std::size_t>(d)];
+      s.elements += g.count;
+      s.segs.push_back(g);
+      p.bytes += c.bytes();
+      p.tensors.push_back(c.tensor);
+    }
+    for (auto& [E, s] : streams) {
+      p.chunks += s.chunks();
+      p.streams.push_back(std::move(s));
+    }
+    // The sender decides which pairs get a shadow, in peer order, within the budget.
+    p.done = p.send && p.bytes <= budget;  // (reused below as "shadowed" until the exchange)
+    if (p.done) budget -= p.bytes;
+    pairs_.push_back(std::move(p));
+  }
+
+  // 2. Exchange: status, and per send pair (receiver, bytes, shadowed), so
+  //    the receivers know which pairs come as payloads and both ends check
+  //    they see the same pair.
+  exec_detail::Writer w;
+  w.put<std::uint8_t>(local_error.empty() ? 1 : 0);
+  w.put_string(local_error);
+  std::uint32_t nsend = 0;
+  for (const Pair& p : pairs_) nsend += p.send ? 1 : 0;
+  w.put(nsend);
+  for (const Pair& p : pairs_)
+    if (p.send) {
+      w.put(p.peer);
+      w.put(p.bytes);
+      w.put<std::uint8_t>(p.done ? 1 : 0);
+    }
+  std::vector<std::vector<std::byte>> blobs = transport.all_gather(w.buf, deadline);
+  const auto world = transport.world_ranks();
+  std::string error = local_error;
+  std::set<std::pair<std::int64_t, std::int64_t>> shadowed;  // (src rank, dst rank)
+  for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
+    exec_detail::Reader rd(blobs[r], world[r]);
+    const bool ok = rd.get<std::uint8_t>() != 0;
+    const std::string msg = rd.get_string();
+    if (!ok) {
+      if (error.empty()) error = world[r] == me_ ? msg : fmt::format("rank {}: delta setup failed on rank {}: {}", me_, world[r], msg);
+      continue;
+    }
+    const auto n = rd.get<std::uint32_t>();
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const auto peer = rd.get<std::int64_t>();
+      const auto bytes = rd.get<std::int64_t>();
+      const bool sh = rd.get<std::uint8_t>() != 0;
+      if (peer != me_) continue;
+      auto it = std::find_if(pairs_.begin(), pairs_.end(), [&](const Pair& p) { return !p.send && p.peer == world[r]; });
+      if ((it == pairs_.end() || it->bytes != bytes) && error.empty())
+        error = fmt::format("rank {}: delta setup: rank {} sends this rank {} bytes but this rank's schedule receives {} from it", me_,
+                            world[r], bytes, it == pairs_.end() ? 0 : it->bytes);
+      if (sh) shadowed.insert({world[r], me_});
+    }
+  }
+  for (Pair& p : pairs_)
+    if (p.send && p.done) shadowed.insert({me_, p.peer});
+
+  // 3. The two dense executors (collective; an error above fails both on every rank).
+  Schedule rest = schedule;
+  rest.copies.clear();
+  for (const Copy& c : schedule.copies)
+    if (!shadowed.count({c.src_rank, c.dst_rank})) rest.copies.push_back(c);
+  full_.set_tensor_names(names_);
+  rest_.set_tensor_names(names_);
+  full_.setup(schedule, src, dst, transport, opt_, error);
+  ExecutorOptions ro = opt_;
+  ro.channel = static_cast<std::uint16_t>(opt_.channel | 0x2000u);
+  rest_.setup(rest, src, dst, transport, ro, error);
+
+  // 4. Payload staging, shadows and the block ops (prepared once).
+  std::erase_if(pairs_, [&](const Pair& p) { return !shadowed.count(p.send ? std::pair{me_, p.peer} : std::pair{p.peer, me_}); });
+  std::int64_t send_bytes = 0, recv_bytes = 0, shadow_bytes = 0, most_chunk = 0;
+  for (Pair& p : pairs_) {
+    p.done = false;
+    const auto cap = static_cast<std::int64_t>(static_cast<double>(p.bytes) * dopt_.capacity);
+    p.capacity = static_cast<std::int64_t>(sizeof(delta::PayloadHeader)) + 4 * p.chunks + cap;
+    std::int64_t& at = p.send ? send_bytes : recv_bytes;
+    p.stage_offset = at;
+    at += p.capacity;
+    if (p.send) {
+      p.shadow_offset = shadow_bytes;
+      shadow_bytes += p.bytes;
+    }
+    for (const auto& s : p.streams) most_chunk = std::max<std::int64_t>(most_chunk, static_cast<std::int64_t>(s.E) * delta::kChunk);
+  }
+  shadow_.assign(static_cast<std::size_t>(shadow_bytes), std::byte{0});
+  send_stage_.assign(static_cast<std::size_t>(send_bytes), std::byte{0});
+  recv_stage_.assign(static_cast<std::size_t>(recv_bytes), std::byte{0});
+  chunk_.assign(static_cast<std::size_t>(most_chunk), std::byte{0});
+  vals_.assign(static_cast<std::size_t>(most_chunk), std::byte{0});
+  idx_.assign(static_cast<std::size_t>(delta::kChunk), 0);
+  if (send_bytes) send_region_ = transport.register_memory(send_stage_.data(), send_stage_.size(), MemoryKind::host);
+  if (recv_bytes) recv_region_ = transport.register_memory(recv_stage_.data(), recv_stage_.size(), MemoryKind::host);
+  std::vector<TransferOp> ops;
+  for (const Pair& p : pairs_)
+    for (const auto& o : block_ops(p, p.capacity)) ops.push_back(o);
+  transport.prepare(ops, Clock::now() + opt_.timeout);
+  used_full_ = true;
+  ready_ = true;
+}
+
+template <class T>
+std::vector<TransferOp> DeltaExecutor<T>::block_ops(const Pair& p, std::int64_t bytes) const {
+  std::vector<TransferOp> ops;
+  const std::int64_t n = blocks_of(bytes);
+  for (std::int64_t b = 0; b < n; ++b) {
+    TransferOp o;
+    o.kind = p.send ? OpKind::send : OpKind::recv;
+    o.peer = p.peer;
+    o.tag = tag(b);
+    o.region = p.send ? send_region_ : recv_region_;
+    o.offset = static_cast<std::uint64_t>(p.stage_offset + b * dopt_.block_bytes);
+    o.bytes = static_cast<std::uint64_t>(std::min(dopt_.block_bytes, p.capacity - b * dopt_.block_bytes));
+    ops.push_back(o);
+  }
+  return ops;
+}
+
+template <class T>
+void DeltaExecutor<T>::prime() {
+  // Shadows = what the dense refit just delivered: the sources, packed.
+  for (Pair& p : pairs_) {
+    if (!p.send) continue;
+    std::byte* out = shadow_.data() + p.shadow_offset;
+    for (const auto& s : p.streams) {
+      std::size_t cursor = 0;
+      delta::stream_copy<true>(s.E, s.segs, cursor, 0, s.elements, out);
+      out += s.elements * static_cast<std::int64_t>(s.E);
+    }
+  }
+}
+
+template <class T>
+void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
+  using namespace delta;
+  std::byte* const start = send_stage_.data() + p.stage_offset;
+  std::byte* table = start + sizeof(PayloadHeader);
+  std::byte* body = table + 4 * p.chunks;
+  std::byte* const end = start + p.capacity;
+  std::byte* shadow = shadow_.data() + p.shadow_offset;
+  p.overflow = false;
+  for (const Stream& s : p.streams) {
+    const auto E = static_cast<std::int64_t>(s.E);
+    std::size_t cursor = 0;
+    for (std::int64_t c0 = 0; c0 < s.elements; c0 += kChunk) {
+      const std::int64_t n = std::min(kChunk, s.elements - c0);
+      // Compare in place when one contiguous segment holds the whole chunk (no pack).
+      while (cursor < s.segs.size() && s.segs[cursor].first + s.segs[cursor].count <= c0) ++cursor;
+      const StreamSegment* g = cursor < s.segs.size() ? &s.segs[cursor] : nullptr;
+      const bool direct = g && g->contiguous && g->first + g->count >= c0 + n;
+      const std::byte* cur = direct ? g->base + (g->offset + c0 - g->first) * E : chunk_.data();
+      if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
+      const std::int64_t k = diff_compact_bytes(s.E, cur, shadow + c0 * E, n, idx_.data(), vals_.data());
+      last_.compared += n;
+      last_.changed += k;
+      const std::int64_t esc = gap_escapes(idx_.data(), k);
+      const ChunkMode m = best_mode(n, k, E, esc);
+      ++last_.chunks[static_cast<int>(m)];
+      const std::uint32_t entry = table_entry(m, k);
+      std::memcpy(table, &entry, 4);
+      table += 4;
+      const std::int64_t need = body_bytes(m, n, k, E, esc);
+      if (p.overflow || body + need > end) {
+        p.overflow = true;  // keep diffing: the shadow must still become this version
+        continue;
+      }
+      if (m == ChunkMode::index) {
+        std::memcpy(body, idx_.data(), static_cast<std::size_t>(2 * k));
+        std::memcpy(body + 2 * k, vals_.data(), static_cast<std::size_t>(k * E));
+      } else if (m == ChunkMode::mask) {
+        mask_from_indices(idx_.data(), k, n, body);
+        std::memcpy(body + (n + 7) / 8, vals_.data(), static_cast<std::size_t>(k * E));
+      } else if (m == ChunkMode::gap) {
+        gaps_from_indices(idx_.data(), k, body);
+        std::memcpy(body + k + 2 * esc, vals_.data(), static_cast<std::size_t>(k * E));
+      } else if (m == ChunkMode::dense) {
+        std::memcpy(body, cur, static_cast<std::size_t>(n * E));
+      }
+      body += need;
+    }
+    shadow += s.elements * E;
+  }
+  PayloadHeader h;
+  h.chunks = static_cast<std::uint32_t>(p.chunks);
+  h.version = version;
+  h.base_version = base_version_;
+  h.bytes = static_cast<std::uint64_t>(body - start);
+  if (opt_.checksum && !p.overflow) h.crc = crc32c(start + sizeof(PayloadHeader), static_cast<std::size_t>(body - start) - sizeof(PayloadHeader));
+  std::memcpy(start, &h, sizeof h);
+  p.payload = p.overflow ? p.capacity + 1 : body - start;
+}
+
+template <class T>
+void DeltaExecutor<T>::decode(Pair& p, std::uint64_t version) {
+  using namespace delta;
+  const std::byte* const start = recv_stage_.data() + p.stage_offset;
+  PayloadHeader h;
+  std::memcpy(&h, start, sizeof h);
+  auto bad = [&](const std::string& why) {
+    throw IntegrityError(fmt::format("rank {}: delta refit version {}: the payload from rank {} (tensors {}) {}", me_, version, p.peer, tensors_of(p), why));
+  };
+  if (h.magic != PayloadHeader{}.magic) bad("has no payload header");
+  if (h.version != version) bad(fmt::format("is of version {}", h.version));
+  if (h.base_version != base_version_)
+    bad(fmt::format("is a delta over version {}, but this rank's destination holds version {}", h.base_version, base_version_));
+  if (h.chunks != static_cast<std::uint64_t>(p.chunks) || h.bytes > static_cast<std::uint64_t>(p.payload) || h.bytes < sizeof h + 4 * h.chunks)
+    bad(fmt::format("has {} chunks and {} bytes; expected {} chunks within {} bytes", h.chunks, h.bytes, p.chunks, p.payload));
+  if (opt_.checksum && crc32c(start + sizeof h, h.bytes - sizeof h) != h.crc) bad("fails its CRC32C");
+  const std::byte* table = start + sizeof h;
+  const std::byte* body = table + 4 * p.chunks;
+  const std::byte* const end = start + h.bytes;
+  for (const Stream& s : p.streams) {
+    const auto E = static_cast<std::int64_t>(s.E);
+    std::size_t cursor = 0;
+    for (std::int64_t c0 = 0; c0 < s.elements; c0 += kChunk) {
+      const std::int64_t n = std::min(kChunk, s.elements - c0);
+      std::uint32_t entry;
+      std::memcpy(&entry, table, 4);
+      table += 4;
+      const auto m = static_cast<ChunkMode>(entry >> 24);
+      const std::int64_t k = entry & 0xFFFFFF;
+      if (entry >> 24 >= kChunkModes || k > n || (m == ChunkMode::same) != (k == 0)) bad(fmt::format("has a bad chunk entry {:#x}", entry));
+      std::int64_t esc = 0;
+      if (m == ChunkMode::gap) {
+        const std::int64_t g = indices_from_gaps(body, k, n, end - body, idx_.data());
+        if (g < 0) bad("has a malformed gap list");
+        esc = (g - k) / 2;
+      }
+      const std::int64_t need = body_bytes(m, n, k, E, esc);
+      if (body + need > end) bad("is shorter than its chunk table says");
+      if (m == ChunkMode::index) {
+        std::memcpy(idx_.data(), body, static_cast<std::size_t>(2 * k));
+        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + 2 * k);
+      } else if (m == ChunkMode::gap) {
+        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + k + 2 * esc);
+      } else if (m == ChunkMode::mask) {
+        if (indices_from_mask(body, n, idx_.data()) != k) bad("has a bitmask whose count is not its table's");
+        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + (n + 7) / 8);
+      } else if (m == ChunkMode::dense) {
+        stream_copy<false>(s.E, s.segs, cursor, c0, n, const_cast<std::byte*>(body));
+      }
+      body += need;
+    }
+  }
+  p.done = true;
+}
+
+template <class T>
+ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
+  if (!ready_) fail("rank {}: DeltaExecutor::run before setup()", me_);
+  if (broken_) fail("rank {}: DeltaExecutor::run: an earlier run failed; set up again", me_);
+  last_ = DeltaStats{};
+  const auto t0 = Clock::now();
+  const Deadline deadline = t0 + opt_.timeout;
+  auto dense = [&](const char* mode) {
+    used_full_ = true;
+    last_.mode = mode;
+    ExecutorStats st;
+    try {
+      st = full_.run(version);
+    } catch (...) {
+      broken_ = true;
+      throw;
+    }
+    return st;
+  };
+  if (!base_valid_) {
+    const bool streak = streak_left_ > 0;
+    ExecutorStats st = dense(streak ? "streak" : "prime");
+    if (streak) {
+      --streak_left_;
+    } else {
+      prime();
+      base_valid_ = true;
+      base_version_ = version;
+    }
+    st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return st;
+  }
+
+  // Diff every shadowed send pair into its payload.
+  try {
+    const auto d0 = Clock::now();
+    for (Pair& p : pairs_)
+      if (p.send) encode(p, version);
+    last_.diff_seconds = std::chrono::duration<double>(Clock::now() - d0).count();
+  } catch (const std::exception& e) {
+    fail_run(e.what());
+  }
+  // One all-gather: every sender's counts, overflow and payload sizes, so
+  // that every rank takes the same decision and each receiver learns how
+  // many blocks to post.
+  bool overflow = false;
+  for (const Pair& p : pairs_) overflow |= p.send && p.overflow;
+  exec_detail::Writer w;
+  w.put(static_cast<std::int64_t>(last_.compared));
+  w.put(static_cast<std::int64_t>(last_.changed));
+  w.put<std::uint8_t>(overflow ? 1 : 0);
+  std::uint32_t nsend = 0;
+  for (const Pair& p : pairs_) nsend += p.send ? 1 : 0;
+  w.put(nsend);
+  for (const Pair& p : pairs_)
+    if (p.send) {
+      w.put(p.peer);
+      w.put(p.payload);
+    }
+  std::vector<std::vector<std::byte>> blobs;
+  try {
+    blobs = t_->all_gather(w.buf, deadline);
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+  const auto world = t_->world_ranks();
+  for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
+    exec_detail::Reader rd(blobs[r], world[r]);
+    last_.world_compared += rd.get<std::int64_t>();
+    last_.world_changed += rd.get<std::int64_t>();
+    overflow |= rd.get<std::uint8_t>() != 0;
+    const auto n = rd.get<std::uint32_t>();
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const auto peer = rd.get<std::int64_t>();
+      const auto bytes = rd.get<std::int64_t>();
+      if (peer != me_) continue;
+      for (Pair& p : pairs_)
+        if (!p.send && p.peer == world[r]) p.payload = bytes;
+    }
+  }
+  const double f = last_.changed_fraction();
+  if (overflow || f > dopt_.dense_above) {
+    ExecutorStats st = dense("dense");
+    base_version_ = version;  // the shadows were brought to this version by the diff
+    if (f > dopt_.dense_above && dopt_.dense_streak > 0) {
+      base_valid_ = false;  // no shadow upkeep for a while: re-prime later
+      streak_left_ = dopt_.dense_streak;
+    }
+    st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return st;
+  }
+
+  // Delta: the dense rest (local copies, pairs without a shadow), then the payloads.
+  used_full_ = false;
+  last_.mode = "delta";
+  ExecutorStats st;
+  try {
+    st = rest_.run(version);
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+  using request = typename T::request;
+  std::vector<request> sends, recvs;
+  std::vector<std::size_t> recv_pair;
+  try {
+    for (std::size_t i = 0; i < pairs_.size(); ++i) {
+      Pair& p = pairs_[i];
+      p.done = p.send;
+      if (p.send) continue;
+      const auto ops = block_ops(p, p.capacity);
+      const std::int64_t used = blocks_of(p.payload);
+      recvs.push_back(t_->post(std::span<const TransferOp>(ops.data(), static_cast<std::size_t>(used))));
+      recv_pair.push_back(i);
+      for (std::int64_t b = 0; b < used; ++b) st.bytes_received += static_cast<std::int64_t>(ops[static_cast<std::size_t>(b)].bytes);
+      st.messages_received += used;
+    }
+    for (Pair& p : pairs_) {
+      if (!p.send) continue;
+      const auto ops = block_ops(p, p.capacity);
+      const std::int64_t used = blocks_of(p.payload);
+      sends.push_back(t_->post(std::span<const TransferOp>(ops.data(), static_cast<std::size_t>(used))));
+      for (std::int64_t b = 0; b < used; ++b) st.bytes_sent += static_cast<std::int64_t>(ops[static_cast<std::size_t>(b)].bytes);
+      st.messages_sent += used;
+      last_.payload_bytes += p.payload;
+      last_.block_bytes_sent += std::min(p.capacity, used * dopt_.block_bytes);
+    }
+    while (!recvs.empty()) {
+      std::vector<request*> rs;
+      for (auto& r : recvs) rs.push_back(&r);
+      const std::size_t j = t_->wait_any(std::span<request* const>(rs.data(), rs.size()), deadline);
+      const auto s0 = Clock::now();
+      decode(pairs_[recv_pair[j]], version);
+      last_.scatter_seconds += std::chrono::duration<double>(Clock::now() - s0).count();
+      recvs.erase(recvs.begin() + static_cast<std::ptrdiff_t>(j));
+      recv_pair.erase(recv_pair.begin() + static_cast<std::ptrdiff_t>(j));
+    }
+    for (auto& r : sends) t_->wait(r, deadline);
+  } catch (const IntegrityError& e) {
+    sends.clear();
+    recvs.clear();
+    broken_ = true;
+    t_->abort(e.what());
+    throw;
+  } catch (const std::exception& e) {
+    sends.clear();
+    recvs.clear();
+    fail_run(fmt::format("rank {}: delta refit version {}: {}", me_, version, e.what()));
+  }
+  base_version_ = version;
+  st.version = version;
+  st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return st;
+}
+
+template <class T>
+std::string DeltaExecutor<T>::tensors_of(const Pair& p) const {
+  std::set<std::string> names;
+  for (auto id : p.tensors)
+    names.insert(id >= 0 && static_cast<std::size_t>(id) < names_.size() ? names_[static_cast<std::size_t>(id)] : fmt::format("tensor #{}", id));
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+template <class T>
+std::vector<MissingPieces> DeltaExecutor<T>::missing() const {
+  if (!broken_) return {};
+  if (used_full_) return full_.broken() ? full_.missing() : full_.incoming();
+  std::vector<MissingPieces> out = rest_.missing();
+  for (const Pair& p : pairs_) {
+    if (p.send || p.done) continue;
+    MissingPieces m;
+    m.peer = p.peer;
+    m.messages = 1;
+    m.bytes = p.bytes;
+    std::set<std::string> names;
+    for (auto id : p.tensors)
+      names.insert(id >= 0 && static_cast<std::size_t>(id) < names_.size() ? names_[static_cast<std::size_t>(id)] : fmt::format("tensor #{}", id));
+    m.tensors.assign(names.begin(), names.end());
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+}  // namespace reshard

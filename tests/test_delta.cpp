@@ -1,0 +1,345 @@
+// Delta refits (delta.hpp): after any sequence of versions, with densities
+// from 0 to 100%, single- and double-buffered, with a failed refit in the
+// middle, every destination element equals its expected value, computed
+// here from (tensor, global index, version) alone: an element changes at
+// version u with probability density[u], by a hash of (tensor, index, u), so
+// its value at version v is the tag of the last u <= v at which it changed.
+// Nothing is compared with the library's own output.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "random_layouts.hpp"
+#include "refit_util.hpp"
+#include "reshard/delta.hpp"
+#include "reshard/presets/presets.hpp"
+
+using namespace reshard;
+using refit_test::SideMemory;
+
+namespace {
+
+using FT = FaultInjectingTransport<LocalTransport>;
+using R = Resharder<Layout, FT>;
+
+/// Per version (index = version - 1), the fraction of elements that change.
+using Densities = std::vector<double>;
+
+/// The version at which element (name, index) last changed, at version v.
+std::uint64_t last_change(std::uint64_t name, std::int64_t index, std::uint64_t v, const Densities& d) {
+  for (std::uint64_t u = v; u > 1; --u) {
+    const double p = d[u - 1];
+    const std::uint64_t h = refit_test::tag(name ^ 0x5bd1e995u, index, u * 7919);
+    if (static_cast<double>(h >> 11) * 0x1.0p-53 < p) return u;
+  }
+  return 1;
+}
+
+/// Source (values at version v) or check of a destination (count wrong).
+std::int64_t visit(const Layout& L, SideMemory& m, bool source, std::uint64_t v, const Densities& d, std::int64_t rank, std::string* first) {
+  std::int64_t wrong = 0;
+  for (std::size_t b = 0; b < m.slots.size(); ++b) {
+    if (!m.present[b]) continue;
+    const std::size_t E = m.element_bytes[b];
+    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
+      std::byte* p = m.data[b].data() + i * E;
+      const auto& s = m.slots[b][i];
+      std::byte want[8];
+      if (s.padding()) {
+        std::memset(want, static_cast<int>(source ? refit_test::kSrcPad : refit_test::kDstPad), 8);
+      } else {
+        const auto name = refit_test::name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name);
+        const std::uint64_t x = refit_test::tag(name, s.index, last_change(name, s.index, v, d));
+        std::memcpy(want, &x, 8);
+      }
+      if (source) {
+        std::memcpy(p, want, E);
+      } else if (std::memcmp(p, want, E) != 0 && wrong++ == 0 && first) {
+        *first = fmt::format("version {}: rank {} buffer '{}' element {} is wrong", v, rank, L.local_buffers()[b].name, i);
+      }
+    }
+  }
+  return wrong;
+}
+
+struct Result {
+  std::int64_t wrong = 0;
+  std::string first_wrong;
+  std::vector<std::string> modes;  ///< rank 0's mode per committed version
+  std::vector<double> fraction;    ///< measured changed fraction per version
+  std::vector<std::int64_t> sent;  ///< bytes sent (all ranks) per version
+  int failures = 0;
+  std::int64_t chunks[delta::kChunkModes] = {};  ///< chunks sent per ChunkMode, all ranks and versions
+};
+
+/// Refits versions 1..densities.size() (source values evolved as above),
+/// checking every destination element of the served set after each. With
+/// `fail_at` > 0, that version's refit fails (a corrupted delta payload, or
+/// a corrupted dense message when the version goes dense): the job then sets
+/// up again on a fresh transport and refits the same version again.
+Result run_versions(const Layout& src, const Layout& dst, const Densities& d, ResharderOptions opt, std::uint64_t fail_at = 0) {
+  Result res;
+  const auto ranks = refit_test::world_of(src, dst);
+  const std::size_t n = ranks.size();
+  std::vector<SideMemory> smem(n), dmem(n), back(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    smem[i] = refit_test::make_side(src, ranks[i], true, 0);
+    dmem[i] = refit_test::make_side(dst, ranks[i], false, 0);
+    back[i] = refit_test::make_side(dst, ranks[i], false, 0);
+  }
+  opt.executor.checksum = opt.executor.checksum || fail_at > 0;
+  std::vector<std::unique_ptr<R>> rs(n);
+  std::vector<std::unique_ptr<LocalWorld>> worlds;
+  std::vector<std::vector<LocalTransport>> endpoints;
+  std::vector<std::vector<std::unique_ptr<FT>>> transports;
+  // The fault: from the moment a rank starts version fail_at (all messages
+  // of earlier versions have arrived by then: each refit ends in an
+  // all-gather of verdicts), the next data message from the lowest rank is
+  // corrupted on arrival at its first byte (a payload header, or a dense
+  // message's data), which its checksum catches.
+  std::atomic<bool> armed{false};
+  FaultPlan plan;
+  FaultRule rule = FaultRule::when(FaultKind::corrupt_arrived, [&armed, first = ranks.front()](const MessageInfo& m) {
+    return armed.load() && m.from == first && (m.tag & (std::uint64_t{1} << 47)) == 0;
+  });
+  rule.byte = 0;
+  plan.add(rule);
+  std::mutex mu;
+  std::uint64_t v = 1;
+  for (int attempt = 0; attempt < 2 && v <= d.size(); ++attempt) {
+    worlds.push_back(std::make_unique<LocalWorld>(ranks));
+    endpoints.emplace_back();
+    transports.emplace_back();
+    for (auto r : ranks) endpoints.back().push_back(worlds.back()->endpoint(r));
+    const bool faulty = attempt == 0 && fail_at > 0;
+    FaultPlan none;
+    for (auto& e : endpoints.back()) transports.back().push_back(std::make_unique<FT>(e, faulty ? plan : none));
+    std::uint64_t next = v;
+    worlds.back()->run([&](LocalTransport& t) {
+      std::size_t i = 0;
+      while (ranks[i] != t.rank()) ++i;
+      FT& ft = *transports.back()[i];
+      LocalBuffers b;
+      b.src = refit_test::views(src, smem[i]);
+      b.dst = refit_test::views(dst, dmem[i]);
+      if (opt.double_buffered) b.dst_back = refit_test::views(dst, back[i]);
+      if (!rs[i])
+        rs[i] = std::make_unique<R>(src, dst, b, ft, opt);
+      else
+        rs[i]->setup(b, ft);
+      for (std::uint64_t u = v; u <= d.size(); ++u) {
+        visit(src, smem[i], true, u, d, ranks[i], nullptr);
+        if (faulty && u == fail_at) armed = true;
+        RefitReport rep;
+        try {
+          rep = rs[i]->refit(u);
+        } catch (const RefitNotCommitted&) {
+          std::lock_guard lk(mu);
+          if (i == 0) ++res.failures;
+          next = u + 1;  // versions only increase: go on with the next one
+          return;
+        }
+        const int set = rs[i]->serving_set();
+        std::string first;
+        const auto wrong = visit(dst, set == 0 ? dmem[i] : back[i], false, u, d, ranks[i], &first);
+        const auto& ds = rs[i]->delta_executor(opt.double_buffered ? set : 0).last_delta();
+        std::lock_guard lk(mu);
+        res.wrong += wrong;
+        if (wrong && res.first_wrong.empty()) res.first_wrong = first + " (mode " + ds.mode + ")";
+        if (res.sent.size() < u) res.sent.resize(u), res.modes.resize(u), res.fraction.resize(u);
+        res.sent[u - 1] += rep.bytes_sent;
+        for (int c = 0; c < delta::kChunkModes; ++c) res.chunks[c] += ds.chunks[c];
+        if (i == 0) {
+          res.modes[u - 1] = ds.mode;
+          res.fraction[u - 1] = ds.changed_fraction();
+        }
+        next = u + 1;
+      }
+    });
+    v = next;
+  }
+  rs.clear();
+  return res;
+}
+
+ResharderOptions delta_options(bool double_buffered, double dense_above = 0.25, int streak = 1, double capacity = 0.375) {
+  ResharderOptions o;
+  o.double_buffered = double_buffered;
+  o.delta.enabled = true;
+  o.delta.dense_above = dense_above;
+  o.delta.dense_streak = streak;
+  o.delta.capacity = capacity;
+  o.delta.block_bytes = 1024;
+  o.executor.timeout = std::chrono::seconds(20);
+  return o;
+}
+
+/// Densities 0..100%, with sparse runs between the dense ones.
+Densities sweep() { return {1.0, 0.0, 0.001, 0.01, 0.05, 0.2, 0.0, 0.5, 0.002, 1.0, 0.03, 0.0, 0.7, 0.01}; }
+
+}  // namespace
+
+TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops") {
+  std::mt19937_64 g(7);
+  for (std::size_t E : {1u, 2u, 4u, 8u, 3u}) {
+    for (double p : {0.0, 0.01, 0.3, 1.0}) {
+      CAPTURE(E);
+      CAPTURE(p);
+      const std::int64_t n = 1000 + static_cast<std::int64_t>(g() % 3000);
+      std::vector<std::byte> base(static_cast<std::size_t>(n) * E), cur;
+      for (auto& x : base) x = static_cast<std::byte>(g());
+      cur = base;
+      std::vector<std::int64_t> want;
+      for (std::int64_t j = 0; j < n; ++j)
+        if (static_cast<double>(g() >> 11) * 0x1.0p-53 < p) {
+          cur[static_cast<std::size_t>(j) * E] ^= std::byte{0x40};
+          want.push_back(j);
+        }
+      std::vector<std::uint16_t> idx(static_cast<std::size_t>(n));
+      std::vector<std::byte> vals(cur.size()), shadow = base;
+      const auto k = delta::diff_compact_bytes(E, cur.data(), shadow.data(), n, idx.data(), vals.data());
+      REQUIRE(k == static_cast<std::int64_t>(want.size()));
+      CHECK(shadow == cur);
+      for (std::int64_t j = 0; j < k; ++j) {
+        CHECK(idx[static_cast<std::size_t>(j)] == want[static_cast<std::size_t>(j)]);
+        CHECK(std::memcmp(vals.data() + j * static_cast<std::int64_t>(E), cur.data() + want[static_cast<std::size_t>(j)] * static_cast<std::int64_t>(E), E) == 0);
+      }
+      std::vector<std::byte> mask(static_cast<std::size_t>((n + 7) / 8));
+      delta::mask_from_indices(idx.data(), k, n, mask.data());
+      std::vector<std::uint16_t> back(static_cast<std::size_t>(n));
+      REQUIRE(delta::indices_from_mask(mask.data(), n, back.data()) == k);
+      CHECK(std::equal(back.begin(), back.begin() + k, idx.begin()));
+      const auto esc = delta::gap_escapes(idx.data(), k);
+      std::vector<std::byte> gaps(static_cast<std::size_t>(k + 2 * esc) + 1);
+      delta::gaps_from_indices(idx.data(), k, gaps.data());
+      std::fill(back.begin(), back.end(), 0);
+      CHECK(delta::indices_from_gaps(gaps.data(), k, n, k + 2 * esc, back.data()) == k + 2 * esc);
+      CHECK(std::equal(back.begin(), back.begin() + k, idx.begin()));
+      if (k > 0) CHECK(delta::indices_from_gaps(gaps.data(), k, n, k + 2 * esc - 1, back.data()) == -1);  // truncated
+      // Scatter into a strided 2-D destination (every other column of a [rows, 2*cols] array).
+      const std::int64_t cols = 50, rows = (n + cols - 1) / cols;
+      std::vector<std::byte> dst(static_cast<std::size_t>(rows * 2 * cols) * E, std::byte{0});
+      delta::StreamSegment seg;
+      seg.base = dst.data();
+      seg.rank = 2;
+      seg.extent = {rows, cols};
+      seg.stride = {2 * cols, 2};
+      seg.count = rows * cols;
+      std::vector<delta::StreamSegment> segs{seg};
+      std::size_t cursor = 0;
+      delta::scatter_bytes(E, segs, cursor, 0, idx.data(), k, vals.data());
+      for (std::int64_t j = 0; j < k; ++j) {
+        const std::int64_t e = want[static_cast<std::size_t>(j)], at = (e / cols) * 2 * cols + (e % cols) * 2;
+        CHECK(std::memcmp(dst.data() + at * static_cast<std::int64_t>(E), cur.data() + e * static_cast<std::int64_t>(E), E) == 0);
+      }
+    }
+  }
+  CHECK(delta::best_mode(65536, 0, 2) == delta::ChunkMode::same);
+  CHECK(delta::best_mode(65536, 100, 2) == delta::ChunkMode::index);   // (gaps all escaped)
+  CHECK(delta::best_mode(65536, 1000, 2, 10) == delta::ChunkMode::gap);
+  CHECK(delta::best_mode(65536, 20000, 2) == delta::ChunkMode::mask);
+  CHECK(delta::best_mode(65536, 65000, 2) == delta::ChunkMode::dense);
+}
+
+TEST_CASE("delta refits are bit-exact over every message kind, densities 0..100%, single and double-buffered") {
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  std::int64_t chunks[delta::kChunkModes] = {};
+  for (bool dbl : {false, true})
+    for (double above : {0.25, 1.0}) {
+      CAPTURE(dbl);
+      CAPTURE(above);
+      const auto r = run_versions(src, dst, sweep(), delta_options(dbl, above, 1, above > 0.5 ? 1.2 : 0.375));
+      CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+      REQUIRE(r.modes.size() == sweep().size());
+      CHECK(r.modes[0] == "prime");
+      if (!dbl) CHECK(r.modes[1] == "delta");
+      for (int c = 0; c < delta::kChunkModes; ++c) chunks[c] += r.chunks[c];
+      if (above > 0.5) {
+        // Never dense once primed: every version (100% ones included) went as payloads.
+        for (std::size_t k = dbl ? 2 : 1; k < r.modes.size(); ++k) CHECK(r.modes[k] == "delta");
+      }
+    }
+  for (int c = 0; c < delta::kChunkModes; ++c) {
+    CAPTURE(delta::to_string(static_cast<delta::ChunkMode>(c)));
+    CHECK(chunks[c] > 0);  // every encoding was exercised
+  }
+}
+
+TEST_CASE("a delta refit at density 0 moves almost nothing; the measured fraction follows the density") {
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  const Densities d{1.0, 0.0, 0.01, 0.0};
+  auto o = delta_options(false);
+  o.delta.block_bytes = 128;  // (a payload moves in whole blocks; this model is tiny)
+  const auto r = run_versions(src, dst, d, o);
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  REQUIRE(r.sent.size() == 4);
+  CHECK(r.modes == std::vector<std::string>{"prime", "delta", "delta", "delta"});
+  CHECK(r.sent[1] * 20 < r.sent[0]);
+  CHECK(r.fraction[1] == 0.0);
+  CHECK(r.fraction[2] < 0.05);
+}
+
+TEST_CASE("delta refits are bit-exact over random layout pairs and a preset model") {
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    testgen::RandomOptions ro;
+    ro.max_world = 8;
+    const auto pair = testgen::random_layout_pair(seed * 1009, ro);
+    CAPTURE(pair.describe());
+    const bool dbl = seed % 2 == 0;
+    const auto r = run_versions(pair.src, pair.dst, sweep(), delta_options(dbl, seed % 3 == 0 ? 1.0 : 0.25, 1, 1.2));
+    CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  }
+  // tiny-llama: Megatron tp=2 -> vLLM tp=4 (fused qkv / gate_up, padded vocabulary).
+  using namespace reshard::presets;
+  const auto m = model_manifest(std::string(RESHARD_TEST_MODELS) + "/tiny-llama.json", true);
+  const Layout src = megatron_layout(m, parse_parallel_spec("tp=2", "train"));
+  const Layout dst = vllm_layout(m, parse_parallel_spec("tp=4", "infer"), 2, VllmOptions{});
+  for (bool dbl : {false, true}) {
+    CAPTURE(dbl);
+    const auto r = run_versions(src, dst, {1.0, 0.003, 0.0, 0.02, 0.6, 0.001, 1.0, 0.004}, delta_options(dbl, 0.25, 1));
+    CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  }
+}
+
+TEST_CASE("a failed refit in the middle of a sequence: the next one is dense and every version stays exact") {
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  for (bool dbl : {false, true})
+    for (std::uint64_t at : {4u, 5u}) {
+      CAPTURE(dbl);
+      CAPTURE(at);
+      // Version 4 is sparse (a delta payload is corrupted), version 5 dense at
+      // 50% > dense_above (a dense message is corrupted).
+      const Densities d{1.0, 0.01, 0.02, 0.01, 0.5, 0.01, 0.0, 0.03, 0.001};
+      const auto r = run_versions(src, dst, d, delta_options(dbl, 0.25, 0), at);
+      CHECK(r.failures == 1);
+      CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+      REQUIRE(r.modes.size() == d.size());
+      // After setup() on a fresh transport every set starts dense (primed), then deltas again.
+      CHECK(r.modes[at - 1].empty());  // not committed
+      CHECK(r.modes[at] == "prime");
+      if (dbl) CHECK(r.modes[at + 1] == "prime");
+      CHECK(r.modes[dbl ? at + 2 : at + 1] == "delta");
+    }
+}
+
+TEST_CASE("bad delta options are a clear error on every rank") {
+  auto o = delta_options(false);
+  o.delta.capacity = 0;
+  std::string e;
+  try {
+    run_versions(refit_test::message_kinds_src(), refit_test::message_kinds_dst(), {1.0}, o);
+  } catch (const std::exception& x) {
+    e = x.what();
+  }
+  CHECK(e.find("DeltaOptions::capacity 0 is outside (0, 2]") != std::string::npos);
+}
