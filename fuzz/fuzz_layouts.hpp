@@ -39,7 +39,7 @@ using reshard::StageCoord;
 using reshard::TensorSpec;
 
 /// Fuzz bytes read front to back as small decisions.
-class Bytes {
+class Bytes : public testgen::Decisions<Bytes> {
  public:
   Bytes(const std::uint8_t* d, std::size_t n) : d_(d), n_(n) {}
   std::uint8_t byte() { return i_ < n_ ? d_[i_++] : 0; }
@@ -50,7 +50,6 @@ class Bytes {
     if (n > 256) v = v << 8 | byte();
     return static_cast<std::int64_t>(v % static_cast<std::uint64_t>(n));
   }
-  std::int64_t between(std::int64_t a, std::int64_t b) { return a + below(b - a + 1); }
   /// True with probability about p/256.
   bool chance(int p) { return byte() < p; }
   /// True with probability about p (the generator's call).
@@ -59,15 +58,6 @@ class Bytes {
     std::uint64_t v = 0;
     for (int k = 0; k < 8; ++k) v = v << 8 | byte();
     return v;
-  }
-  template <class T>
-  const T& pick(const std::vector<T>& v) {
-    return v[static_cast<std::size_t>(below(static_cast<std::int64_t>(v.size())))];
-  }
-  template <class T>
-  void shuffle(std::vector<T>& v) {
-    for (std::size_t i = v.size(); i > 1; --i)
-      std::swap(v[i - 1], v[static_cast<std::size_t>(below(static_cast<std::int64_t>(i)))]);
   }
   std::size_t used() const { return i_; }
 

@@ -78,11 +78,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     LocalWorld world(ranks, wopt);
     world.run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
-      LocalBuffers bufs;
-      bufs.src = refit_test::views(src, smem[i]);
-      bufs.dst = refit_test::views(dst, dmem[i]);
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
+      LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
       Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
       auto check_report = [&](const RefitReport& rep, int k) {
         if (rep.bytes_sent != rep.plan_bytes_sent || rep.bytes_received != rep.plan_bytes_received)

@@ -46,24 +46,34 @@ struct RandomLayoutPair {
   }
 };
 
+/// between, pick and shuffle from a decision source's below(n): shared by
+/// Rng and the fuzzers' Bytes, so both drive the generator alike.
+template <class Source>
+class Decisions {
+ public:
+  std::int64_t between(std::int64_t a, std::int64_t b) { return a + self().below(b - a + 1); }
+  template <class T>
+  const T& pick(const std::vector<T>& v) {
+    return v[static_cast<std::size_t>(self().below(static_cast<std::int64_t>(v.size())))];
+  }
+  template <class T>
+  void shuffle(std::vector<T>& v) {
+    for (std::size_t i = v.size(); i > 1; --i)
+      std::swap(v[i - 1], v[static_cast<std::size_t>(self().below(static_cast<std::int64_t>(i)))]);
+  }
+
+ private:
+  Source& self() { return static_cast<Source&>(*this); }
+};
+
 /// Deterministic integers from a seed.
-class Rng {
+class Rng : public Decisions<Rng> {
  public:
   explicit Rng(std::uint64_t seed) : g_(seed) {}
   std::int64_t below(std::int64_t n) {
     return n <= 1 ? 0 : static_cast<std::int64_t>(g_() % static_cast<std::uint64_t>(n));
   }
-  std::int64_t between(std::int64_t a, std::int64_t b) { return a + below(b - a + 1); }
   bool chance(double p) { return static_cast<double>(g_() >> 11) * 0x1.0p-53 < p; }
-  template <class T>
-  const T& pick(const std::vector<T>& v) {
-    return v[static_cast<std::size_t>(below(static_cast<std::int64_t>(v.size())))];
-  }
-  template <class T>
-  void shuffle(std::vector<T>& v) {
-    for (std::size_t i = v.size(); i > 1; --i)
-      std::swap(v[i - 1], v[static_cast<std::size_t>(below(static_cast<std::int64_t>(i)))]);
-  }
 
  private:
   std::mt19937_64 g_;

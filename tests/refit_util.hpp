@@ -7,11 +7,13 @@
 // every destination element starts as the complement of its tag, padding as a
 // fixed byte (different on each side). After a refit every destination
 // element must equal its tag and every padding slot must be untouched.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -69,22 +71,27 @@ struct SideMemory {
   std::vector<std::size_t> element_bytes;
 };
 
-inline void write_side(const Layout& L, SideMemory& m, bool source, std::uint64_t salt) {
+/// Calls f(buffer, slot index, slot, bytes of the slot, element size) for
+/// every slot of every buffer the side holds.
+template <class M, class F>
+void for_each_held_slot(M& m, F&& f) {
   for (std::size_t b = 0; b < m.slots.size(); ++b) {
     if (!m.present[b]) continue;
     const std::size_t E = m.element_bytes[b];
-    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
-      std::byte* p = m.data[b].data() + i * E;
-      const auto& s = m.slots[b][i];
-      if (s.padding()) {
-        std::memset(p, static_cast<int>(source ? kSrcPad : kDstPad), E);
-        continue;
-      }
-      std::uint64_t v = tag(name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name), s.index, salt);
-      if (!source) v = ~v;
-      std::memcpy(p, &v, E);
-    }
+    for (std::size_t i = 0; i < m.slots[b].size(); ++i) f(b, i, m.slots[b][i], m.data[b].data() + i * E, E);
   }
+}
+
+inline void write_side(const Layout& L, SideMemory& m, bool source, std::uint64_t salt) {
+  for_each_held_slot(m, [&](std::size_t, std::size_t, const oracle::Slot& s, std::byte* p, std::size_t E) {
+    if (s.padding()) {
+      std::memset(p, static_cast<int>(source ? kSrcPad : kDstPad), E);
+      return;
+    }
+    std::uint64_t v = tag(name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name), s.index, salt);
+    if (!source) v = ~v;
+    std::memcpy(p, &v, E);
+  });
 }
 
 inline SideMemory make_side(const Layout& L, std::int64_t rank, bool source, std::uint64_t salt) {
@@ -110,24 +117,18 @@ inline SideMemory make_side(const Layout& L, std::int64_t rank, bool source, std
 /// Destination elements that are wrong (first one described in *first).
 inline std::int64_t count_wrong(const Layout& L, const SideMemory& m, std::int64_t rank, std::uint64_t salt, std::string* first) {
   std::int64_t wrong = 0;
-  for (std::size_t b = 0; b < m.slots.size(); ++b) {
-    if (!m.present[b]) continue;
-    const std::size_t E = m.element_bytes[b];
-    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
-      const std::byte* p = m.data[b].data() + i * E;
-      const auto& s = m.slots[b][i];
-      bool ok = true;
-      if (s.padding()) {
-        for (std::size_t k = 0; k < E; ++k) ok &= p[k] == kDstPad;
-      } else {
-        const std::uint64_t v = tag(name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name), s.index, salt);
-        ok = std::memcmp(p, &v, E) == 0;
-      }
-      if (!ok && wrong++ == 0 && first)
-        *first = fmt::format("rank {} buffer '{}' element {} ({}) is wrong", rank, L.local_buffers()[b].name, i,
-                             s.padding() ? std::string("padding") : fmt::format("{}[{}]", L.tensors[static_cast<std::size_t>(s.tensor)].name, s.index));
+  for_each_held_slot(m, [&](std::size_t b, std::size_t i, const oracle::Slot& s, const std::byte* p, std::size_t E) {
+    bool ok = true;
+    if (s.padding()) {
+      for (std::size_t k = 0; k < E; ++k) ok &= p[k] == kDstPad;
+    } else {
+      const std::uint64_t v = tag(name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name), s.index, salt);
+      ok = std::memcmp(p, &v, E) == 0;
     }
-  }
+    if (!ok && wrong++ == 0 && first)
+      *first = fmt::format("rank {} buffer '{}' element {} ({}) is wrong", rank, L.local_buffers()[b].name, i,
+                           s.padding() ? std::string("padding") : fmt::format("{}[{}]", L.tensors[static_cast<std::size_t>(s.tensor)].name, s.index));
+  });
   return wrong;
 }
 
@@ -174,6 +175,13 @@ inline const Layout& message_kinds_dst() {
   return L;
 }
 
+/// Where `rank` stands in a world's rank list (a rank thread's index into
+/// per-rank memory).
+inline std::size_t index_of(const std::vector<std::int64_t>& ranks, std::int64_t rank) {
+  const auto it = std::find(ranks.begin(), ranks.end(), rank);
+  if (it == ranks.end()) throw std::logic_error(fmt::format("rank {} is not in the world", rank));
+  return static_cast<std::size_t>(it - ranks.begin());
+}
 inline std::vector<std::int64_t> world_of(const Layout& a, const Layout& b) {
   std::set<std::int64_t> s;
   for (auto r : a.mesh.global_ranks()) s.insert(r);
@@ -200,8 +208,7 @@ struct DenseWorld {
   void run(const Layout& src, const Layout& dst, F&& fn) {
     LocalWorld world(ranks);
     world.run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
       const auto sb = bind_buffers(src, t.rank(), views(src, src_mem[i]), "source");
       const auto db = bind_buffers(dst, t.rank(), views(dst, dst_mem[i]), "destination");
       fn(t, i, bound_pointers(sb), bound_pointers(db));

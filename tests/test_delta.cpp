@@ -45,27 +45,21 @@ std::uint64_t last_change(std::uint64_t name, std::int64_t index, std::uint64_t 
 /// Source (values at version v) or check of a destination (count wrong).
 std::int64_t visit(const Layout& L, SideMemory& m, bool source, std::uint64_t v, const Densities& d, std::int64_t rank, std::string* first) {
   std::int64_t wrong = 0;
-  for (std::size_t b = 0; b < m.slots.size(); ++b) {
-    if (!m.present[b]) continue;
-    const std::size_t E = m.element_bytes[b];
-    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
-      std::byte* p = m.data[b].data() + i * E;
-      const auto& s = m.slots[b][i];
-      std::byte want[8];
-      if (s.padding()) {
-        std::memset(want, static_cast<int>(source ? refit_test::kSrcPad : refit_test::kDstPad), 8);
-      } else {
-        const auto name = refit_test::name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name);
-        const std::uint64_t x = refit_test::tag(name, s.index, last_change(name, s.index, v, d));
-        std::memcpy(want, &x, 8);
-      }
-      if (source) {
-        std::memcpy(p, want, E);
-      } else if (std::memcmp(p, want, E) != 0 && wrong++ == 0 && first) {
-        *first = fmt::format("version {}: rank {} buffer '{}' element {} is wrong", v, rank, L.local_buffers()[b].name, i);
-      }
+  refit_test::for_each_held_slot(m, [&](std::size_t b, std::size_t i, const oracle::Slot& s, std::byte* p, std::size_t E) {
+    std::byte want[8];
+    if (s.padding()) {
+      std::memset(want, static_cast<int>(source ? refit_test::kSrcPad : refit_test::kDstPad), 8);
+    } else {
+      const auto name = refit_test::name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name);
+      const std::uint64_t x = refit_test::tag(name, s.index, last_change(name, s.index, v, d));
+      std::memcpy(want, &x, 8);
     }
-  }
+    if (source) {
+      std::memcpy(p, want, E);
+    } else if (std::memcmp(p, want, E) != 0 && wrong++ == 0 && first) {
+      *first = fmt::format("version {}: rank {} buffer '{}' element {} is wrong", v, rank, L.local_buffers()[b].name, i);
+    }
+  });
   return wrong;
 }
 
@@ -123,8 +117,7 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
     for (auto& e : endpoints.back()) transports.back().push_back(std::make_unique<FT>(e, faulty ? plan : none));
     std::uint64_t next = v;
     worlds.back()->run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
       FT& ft = *transports.back()[i];
       LocalBuffers b;
       b.src = refit_test::views(src, smem[i]);

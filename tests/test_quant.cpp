@@ -279,8 +279,7 @@ QuantOutcome refit_and_check(const Case& k, int refits = 2) {
     }
     LocalWorld world(ranks);
     world.run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
       LocalBuffers bufs;
       bufs.src = views(k.src, smem[i]);
       bufs.dst = views(k.dst, dmem[i]);

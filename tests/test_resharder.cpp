@@ -211,8 +211,7 @@ TEST_CASE("strided views: weights inside larger allocations") {
   std::mutex m;
   LocalWorld world(ranks);
   world.run([&](LocalTransport& t) {
-    std::size_t i = 0;
-    while (ranks[i] != t.rank()) ++i;
+    const std::size_t i = refit_test::index_of(ranks, t.rank());
     LocalBuffers bufs;
     bufs.src = refit_test::views(src, smem[i]);
     const auto dpos = dst.mesh.position_of(t.rank());
@@ -269,11 +268,8 @@ TEST_CASE("misuse is a clear error naming the buffer") {
     LocalWorld world(ranks);
     return error_of([&] {
       world.run([&](LocalTransport& t) {
-        std::size_t i = 0;
-        while (ranks[i] != t.rank()) ++i;
-        LocalBuffers bufs;
-        bufs.src = refit_test::views(src, smem[i]);
-        bufs.dst = refit_test::views(dst, dmem[i]);
+        const std::size_t i = refit_test::index_of(ranks, t.rank());
+        LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
         if (t.rank() == 5) edit(bufs);
         Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
         r.refit();
@@ -340,11 +336,8 @@ TEST_CASE("refit before setup, and a failed refit, are errors") {
   opt.executor.timeout = std::chrono::milliseconds(300);
   e = error_of([&] {
     world.run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
-      LocalBuffers bufs;
-      bufs.src = refit_test::views(src, smem[i]);
-      bufs.dst = refit_test::views(dst, dmem[i]);
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
+      LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
       Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
       if (t.rank() == 4) {
         std::this_thread::sleep_for(std::chrono::milliseconds(800));
@@ -398,8 +391,7 @@ TEST_CASE("layouts given as types that lower to reshard::Layout") {
   std::atomic<std::int64_t> wrong{0};
   LocalWorld world(ranks);
   world.run([&](LocalTransport& t) {
-    std::size_t i = 0;
-    while (ranks[i] != t.rank()) ++i;
+    const std::size_t i = refit_test::index_of(ranks, t.rank());
     LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
     Resharder<LowersToLayout, LocalTransport> r(typed, dst, bufs, t);
     r.refit();
@@ -422,8 +414,7 @@ TEST_CASE("make_resharder and deduction take any layout form; a Resharder moves 
   std::atomic<std::int64_t> wrong{0}, deduced{0};
   LocalWorld world(ranks);
   world.run([&](LocalTransport& t) {
-    std::size_t i = 0;
-    while (ranks[i] != t.rank()) ++i;
+    const std::size_t i = refit_test::index_of(ranks, t.rank());
     LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
     Resharder deduced_type(typed, dst, bufs, t);  // deduction: Resharder<Layout, LocalTransport>
     static_assert(std::is_same_v<decltype(deduced_type), Resharder<Layout, LocalTransport>>);

@@ -212,17 +212,12 @@ struct StagedRank {
 /// Destination tensors of `m` with an element that is not its tag at `salt`.
 std::set<std::string> wrong_tensors(const Layout& L, const refit_test::SideMemory& m, std::uint64_t salt) {
   std::set<std::string> out;
-  for (std::size_t b = 0; b < m.slots.size(); ++b) {
-    if (!m.present[b]) continue;
-    const std::size_t E = m.element_bytes[b];
-    for (std::size_t i = 0; i < m.slots[b].size(); ++i) {
-      const auto& s = m.slots[b][i];
-      if (s.padding()) continue;
-      const auto& name = L.tensors[static_cast<std::size_t>(s.tensor)].name;
-      const std::uint64_t v = refit_test::tag(refit_test::name_hash(name), s.index, salt);
-      if (std::memcmp(m.data[b].data() + i * E, &v, E) != 0) out.insert(name);
-    }
-  }
+  refit_test::for_each_held_slot(m, [&](std::size_t, std::size_t, const oracle::Slot& s, const std::byte* p, std::size_t E) {
+    if (s.padding()) return;
+    const auto& name = L.tensors[static_cast<std::size_t>(s.tensor)].name;
+    const std::uint64_t v = refit_test::tag(refit_test::name_hash(name), s.index, salt);
+    if (std::memcmp(p, &v, E) != 0) out.insert(name);
+  });
   return out;
 }
 
@@ -471,8 +466,7 @@ TEST_CASE("a staged schedule of other layouts is refused on every rank, naming w
     LocalWorld world(ranks);
     std::mutex m;
     world.run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
       LocalBuffers b;
       b.src = refit_test::views(pair.src, s[i]);
       b.dst = refit_test::views(pair.dst, d[i]);

@@ -66,8 +66,7 @@ struct Job {
     for (auto r : ranks) endpoints.back().push_back(w.endpoint(r));
     for (auto& e : endpoints.back()) transports.back().push_back(std::make_unique<FT>(e, plan));
     w.run([&](LocalTransport& t) {
-      std::size_t i = 0;
-      while (ranks[i] != t.rank()) ++i;
+      const std::size_t i = refit_test::index_of(ranks, t.rank());
       FT& ft = *transports.back()[i];
       if (!rs[i])
         rs[i] = std::make_unique<R>(message_kinds_src(), message_kinds_dst(), buffers(i), ft, opt);
@@ -304,8 +303,7 @@ TEST_CASE("double-buffered: the two sets share the staging budget; misuse is nam
   auto attempt = [&](LocalWorld& world, bool mode, bool give_back, std::vector<std::string>& out) {
     error_of([&] {
       world.run([&](LocalTransport& t) {
-        std::size_t i = 0;
-        while (ranks[i] != t.rank()) ++i;
+        const std::size_t i = refit_test::index_of(ranks, t.rank());
         LocalBuffers b;
         b.src = refit_test::views(message_kinds_src(), s[i]);
         b.dst = refit_test::views(message_kinds_dst(), d[i]);

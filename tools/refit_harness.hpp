@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -211,6 +212,9 @@ struct RunOptions {
   /// A staged (hierarchical) schedule of src -> dst: reshard's refit is a
   /// Resharder running it (ResharderOptions::staged) instead of its own plan.
   std::shared_ptr<const StagedSchedule> staged;
+  /// Called once set up and after each iteration (both methods, checked),
+  /// from one rank's thread: (iterations done, iterations), 0 = set up.
+  std::function<void(int, int)> progress;
 };
 
 /// One method's figures (over all ranks).
@@ -370,6 +374,9 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
     // (salt k) into all-wrong destination memory and is checked element by
     // element (outside the timed window), so a refit that moved nothing, or
     // last iteration's values, fails.
+    const bool reports = opt.progress && i == 0;
+    if (opt.progress) t.all_gather({}, far());  // every rank set up
+    if (reports) opt.progress(0, iters);
     for (int k = 0; k < iters; ++k) {
       const auto salt = static_cast<std::uint64_t>(k);
       if (k > 0) {
@@ -381,13 +388,16 @@ inline RunResult run_refit(const Layout& src, const Layout& dst, const RunOption
       me.main = reshard_refit.refit();
       me.t1.push_back(Clock::now());
       me.check.add(d.check(salt), fmt::format("iteration {}", k));
-      if (!opt.baseline) continue;
-      d.fill(TagFill::poison, salt);
-      t.all_gather({}, far());
-      me.b0.push_back(Clock::now());
-      me.base = {gather->refit(), bcast->refit(), slice->refit()};
-      me.b1.push_back(Clock::now());
-      me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
+      if (opt.baseline) {
+        d.fill(TagFill::poison, salt);
+        t.all_gather({}, far());
+        me.b0.push_back(Clock::now());
+        me.base = {gather->refit(), bcast->refit(), slice->refit()};
+        me.b1.push_back(Clock::now());
+        me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
+      }
+      if (opt.progress) t.all_gather({}, far());  // every rank checked this iteration
+      if (reports) opt.progress(k + 1, iters);
     }
     t.all_gather({}, far());
   });

@@ -13,6 +13,8 @@
 // --delta: N versions of the weights evolved by Adam (tools/delta_harness.hpp),
 // each refit as a delta refit and as a dense refit in the same run, every
 // element of the delta destination checked against the dense one.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -50,6 +52,12 @@ std::string human_bytes(double b) {
     ++u;
   }
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
+}
+/// This process's peak resident memory (getrusage; Linux reports KiB).
+std::int64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<std::int64_t>(u.ru_maxrss) * 1024;
 }
 std::string human_seconds(double s) { return s < 1 ? fmt::format("{:.1f} ms", s * 1e3) : fmt::format("{:.3f} s", s); }
 
@@ -327,6 +335,20 @@ int main(int argc, char** argv) {
       ho.pipeline = pipeline;
       opt.staged = std::make_shared<const StagedSchedule>(plan_hierarchical(src, dst, place, ho));
     }
+    if (!json) {
+      // Progress on stdout (the --json report stays one object): planning,
+      // setup and each iteration of a large model take seconds each.
+      fmt::print("reshard-refit: {}: planning and setting up {} + {} ranks{} ...\n", model, src.mesh.size(), dst.mesh.size(),
+                 no_baseline ? "" : " (and the traditional refit's full-tensor buffers)");
+      std::fflush(stdout);
+      opt.progress = [](int done, int of) {
+        if (done == 0)
+          fmt::print("  set up; refitting {} iterations of each method, every element checked after each\n", of);
+        else
+          fmt::print("  iteration {}/{} done\n", done, of);
+        std::fflush(stdout);
+      };
+    }
     const auto r = refit_harness::run_refit(src, dst, opt);
     const bool ok = r.reshard.validated && (no_baseline || r.baseline.validated);
     const double speedup = r.reshard.median > 0 && !no_baseline ? r.baseline.median / r.reshard.median : 0;
@@ -354,7 +376,8 @@ int main(int argc, char** argv) {
                           {"transport_bytes", r.transport_bytes},
                           {"plan_seconds", r.plan_seconds},
                           {"checked_elements", r.reshard.checked},
-                          {"wrong_elements", r.reshard.wrong}};
+                          {"wrong_elements", r.reshard.wrong},
+                          {"peak_rss_bytes", peak_rss_bytes()}};
       if (opt.staged) {
         j["hierarchical"] = true;
         j["topology"] = topo_name;
@@ -391,6 +414,8 @@ int main(int argc, char** argv) {
                    iterations, r.reshard.best > 0 ? b.best / r.reshard.best : 0.0);
       if (!r.reshard.validated) fmt::print("reshard: {} wrong elements; first: {}\n", r.reshard.wrong, r.reshard.first_wrong);
       if (!no_baseline && !b.validated) fmt::print("traditional: {} wrong elements; first: {}\n", b.wrong, b.first_wrong);
+      fmt::print("memory: {} peak for this process: both layouts' buffers for every rank{}\n", human_bytes(static_cast<double>(peak_rss_bytes())),
+                 no_baseline ? "" : ", and the traditional refit's whole tensors (gathered once, then one copy per destination rank)");
     }
     if (!ok) {
       fmt::print(stderr, "reshard-refit: validation failed: {}\n", !r.reshard.validated ? r.reshard.first_wrong : r.baseline.first_wrong);

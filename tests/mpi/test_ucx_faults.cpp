@@ -42,9 +42,7 @@ std::vector<fork_world::Outcome> faulty(FaultKind kind, UcxProtocol proto) {
     FaultInjectingTransport<UcxTransport> t(inner, plan);
     auto sm = refit_test::make_side(src, r, true, 0);
     auto dm = refit_test::make_side(dst, r, false, 0);
-    LocalBuffers bufs;
-    bufs.src = refit_test::views(src, sm);
-    bufs.dst = refit_test::views(dst, dm);
+    LocalBuffers bufs{refit_test::views(src, sm), refit_test::views(dst, dm)};
     ResharderOptions ro;
     ro.executor.checksum = true;
     ro.executor.zero_copy_min = 1024;

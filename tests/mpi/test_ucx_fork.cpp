@@ -262,9 +262,7 @@ std::vector<fork_world::Outcome> faulty_refit(Fault fault, UcxProtocol proto) {
     KillAfterFirstSend<UcxTransport> t(ucx);
     auto sm = refit_test::make_side(src, r, true, 0);
     auto dm = refit_test::make_side(dst, r, false, 0);
-    LocalBuffers bufs;
-    bufs.src = refit_test::views(src, sm);
-    bufs.dst = refit_test::views(dst, dm);
+    LocalBuffers bufs{refit_test::views(src, sm), refit_test::views(dst, dm)};
     ResharderOptions ro;
     ro.executor.timeout = 25s;
     Resharder<Layout, KillAfterFirstSend<UcxTransport>> rs(src, dst, bufs, t, ro);
@@ -336,9 +334,7 @@ TEST_CASE("ucx: a refit over the caller-supplied bootstrap is validated element 
     UcxTransport t(std::move(boot));
     auto sm = refit_test::make_side(src, r, true, 0);
     auto dm = refit_test::make_side(dst, r, false, 0);
-    LocalBuffers bufs;
-    bufs.src = refit_test::views(src, sm);
-    bufs.dst = refit_test::views(dst, dm);
+    LocalBuffers bufs{refit_test::views(src, sm), refit_test::views(dst, dm)};
     Resharder<Layout, UcxTransport> rs(src, dst, bufs, t);
     std::int64_t wrong = 0;
     std::string first;
