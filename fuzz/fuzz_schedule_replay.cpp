@@ -19,7 +19,7 @@
 #include "refit_util.hpp"
 #include "reshard/backends/local.hpp"
 #include "reshard/resharder.hpp"
-#include "reshard/verify.hpp"
+#include "reshard_support/verify.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace reshard;

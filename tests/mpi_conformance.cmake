@@ -6,7 +6,7 @@ if(NOT MPI_CXX_FOUND OR NOT MPIEXEC_EXECUTABLE)
   return()
 endif()
 add_executable(mpi-transport-conformance ${CMAKE_CURRENT_LIST_DIR}/mpi/mpi_conformance.cpp)
-target_link_libraries(mpi-transport-conformance PRIVATE reshard::reshard reshard_warnings doctest::doctest MPI::MPI_CXX)
+target_link_libraries(mpi-transport-conformance PRIVATE reshard_support reshard_warnings doctest::doctest MPI::MPI_CXX)
 target_include_directories(mpi-transport-conformance PRIVATE ${CMAKE_CURRENT_LIST_DIR} ${CMAKE_CURRENT_LIST_DIR}/mpi)
 # Root-safe, oversubscribed (2 cores), loopback only, as tests/ucx.cmake.
 add_test(NAME mpi.transport_conformance

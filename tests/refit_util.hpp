@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "oracle.hpp"
-#include "reshard/backends/fault_injection.hpp"
+#include "reshard_support/fault_injection.hpp"
 #include "reshard/backends/local.hpp"
 #include "reshard/json_io.hpp"
 #include "reshard/plan.hpp"

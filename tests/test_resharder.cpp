@@ -15,7 +15,7 @@
 #include "error_of.hpp"
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
-#include "reshard/verify.hpp"
+#include "reshard_support/verify.hpp"
 
 using namespace reshard;
 using refit_test::run_refits;

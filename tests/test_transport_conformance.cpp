@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "queue_transport.hpp"
-#include "reshard/backends/fault_injection.hpp"
+#include "reshard_support/fault_injection.hpp"
 #include "reshard/backends/local.hpp"
 #include "transport_conformance.hpp"
 

@@ -16,7 +16,7 @@
 #include "oracle.hpp"
 #include "random_layouts.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/verify.hpp"
+#include "reshard_support/verify.hpp"
 
 using namespace reshard;
 

@@ -25,7 +25,7 @@ if(NOT MPI_CXX_FOUND OR NOT MPIEXEC_EXECUTABLE)
 endif()
 
 add_executable(ucx-mpi-refit ${CMAKE_CURRENT_LIST_DIR}/mpi/ucx_mpi_refit.cpp)
-target_link_libraries(ucx-mpi-refit PRIVATE reshard_warnings reshard_ucx MPI::MPI_CXX)
+target_link_libraries(ucx-mpi-refit PRIVATE reshard_warnings reshard_support reshard_ucx MPI::MPI_CXX)
 target_include_directories(ucx-mpi-refit PRIVATE ${CMAKE_CURRENT_LIST_DIR})
 target_compile_definitions(ucx-mpi-refit PRIVATE RESHARD_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 

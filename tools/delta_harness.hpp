@@ -39,7 +39,7 @@
 #include "refit_harness.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/storage.hpp"
-#include "reshard/verify.hpp"
+#include "reshard_support/verify.hpp"
 
 namespace delta_harness {
 

@@ -23,8 +23,8 @@
 #include "reshard/hierarchical.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
-#include "reshard/traditional.hpp"
-#include "reshard/verify.hpp"
+#include "reshard_support/traditional.hpp"
+#include "reshard_support/verify.hpp"
 
 namespace refit_harness {
 

@@ -36,7 +36,7 @@
 #include "reshard/presets/presets.hpp"
 #ifdef RESHARD_HAVE_UCX
 #include "reshard/backends/mpi_bootstrap.hpp"
-#include "reshard/ucx_refit.hpp"
+#include "reshard_support/ucx_refit.hpp"
 #endif
 
 namespace {

@@ -7,7 +7,8 @@
 //   reshard/backends/nccl.hpp     the NCCL transport                      (reshard::nccl)
 //   reshard/cuda/*                CUDA copy kernels and device engine     (reshard::cuda)
 //   reshard/simulate.hpp, stream_traffic.hpp   the refit simulator        (reshard::sim)
-//   reshard/verify.hpp, traditional.hpp, backends/fault_injection.hpp     test and tool support
+//   support/reshard_support/ (verify, traditional, fault_injection, ucx_refit): test and tool
+//                                 support of this repository, not installed
 
 // Layouts
 #include "reshard/dtype.hpp"

@@ -10,7 +10,7 @@
 
 #include "fork_world.hpp"
 #include "refit_util.hpp"
-#include "reshard/backends/fault_injection.hpp"
+#include "reshard_support/fault_injection.hpp"
 #include "reshard/backends/ucx.hpp"
 #include "reshard/json_io.hpp"
 

@@ -18,7 +18,7 @@
 #include "refit_util.hpp"
 #include "reshard/backends/ucx.hpp"
 #include "reshard/json_io.hpp"
-#include "reshard/ucx_refit.hpp"
+#include "reshard_support/ucx_refit.hpp"
 
 using namespace reshard;
 using namespace std::chrono_literals;

@@ -16,7 +16,7 @@
 #include "reshard/backends/ucx.hpp"
 #include "reshard/json_io.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/ucx_refit.hpp"
+#include "reshard_support/ucx_refit.hpp"
 
 using namespace reshard;
 

@@ -30,10 +30,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "backends/ucx.hpp"
-#include "commit.hpp"
-#include "plan.hpp"
-#include "resharder.hpp"
+#include "reshard/backends/ucx.hpp"
+#include "reshard/commit.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/resharder.hpp"
 #include "traditional.hpp"
 #include "verify.hpp"
 

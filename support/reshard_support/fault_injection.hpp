@@ -55,8 +55,8 @@
 
 #include <fmt/format.h>
 
-#include "../error.hpp"
-#include "../transport.hpp"
+#include "reshard/error.hpp"
+#include "reshard/transport.hpp"
 
 namespace reshard {
 

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "layout.hpp"
+#include "reshard/layout.hpp"
 
 namespace reshard {
 

@@ -20,10 +20,11 @@
 
 #include <fmt/format.h>
 
-#include "layout.hpp"
-#include "quantize.hpp"
-#include "rank_buffers.hpp"
-#include "storage.hpp"
+#include "reshard/layout.hpp"
+#include "reshard/quant_refit.hpp"
+#include "reshard/quantize.hpp"
+#include "reshard/rank_buffers.hpp"
+#include "reshard/storage.hpp"
 
 namespace reshard {
 
@@ -152,6 +153,61 @@ inline TagCheck check_tags(const Layout& L, std::int64_t pos, int buf, const std
                                     ts.name, g0 + i);
     });
   });
+  return r;
+}
+
+/// Checks the quantized tensors of destination buffer `buf` (values and
+/// their scale entries) after a refit from `src` filled by fill_tags(...,
+/// &dst): each tile is quantized here from the source's tags (the library's
+/// kernel, tested on its own against an independent reference).
+inline TagCheck check_quantized(const Layout& src, const Layout& dst, std::int64_t pos, int buf, const std::byte* data,
+                                const std::vector<const std::byte*>& buffers, std::uint64_t salt) {
+  TagCheck r;
+  const auto& lb = dst.local_buffers()[static_cast<std::size_t>(buf)];
+  for (int t : lb.tensors) {
+    const auto& ts = dst.tensors[static_cast<std::size_t>(t)];
+    if (!ts.quant || !dst.holds(pos, t)) continue;
+    const auto& q = *ts.quant;
+    const int st = src.find_tensor(ts.name);
+    const DType sdt = src.tensors[static_cast<std::size_t>(st)].dtype;
+    const auto E = static_cast<std::size_t>(element_bytes(sdt));
+    const auto SE = static_cast<std::size_t>(element_bytes(scale_dtype(q.scheme)));
+    const std::uint64_t key = tensor_key(ts.name);
+    const std::byte* scales = buffers[static_cast<std::size_t>(dst.buffer_of(q.scale_tensor))];
+    const PieceRuns runs = PieceRuns::of(dst, pos, t);
+    std::vector<std::byte> vals;
+    std::vector<std::uint8_t> want;
+    std::vector<std::int64_t> at;
+    for_each_whole_tile(dst, pos, t, q, [&](const auto& origin, const auto& extent) {
+      vals.clear();
+      at.clear();
+      for_each_tile_row(ts.shape, origin, extent, [&](std::int64_t g, std::int64_t len) {
+        detail::for_each_tag(key, g, len, salt, [&](std::int64_t, std::uint64_t v) {
+          v = finite_tag(sdt, v);
+          const auto* p = reinterpret_cast<const std::byte*>(&v);
+          vals.insert(vals.end(), p, p + E);
+        });
+        runs.pieces(g, len, [&](std::int64_t b0, std::int64_t k) {
+          for (std::int64_t i = 0; i < k; ++i) at.push_back(b0 + i);
+        });
+      });
+      want.assign(at.size(), 0);
+      std::byte scale[4];
+      quantize_tile(q.scheme, sdt, [&](auto&& f) { f(vals.data(), want.data(), static_cast<std::int64_t>(want.size())); }, scale);
+      for (std::size_t i = 0; i < at.size(); ++i) {
+        ++r.checked;
+        if (static_cast<std::uint8_t>(data[at[i]]) != want[i] && r.wrong++ == 0)
+          r.first_wrong = fmt::format("rank {} buffer '{}' element {} ({}: FP8 value) is wrong", dst.mesh.global_rank(pos), lb.name,
+                                      at[i], ts.name);
+      }
+      const std::int64_t so = scale_index(dst, pos, t, origin);
+      ++r.checked;
+      if (!scales || std::memcmp(scales + static_cast<std::size_t>(so) * SE, scale, SE) != 0) {
+        if (r.wrong++ == 0)
+          r.first_wrong = fmt::format("rank {} scale tensor '{}' entry {} is wrong", dst.mesh.global_rank(pos), q.scale, so);
+      }
+    });
+  }
   return r;
 }
 
