@@ -248,54 +248,8 @@ inline double median(std::vector<double> v) {
 }
 
 namespace detail {
-/// Dense local buffers of one rank under one layout.
-struct Side {
-  const Layout* L = nullptr;
-  std::optional<std::int64_t> pos;
-  std::vector<std::unique_ptr<std::byte[]>> mem;
-  std::vector<std::int64_t> bytes;
-  LocalBuffers* into = nullptr;
-
-  void allocate(const Layout& layout, std::int64_t rank, std::map<std::string, BufferView>& views) {
-    L = &layout;
-    pos = layout.mesh.position_of(rank);
-    const auto& lbs = layout.local_buffers();
-    mem.resize(lbs.size());
-    bytes.assign(lbs.size(), 0);
-    if (!pos) return;
-    for (std::size_t b = 0; b < lbs.size(); ++b) {
-      const auto shape = buffer_shape(layout, *pos, static_cast<int>(b));
-      if (shape.empty()) continue;
-      const std::int64_t E = element_bytes(lbs[b].dtype);
-      bytes[b] = product(shape) * E;
-      mem[b] = std::make_unique<std::byte[]>(static_cast<std::size_t>(std::max<std::int64_t>(bytes[b], 1)));  // zeroed: pages touched now
-      views[lbs[b].name] = bytes_view(mem[b].get(), static_cast<std::size_t>(bytes[b]), E);
-    }
-  }
-  /// The other side of the refit: sources of its quantized tensors get
-  /// finite values; its quantized tensors are checked against their sources.
-  const Layout* other = nullptr;
-
-  void fill(TagFill mode, std::uint64_t salt) {
-    if (!pos) return;
-    for (std::size_t b = 0; b < mem.size(); ++b)
-      if (mem[b]) fill_tags(*L, *pos, static_cast<int>(b), mem[b].get(), mode, salt, other);
-  }
-  TagCheck check(std::uint64_t salt) const {
-    TagCheck all;
-    if (!pos) return all;
-    for (std::size_t b = 0; b < mem.size(); ++b) {
-      if (!mem[b]) continue;
-      all.add(check_tags(*L, *pos, static_cast<int>(b), mem[b].get(), salt));
-      if (other) {
-        std::vector<const std::byte*> ptrs;
-        for (const auto& m : mem) ptrs.push_back(m.get());
-        all.add(check_quantized(*other, *L, *pos, static_cast<int>(b), mem[b].get(), ptrs, salt));
-      }
-    }
-    return all;
-  }
-};
+/// A rank's tagged buffers under one layout (verify.hpp).
+using Side = TaggedSide;
 }  // namespace detail
 
 /// Refits src -> dst `iterations` times on a LocalWorld of both sides' ranks
