@@ -60,19 +60,8 @@ t_start=$(date +%s)
 stamp() { echo "sanitize: [$(( $(date +%s) - t_start ))s] $*"; }
 
 # ---------------------------------------------------------------- packages
-pkgs=(g++ clang libclang-rt-14-dev)
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  stamp "installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+stamp "packages"
+bash "$root/scripts/setup.sh" g++ clang libclang-rt-14-dev
 
 # ------------------------------------------------------- runtime options
 # Leaks count (LeakSanitizer is on with ASan), except inside the MPI and UCX

@@ -1,16 +1,11 @@
 # The transport conformance suite over mpi_transport.hpp (MPI_Isend /
 # MPI_Irecv, written from transport.hpp alone), under mpirun -np 3.
-find_package(MPI QUIET COMPONENTS CXX)
-if(NOT MPI_CXX_FOUND OR NOT MPIEXEC_EXECUTABLE)
+if(NOT RESHARD_MPIRUN)
   message(STATUS "reshard: MPI not found: the MPI transport's conformance run is skipped")
   return()
 endif()
 add_executable(mpi-transport-conformance ${CMAKE_CURRENT_LIST_DIR}/mpi/mpi_conformance.cpp)
 target_link_libraries(mpi-transport-conformance PRIVATE reshard_support reshard_warnings doctest::doctest MPI::MPI_CXX)
 target_include_directories(mpi-transport-conformance PRIVATE ${CMAKE_CURRENT_LIST_DIR} ${CMAKE_CURRENT_LIST_DIR}/mpi)
-# Root-safe, oversubscribed (2 cores), loopback only, as tests/ucx.cmake.
-add_test(NAME mpi.transport_conformance
-         COMMAND ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl self,vader,tcp --mca btl_tcp_if_include lo
-                 --mca oob_tcp_if_include lo ${MPIEXEC_NUMPROC_FLAG} 3 $<TARGET_FILE:mpi-transport-conformance>)
-set_tests_properties(mpi.transport_conformance PROPERTIES TIMEOUT 120 LABELS mpi
-                     ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+add_test(NAME mpi.transport_conformance COMMAND ${RESHARD_MPIRUN} ${MPIEXEC_NUMPROC_FLAG} 3 $<TARGET_FILE:mpi-transport-conformance>)
+set_tests_properties(mpi.transport_conformance PROPERTIES TIMEOUT 120 LABELS mpi ENVIRONMENT "${RESHARD_MPI_ENV}")

@@ -18,8 +18,7 @@ endif()
 
 set(_ucx_env "UCX_NET_DEVICES=lo" "UCX_WARN_UNUSED_ENV_VARS=n")
 
-find_package(MPI QUIET COMPONENTS CXX)
-if(NOT MPI_CXX_FOUND OR NOT MPIEXEC_EXECUTABLE)
+if(NOT RESHARD_MPIRUN)
   message(STATUS "reshard: MPI not found: the UCX tests under mpirun are skipped")
   return()
 endif()
@@ -29,10 +28,9 @@ target_link_libraries(ucx-mpi-refit PRIVATE reshard_warnings reshard_support res
 target_include_directories(ucx-mpi-refit PRIVATE ${CMAKE_CURRENT_LIST_DIR})
 target_compile_definitions(ucx-mpi-refit PRIVATE RESHARD_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
-# Root-safe, oversubscribed, no MPI-level UCX (MPI only bootstraps).
-set(_mpirun ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl self,vader,tcp
-            --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo -x UCX_NET_DEVICES -x UCX_WARN_UNUSED_ENV_VARS)
-set(_mpi_env ${_ucx_env} "OMPI_ALLOW_RUN_AS_ROOT=1" "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" "OMPI_MCA_rmaps_base_oversubscribe=1")
+# No MPI-level UCX (MPI only bootstraps); the ranks get the UCX settings.
+set(_mpirun ${RESHARD_MPIRUN} -x UCX_NET_DEVICES -x UCX_WARN_UNUSED_ENV_VARS)
+set(_mpi_env ${_ucx_env} ${RESHARD_MPI_ENV})
 
 add_test(NAME ucx.mpi.refit COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 8 $<TARGET_FILE:ucx-mpi-refit>)
 set_tests_properties(ucx.mpi.refit PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")

@@ -76,14 +76,13 @@ struct Result {
     std::vector<double> v;
     for (std::size_t k = 1; k < versions.size(); ++k)
       if (versions[k].*f >= 0) v.push_back(versions[k].*f);  // (unmeasured fractions are left out)
-    return median(v);
+    return reshard::median(v);
   }
   double median_of(std::int64_t Version::*f) const {
     std::vector<double> v;
     for (std::size_t k = 1; k < versions.size(); ++k) v.push_back(static_cast<double>(versions[k].*f));
-    return median(v);
+    return reshard::median(v);
   }
-  static double median(std::vector<double> v) { return refit_harness::median(std::move(v)); }
 };
 
 namespace detail {
@@ -122,7 +121,7 @@ struct Run {
   std::int64_t state = 0;   ///< offset of the run in the master / moment arrays
 };
 
-using refit_harness::detail::Side;
+using Side = TaggedSide;
 
 /// The source rank's optimizer: master weights and Adam moments.
 struct Adam {

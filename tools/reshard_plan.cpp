@@ -35,6 +35,7 @@
 #include "reshard/simulate.hpp"
 #include "reshard/storage.hpp"
 #include "reshard/topology.hpp"
+#include "layout_args.hpp"
 
 namespace {
 
@@ -249,18 +250,19 @@ int main(int argc, char** argv) {
   CLI::App app{"Plans a refit between two parallel layouts (see CONTRACT.md): which rank sends which strided "
                "piece to which rank.",
                "reshard-plan"};
-  std::string src_path, dst_path, model_path, train_spec, infer_spec, emit_dir, picture;
-  bool as_json = false, as_stats = false, colocate = false, group_experts = false;
+  tools::LayoutArgs la;
+  std::string emit_dir, picture;
+  bool as_json = false, as_stats = false;
   double nic_gbps = 400;
   std::int64_t rank = -1;
-  auto* src_opt = app.add_option("--src", src_path, "source layout file (JSON, e.g. the training job)");
-  auto* dst_opt = app.add_option("--dst", dst_path, "destination layout file (JSON, e.g. the inference job)");
-  auto* model_opt = app.add_option("--model", model_path, "HuggingFace config.json: build both layouts from it");
-  auto* train_opt = app.add_option("--train", train_spec, "training parallelism (Megatron-Core), e.g. tp=2,pp=4,dp=2,ep=8");
-  auto* infer_opt = app.add_option("--infer", infer_spec, "inference parallelism (vLLM), e.g. tp=8,dp=2");
-  auto* coloc_opt = app.add_flag("--colocate", colocate, "inference ranks are the training ranks (start at rank 0)");
+  auto* src_opt = app.add_option("--src", la.src_path, "source layout file (JSON, e.g. the training job)");
+  auto* dst_opt = app.add_option("--dst", la.dst_path, "destination layout file (JSON, e.g. the inference job)");
+  auto* model_opt = app.add_option("--model", la.model_path, "HuggingFace config.json: build both layouts from it");
+  auto* train_opt = app.add_option("--train", la.train_spec, "training parallelism (Megatron-Core), e.g. tp=2,pp=4,dp=2,ep=8");
+  auto* infer_opt = app.add_option("--infer", la.infer_spec, "inference parallelism (vLLM), e.g. tp=8,dp=2");
+  auto* coloc_opt = app.add_flag("--colocate", la.colocate, "inference ranks are the training ranks (start at rank 0)");
   auto* emit_opt = app.add_option("--emit-layouts", emit_dir, "write DIR/src.json and DIR/dst.json");
-  auto* group_opt = app.add_flag("--group-experts", group_experts,
+  auto* group_opt = app.add_flag("--group-experts", la.group_experts,
                                  "stack each MoE layer's experts into 3-D tensors named 'experts.{0..E-1}' "
                                  "(faster to plan; names are not the checkpoint's)");
   app.add_option("--nic-gbps", nic_gbps, "per-GPU network bandwidth for the refit time estimate (Gb/s)")
@@ -321,44 +323,37 @@ int main(int argc, char** argv) {
     report(fmt::format("reshard-plan: {} (run with --help for usage)", e.what()));
     return 2;
   }
-  if (src_path.empty() && model_path.empty()) {
+  if (la.src_path.empty() && la.model_path.empty()) {
     report("reshard-plan: give --src and --dst, or --model with --train and --infer (run with --help for usage)");
     return 2;
   }
 
   try {
-    // Plan fully, and render fully, before anything reaches stdout.
-    Layout src, dst;
-    if (!model_path.empty()) {
-      presets::PresetOptions popt;
-      popt.colocate = colocate;
-      popt.group_experts = group_experts;
-      auto m = presets::model_layouts(model_path, train_spec, infer_spec, popt);
-      src = std::move(m.train);
-      dst = std::move(m.infer);
-      if (!emit_dir.empty()) {
-        std::filesystem::create_directories(emit_dir);
-        for (auto [L, name] : {std::pair{&src, "src.json"}, std::pair{&dst, "dst.json"}}) {
-          const auto path = (std::filesystem::path(emit_dir) / name).string();
-          std::ofstream f(path);
-          f << layout_to_json(*L).dump(1) << "\n";
-          if (!f) fail("reshard-plan: cannot write '{}'", path);
-        }
+    // Plan fully, and render fully, before anything reaches stdout; a
+    // failed write (a closed pipe, a full disk) is an error, not a success.
+    const auto flushed = [&] {
+      std::cout.flush();
+      if (std::cout) return 0;
+      report("reshard-plan: cannot write to standard output");
+      return 1;
+    };
+    auto layouts = la.load();
+    const Layout& src = layouts.src;
+    const Layout& dst = layouts.dst;
+    if (!la.model_path.empty() && !emit_dir.empty()) {
+      std::filesystem::create_directories(emit_dir);
+      for (auto [L, name] : {std::pair{&src, "src.json"}, std::pair{&dst, "dst.json"}}) {
+        const auto path = (std::filesystem::path(emit_dir) / name).string();
+        std::ofstream f(path);
+        f << layout_to_json(*L).dump(1) << "\n";
+        if (!f) fail("reshard-plan: cannot write '{}'", path);
       }
-    } else {
-      src = read_layout_file(src_path);
-      dst = read_layout_file(dst_path);
     }
     if (!topo_run.topology.empty()) {
       if (!picture.empty()) fail("reshard-plan: --picture is not available with --topology");
       const std::string text = run_with_topology(topo_run, src, dst, as_json, as_stats, nic_gbps);
       std::cout << text;
-      std::cout.flush();
-      if (!std::cout) {
-        report("reshard-plan: cannot write to standard output");
-        return 1;
-      }
-      return 0;
+      return flushed();
     }
     PlanOptions opt;
     opt.only_rank = rank;
@@ -378,12 +373,7 @@ int main(int argc, char** argv) {
       const std::string text = plan_summary(s, src, dst, {.only_rank = rank, .shares = shares ? &*shares : nullptr, .nic_gbps = nic_gbps});
       std::cout << text;
     }
-    std::cout.flush();
-    if (!std::cout) {
-      report("reshard-plan: cannot write to standard output");
-      return 1;
-    }
-    return 0;
+    return flushed();
   } catch (const std::bad_alloc&) {
     report("reshard-plan: out of memory (std::bad_alloc) while reading or planning the layouts");
   } catch (const Error& e) {

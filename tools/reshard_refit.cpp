@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "delta_harness.hpp"
+#include "layout_args.hpp"
 #include "refit_harness.hpp"
 #include "reshard/hierarchical.hpp"
 #include "reshard/json_io.hpp"
@@ -42,7 +43,7 @@
 namespace {
 
 using namespace reshard;
-using refit_harness::MethodResult;
+using reshard::MethodFigures;
 
 std::string human_bytes(double b) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -60,14 +61,6 @@ std::int64_t peak_rss_bytes() {
   return static_cast<std::int64_t>(u.ru_maxrss) * 1024;
 }
 std::string human_seconds(double s) { return s < 1 ? fmt::format("{:.1f} ms", s * 1e3) : fmt::format("{:.3f} s", s); }
-
-nlohmann::json method_json(const MethodResult& m) {
-  return {{"bytes_moved", m.bytes_moved},     {"seconds", m.median}, {"best_seconds", m.best},
-          {"validated", m.validated},         {"local_bytes", m.local_bytes},
-          {"messages", m.messages},           {"waves", m.waves},
-          {"peak_staging_bytes", m.peak_staging_bytes}, {"iteration_seconds", m.seconds},
-          {"checked_elements", m.checked},    {"wrong_elements", m.wrong}};
-}
 
 /// The --delta report: the contract's fields (bytes_moved / seconds: the
 /// delta refit's medians over the versions after the first; "baseline": the
@@ -189,24 +182,25 @@ int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const
 
 int main(int argc, char** argv) {
   CLI::App app{"reshard-refit: move real weights from a training layout to an inference layout, and compare with the traditional refit"};
-  std::string transport = "local", src_path, dst_path, model_path, train_spec, infer_spec;
+  std::string transport = "local";
+  tools::LayoutArgs la;
   int iterations = 5;
-  bool json = false, no_baseline = false, colocate = false, group_experts = false;
+  bool json = false, no_baseline = false;
   std::int64_t budget = ExecutorOptions{}.staging_budget;
   std::string protocol = "tag";
   app.add_option("--transport", transport, "local (in-process threads) or ucx (under mpirun); nccl is not built yet");
   app.add_option("--protocol", protocol, "ucx: tag (tagged messages, default) or put (one-sided puts)");
   app.add_option("--iterations", iterations, "refits per method; seconds is the median")->check(CLI::Range(1, 1000));
   app.add_flag("--json", json, "one JSON object on stdout");
-  auto* so = app.add_option("--src", src_path, "source layout file (CONTRACT.md §1)");
-  auto* dopt = app.add_option("--dst", dst_path, "destination layout file");
+  auto* so = app.add_option("--src", la.src_path, "source layout file (CONTRACT.md §1)");
+  auto* dopt = app.add_option("--dst", la.dst_path, "destination layout file");
   so->needs(dopt);
   dopt->needs(so);
-  auto* mo = app.add_option("--model", model_path, "HuggingFace config.json: both layouts from presets");
-  auto* to = app.add_option("--train", train_spec, "training parallelism (Megatron-Core), e.g. tp=2,pp=2,dp=2");
-  auto* io = app.add_option("--infer", infer_spec, "inference parallelism (vLLM), e.g. tp=4");
-  auto* co = app.add_flag("--colocate", colocate, "inference ranks are the training ranks");
-  auto* go = app.add_flag("--group-experts", group_experts, "stack MoE experts into 3-D tensors");
+  auto* mo = app.add_option("--model", la.model_path, "HuggingFace config.json: both layouts from presets");
+  auto* to = app.add_option("--train", la.train_spec, "training parallelism (Megatron-Core), e.g. tp=2,pp=2,dp=2");
+  auto* io = app.add_option("--infer", la.infer_spec, "inference parallelism (vLLM), e.g. tp=4");
+  auto* co = app.add_flag("--colocate", la.colocate, "inference ranks are the training ranks");
+  auto* go = app.add_flag("--group-experts", la.group_experts, "stack MoE experts into 3-D tensors");
   mo->needs(to)->needs(io);
   for (auto* o : {to, io, co, go}) o->needs(mo);
   mo->excludes(so);
@@ -272,18 +266,11 @@ int main(int argc, char** argv) {
   try {
     Layout src, dst;
     std::string model;
-    if (!model_path.empty()) {
-      presets::PresetOptions popt;
-      popt.colocate = colocate;
-      popt.group_experts = group_experts;
-      auto m = presets::model_layouts(model_path, train_spec, infer_spec, popt);
-      src = std::move(m.train);
-      dst = std::move(m.infer);
-      model = m.manifest.config.origin;
-    } else if (!src_path.empty()) {
-      src = read_layout_file(src_path);
-      dst = read_layout_file(dst_path);
-      model = fmt::format("{} -> {}", src_path, dst_path);
+    if (!la.model_path.empty() || !la.src_path.empty()) {
+      auto l = la.load();
+      src = std::move(l.src);
+      dst = std::move(l.dst);
+      model = std::move(l.model);
     } else {
       const refit_harness::ModelShape m;
       src = refit_harness::megatron_layout(m, 2, 2, 2, 0);
@@ -384,7 +371,7 @@ int main(int argc, char** argv) {
         j["stages"] = opt.staged->stages;
       }
       if (!no_baseline) {
-        j["baseline"] = method_json(r.baseline);
+        j["baseline"] = to_json(r.baseline);
         j["speedup"] = speedup;
       }
       std::cout << j.dump() << "\n";
@@ -396,7 +383,7 @@ int main(int argc, char** argv) {
                    opt.staged->schedule.copies.size());
       fmt::print("{:<24} {:>14} {:>14}\n", "", "reshard", no_baseline ? "" : "traditional");
       auto row = [&](const char* name, const std::string& a, const std::string& b) { fmt::print("{:<24} {:>14} {:>14}\n", name, a, b); };
-      const MethodResult& b = r.baseline;
+      const MethodFigures& b = r.baseline;
       row("median time", human_seconds(r.reshard.median), no_baseline ? "" : human_seconds(b.median));
       row("best time", human_seconds(r.reshard.best), no_baseline ? "" : human_seconds(b.best));
       row("bytes over the network", human_bytes(static_cast<double>(r.reshard.bytes_moved)), no_baseline ? "" : human_bytes(static_cast<double>(b.bytes_moved)));

@@ -8,7 +8,6 @@
 #include <array>
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace reshard {
@@ -104,46 +103,38 @@ struct Schedule {
     stats.bytes = stats.local_bytes = 0;
     stats.copies = static_cast<std::int64_t>(copies.size());
     // Per-rank sums: a schedule has millions of copies but few ranks, whose
-    // ids are usually small (an array), else arbitrary (a hash map).
+    // ids are usually small.
     std::int64_t lo = 0, hi = -1;
     for (const auto& c : copies) {
       lo = std::min({lo, c.src_rank, c.dst_rank});
       hi = std::max({hi, c.src_rank, c.dst_rank});
     }
-    if (lo >= 0 && hi < (std::int64_t{1} << 22)) {
-      std::vector<std::int64_t> sends(static_cast<std::size_t>(hi + 1)), recvs(static_cast<std::size_t>(hi + 1));
-      for (const auto& c : copies) {
-        const std::int64_t n = c.bytes();
-        if (c.is_local()) {
-          stats.local_bytes += n;
-          continue;
-        }
-        stats.bytes += n;
-        sends[static_cast<std::size_t>(c.src_rank)] += n;
-        recvs[static_cast<std::size_t>(c.dst_rank)] += n;
-      }
-      stats.max_send_bytes = sends.empty() ? 0 : *std::max_element(sends.begin(), sends.end());
-      stats.max_recv_bytes = recvs.empty() ? 0 : *std::max_element(recvs.begin(), recvs.end());
-    } else {
-      std::unordered_map<std::int64_t, std::int64_t> sends, recvs;
-      for (const auto& c : copies) {
-        const std::int64_t n = c.bytes();
-        if (c.is_local()) {
-          stats.local_bytes += n;
-          continue;
-        }
-        stats.bytes += n;
-        sends[c.src_rank] += n;
-        recvs[c.dst_rank] += n;
-      }
-      auto max_of = [](const std::unordered_map<std::int64_t, std::int64_t>& v) {
-        std::int64_t best = 0;
-        for (const auto& [rank, sum] : v) best = std::max(best, sum);
-        return best;
-      };
-      stats.max_send_bytes = max_of(sends);
-      stats.max_recv_bytes = max_of(recvs);
+    // Sums indexed by the rank itself, or by its place among the distinct
+    // ranks when ids are negative or huge.
+    const bool direct = lo >= 0 && hi < (std::int64_t{1} << 22);
+    std::vector<std::int64_t> ids;
+    if (!direct) {
+      for (const auto& c : copies) ids.insert(ids.end(), {c.src_rank, c.dst_rank});
+      std::sort(ids.begin(), ids.end());
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
     }
+    const auto index = [&](std::int64_t r) {
+      return static_cast<std::size_t>(direct ? r : std::lower_bound(ids.begin(), ids.end(), r) - ids.begin());
+    };
+    const std::size_t n_ranks = direct ? static_cast<std::size_t>(hi + 1) : ids.size();
+    std::vector<std::int64_t> sends(n_ranks), recvs(n_ranks);
+    for (const auto& c : copies) {
+      const std::int64_t n = c.bytes();
+      if (c.is_local()) {
+        stats.local_bytes += n;
+        continue;
+      }
+      stats.bytes += n;
+      sends[index(c.src_rank)] += n;
+      recvs[index(c.dst_rank)] += n;
+    }
+    stats.max_send_bytes = sends.empty() ? 0 : *std::max_element(sends.begin(), sends.end());
+    stats.max_recv_bytes = recvs.empty() ? 0 : *std::max_element(recvs.begin(), recvs.end());
     stats.ranks = rank_count;
   }
 };

@@ -34,15 +34,11 @@
 #include "reshard/commit.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
-#include "traditional.hpp"
-#include "verify.hpp"
+#include "measured_refit.hpp"
 
 namespace reshard {
 
-struct UcxRefitOptions {
-  int iterations = 5;
-  bool baseline = true;
-  ExecutorOptions executor;
+struct UcxRefitOptions : MeasuredRefitOptions {
   /// Raw bandwidth probe: bytes per transfer (0: the busiest pair's bytes,
   /// clamped to [1 MiB, probe_max_bytes]) and timed transfers.
   bool probe = true;
@@ -50,19 +46,7 @@ struct UcxRefitOptions {
   int probe_iterations = 3;
 };
 
-/// One method's figures over all ranks (what the local harness reports).
-struct UcxRefitMethod {
-  std::int64_t bytes_moved = 0;  ///< network bytes per refit, sum over ranks
-  std::int64_t local_bytes = 0, messages = 0;
-  int waves = 0;
-  std::int64_t peak_staging_bytes = 0, staging_bytes = 0;
-  std::int64_t max_rank_bytes = 0;  ///< most bytes one rank sent or received per refit
-  std::vector<double> seconds;      ///< per iteration
-  double median = 0, best = 0;
-  bool validated = false;
-  std::int64_t checked = 0, wrong = 0;
-  std::string first_wrong;
-};
+using UcxRefitMethod = MethodFigures;
 
 struct UcxRefitResult {
   std::int64_t world = 0, src_ranks = 0, dst_ranks = 0;
@@ -86,22 +70,9 @@ struct UcxRefitResult {
 
 namespace ucx_refit_detail {
 
-inline double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-using Side = TaggedSide;
-
-/// What one rank contributes to the summary.
-struct RankFigures {
-  std::vector<std::int64_t> t0, t1, b0, b1;  ///< steady-clock ns per iteration
-  RefitReport main;
-  std::vector<RefitReport> base;
-  TagCheck check, base_check;
-  double plan_seconds = 0;
+/// What one rank contributes to the summary: its measured figures, and
+/// where it runs and sends (for the bandwidth probe).
+struct UcxRankFigures : RankFigures {
   std::string host;
   std::vector<std::int64_t> peers;
   std::vector<std::pair<std::int64_t, std::int64_t>> sends;  ///< (dst rank, bytes) this rank sends
@@ -175,7 +146,6 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
   res.dst_ranks = dst.mesh.size();
   res.protocol = std::string(to_string(t.protocol()));
   res.has_baseline = opt.baseline;
-  const int iters = std::max(1, opt.iterations);
   {
     std::int64_t need = 0;
     for (const Layout* L : {&src, &dst})
@@ -185,72 +155,16 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
         if (std::find(world.begin(), world.end(), r) == world.end())
           fail("ucx refit: {} uses rank {} but the job has {} processes (run under mpirun with -np {} or more)", L->origin, r, world.size(), need);
   }
-  const Layout gathered = opt.baseline ? gather_layout(src) : Layout{};
-  const Layout broadcast = opt.baseline ? broadcast_layout(dst) : Layout{};
   const auto far = [&] { return Clock::now() + opt.executor.timeout; };
-  const auto ns = [](Clock::time_point p) { return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(p.time_since_epoch()).count()); };
 
-  RankFigures me;
-  {
-    LocalBuffers main_bufs;
-    Side s, d;
-    s.allocate(src, t.rank(), main_bufs.src);
-    d.allocate(dst, t.rank(), main_bufs.dst);
-    s.other = &dst;  // quantized destinations (docs/fp8.md)
-    d.other = &src;
-    s.fill(TagFill::source, 0);
-    d.fill(TagFill::poison, 0);
-    ResharderOptions ro;
-    ro.executor = opt.executor;
-    ro.executor.channel = 0;
-    Resharder<Layout, UcxTransport> main(src, dst, main_bufs, t, ro);
-    me.plan_seconds = main.schedule().stats.plan_seconds;
+  UcxRankFigures me;
+  static_cast<RankFigures&>(me) = measure_refit_on_rank(src, dst, t, opt, [&](const Resharder<Layout, UcxTransport>& main) {
     me.peers = t.connected_peers();  // the reshard program's endpoints, before the baseline opens its own
-    {
-      std::map<std::int64_t, std::int64_t> to;
-      for (const auto& c : main.schedule().copies)
-        if (c.src_rank == t.rank() && c.dst_rank != t.rank()) to[c.dst_rank] += c.bytes();
-      me.sends.assign(to.begin(), to.end());
-    }
-    Side g_side, b_side;
-    std::map<std::string, BufferView> gv, bv;
-    std::unique_ptr<Resharder<Layout, UcxTransport>> gather, bcast, slice;
-    if (opt.baseline) {
-      g_side.allocate(gathered, t.rank(), gv);
-      b_side.allocate(broadcast, t.rank(), bv);
-      LocalBuffers g_bufs{main_bufs.src, gv}, b_bufs{gv, bv}, s_bufs{bv, main_bufs.dst};
-      ResharderOptions r1 = ro, r2 = ro, r3 = ro;
-      r1.executor.channel = 1;
-      r2.executor.channel = 2;
-      r3.executor.channel = 3;
-      gather = std::make_unique<Resharder<Layout, UcxTransport>>(src, gathered, g_bufs, t, r1);
-      bcast = std::make_unique<Resharder<Layout, UcxTransport>>(gathered, broadcast, b_bufs, t, r2);
-      slice = std::make_unique<Resharder<Layout, UcxTransport>>(broadcast, dst, s_bufs, t, r3);
-    }
-    // Alternate the methods so both see the same machine; each iteration
-    // refits new source values (salt k) into all-wrong destination memory and
-    // is checked element by element outside the timed window.
-    for (int k = 0; k < iters; ++k) {
-      const auto salt = static_cast<std::uint64_t>(k);
-      if (k > 0) {
-        s.fill(TagFill::source, salt);
-        d.fill(TagFill::poison, salt);
-      }
-      t.all_gather({}, far());
-      me.t0.push_back(ns(Clock::now()));
-      me.main = main.refit();
-      me.t1.push_back(ns(Clock::now()));
-      me.check.add(d.check(salt), fmt::format("iteration {}", k));
-      if (!opt.baseline) continue;
-      d.fill(TagFill::poison, salt);
-      t.all_gather({}, far());
-      me.b0.push_back(ns(Clock::now()));
-      me.base = {gather->refit(), bcast->refit(), slice->refit()};
-      me.b1.push_back(ns(Clock::now()));
-      me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
-    }
-    t.all_gather({}, far());
-  }
+    std::map<std::int64_t, std::int64_t> to;
+    for (const auto& c : main.schedule().copies)
+      if (c.src_rank == t.rank() && c.dst_rank != t.rank()) to[c.dst_rank] += c.bytes();
+    me.sends.assign(to.begin(), to.end());
+  });
   me.host = host_name();
 
   // Everyone's figures to everyone.
@@ -273,10 +187,10 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
     w.put(b);
   }
   const Blobs blobs = t.all_gather(w.buf, far());
-  std::vector<RankFigures> all(blobs.size());
+  std::vector<UcxRankFigures> all(blobs.size());
   for (std::size_t i = 0; i < blobs.size(); ++i) {
     ucx_detail::Reader rd(blobs[i], world[i], "refit figures");
-    RankFigures& f = all[i];
+    UcxRankFigures& f = all[i];
     f.t0 = get_vec<std::int64_t>(rd);
     f.t1 = get_vec<std::int64_t>(rd);
     f.b0 = get_vec<std::int64_t>(rd);
@@ -307,46 +221,10 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
       }
   }
 
-  auto summarize = [&](UcxRefitMethod& m, bool base) {
-    for (const auto& f : all) {
-      std::int64_t sent = 0, recv = 0;
-      const std::vector<RefitReport> reps = base ? f.base : std::vector<RefitReport>{f.main};
-      for (const RefitReport& r : reps) {
-        m.bytes_moved += r.bytes_sent;
-        m.local_bytes += r.local_bytes;
-        m.messages += r.messages_sent;
-        m.waves = std::max(m.waves, r.waves);
-        m.peak_staging_bytes = std::max(m.peak_staging_bytes, r.peak_staging_bytes);
-        m.staging_bytes = std::max(m.staging_bytes, r.staging_bytes);
-        sent += r.bytes_sent;
-        recv += r.bytes_received;
-      }
-      m.max_rank_bytes = std::max({m.max_rank_bytes, sent, recv});
-      const TagCheck& c = base ? f.base_check : f.check;
-      m.checked += c.checked;
-      m.wrong += c.wrong;
-      if (c.wrong && m.first_wrong.empty()) m.first_wrong = c.first_wrong;
-    }
-    for (int k = 0; k < iters; ++k) {
-      const auto u = static_cast<std::size_t>(k);
-      std::int64_t a = INT64_MAX, b = INT64_MIN, longest = 0;
-      for (const auto& f : all) {
-        const auto& s0 = base ? f.b0 : f.t0;
-        const auto& s1 = base ? f.b1 : f.t1;
-        a = std::min(a, s0[u]);
-        b = std::max(b, s1[u]);
-        longest = std::max(longest, s1[u] - s0[u]);
-      }
-      // One host: one clock, first start to last finish. Several: clocks differ; the slowest rank.
-      m.seconds.push_back(static_cast<double>(res.same_host ? b - a : longest) * 1e-9);
-    }
-    m.median = median(m.seconds);
-    m.best = *std::min_element(m.seconds.begin(), m.seconds.end());
-    m.validated = m.wrong == 0 && m.checked > 0;
-  };
-  summarize(res.reshard, false);
+  const std::vector<RankFigures> figures(all.begin(), all.end());
+  res.reshard = summarize_method(figures, false, res.same_host);
   if (opt.baseline) {
-    summarize(res.baseline, true);
+    res.baseline = summarize_method(figures, true, res.same_host);
     res.speedup = res.reshard.median > 0 ? res.baseline.median / res.reshard.median : 0;
   }
   if (res.reshard.median > 0) {
@@ -368,21 +246,6 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
   }
   t.all_gather({}, far());
   return res;
-}
-
-inline nlohmann::json to_json(const UcxRefitMethod& m) {
-  return {{"bytes_moved", m.bytes_moved},
-          {"seconds", m.median},
-          {"best_seconds", m.best},
-          {"validated", m.validated},
-          {"local_bytes", m.local_bytes},
-          {"messages", m.messages},
-          {"waves", m.waves},
-          {"peak_staging_bytes", m.peak_staging_bytes},
-          {"max_rank_bytes", m.max_rank_bytes},
-          {"iteration_seconds", m.seconds},
-          {"checked_elements", m.checked},
-          {"wrong_elements", m.wrong}};
 }
 
 inline nlohmann::json to_json(const UcxBandwidth& b) {

@@ -4,8 +4,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "../layout.hpp"
 #include "model.hpp"
@@ -75,6 +78,70 @@ class LayoutBuilder {
   Layout L_;
   int stage_axis_ = -1;
 };
+
+/// One row of a framework's table of fused buffers: which layers have it,
+/// its name after the layer's prefix, and the roles of its parts in order.
+struct FusedBuffer {
+  enum class Layers : std::uint8_t {
+    gqa_attention,  ///< layers without MLA
+    mla_q_lora,     ///< MLA layers with q compression
+    dense_mlp,      ///< layers without routed experts
+    shared_experts,
+    routed_experts,  ///< MoE layers: the routed experts (see Experts)
+    grouped_experts  ///< MoE layers of a grouped manifest only
+  };
+  /// How routed experts fuse: all of a layer's experts in one buffer (each
+  /// expert's parts in role order, expert after expert; a grouped manifest's
+  /// stacks side by side along dim 1 when there are several), or one buffer
+  /// per expert, named with the expert id appended, unless grouped.
+  enum class Experts : std::uint8_t { one_buffer, per_expert_unless_grouped };
+
+  Layers layers;
+  std::string_view name;
+  std::vector<Role> roles;
+  std::int64_t interleave = 1;
+  Experts experts = Experts::one_buffer;
+};
+
+/// Adds every fused buffer of `table` for layers [0, layers) named
+/// prefix(l) + row.name: one table per framework instead of one loop each.
+template <class Prefix>
+void add_fused_buffers(LayoutBuilder& b, const Manifest& m, std::int64_t layers, Prefix&& prefix, const std::vector<FusedBuffer>& table) {
+  const ModelConfig& c = m.config;
+  auto name_of = [&](int id) { return m.tensors[static_cast<std::size_t>(id)].name; };
+  using L = FusedBuffer::Layers;
+  for (std::int64_t l = 0; l < layers; ++l) {
+    const std::string p = prefix(l);
+    const bool moe = c.is_moe_layer(l);
+    for (const FusedBuffer& f : table) {
+      const bool has = f.layers == L::gqa_attention    ? !c.mla
+                       : f.layers == L::mla_q_lora      ? c.mla && c.q_lora_rank > 0
+                       : f.layers == L::dense_mlp       ? !moe
+                       : f.layers == L::shared_experts  ? moe && c.shared_experts > 0
+                       : f.layers == L::routed_experts  ? moe
+                                                        : moe && m.grouped;
+      if (!has) continue;
+      std::vector<std::string> parts;
+      if (f.layers != L::routed_experts && f.layers != L::grouped_experts) {
+        for (Role r : f.roles) parts.push_back(name_of(m.at(l, r)));
+        b.concat(p + std::string(f.name), std::move(parts), f.interleave);
+        continue;
+      }
+      const std::size_t experts = m.experts(l, f.roles.front()).size();
+      if (f.experts == FusedBuffer::Experts::per_expert_unless_grouped && !m.grouped) {
+        for (std::size_t e = 0; e < experts; ++e) {
+          std::vector<std::string> one;
+          for (Role r : f.roles) one.push_back(name_of(m.experts(l, r)[e]));
+          b.concat(fmt::format("{}{}{}", p, f.name, e), std::move(one), f.interleave);
+        }
+        continue;
+      }
+      for (std::size_t e = 0; e < experts; ++e)
+        for (Role r : f.roles) parts.push_back(name_of(m.experts(l, r)[e]));
+      b.concat(p + std::string(f.name), std::move(parts), f.interleave, m.grouped && f.roles.size() > 1 ? 1 : 0);
+    }
+  }
+}
 
 /// Expresses one digit of a factorization of the ranks of a pipeline stage
 /// as sub-axes of the mesh axes. `axes` are the mesh's (axis, size) pairs

@@ -285,32 +285,20 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
     }
   }
   // Fused local buffers.
-  auto name_of = [&](int id) { return m.tensors[static_cast<std::size_t>(id)].name; };
-  for (std::int64_t l = 0; l < c.total_layers(); ++l) {
-    const std::string p = l < c.layers ? fmt::format("decoder.layers.{}.", l)
-                                       : fmt::format("mtp.layers.{}.transformer_layer.", l - c.layers);
-    if (!c.mla)
-      b.concat(p + "self_attention.linear_qkv.weight",
-               {name_of(m.at(l, Role::q)), name_of(m.at(l, Role::k)), name_of(m.at(l, Role::v))}, qkv_interleave);
-    if (!c.is_moe_layer(l)) {
-      b.concat(p + "mlp.linear_fc1.weight", {name_of(m.at(l, Role::gate)), name_of(m.at(l, Role::up))});
-      continue;
-    }
-    if (c.shared_experts > 0)
-      b.concat(p + "mlp.shared_experts.linear_fc1.weight",
-               {name_of(m.at(l, Role::shared_gate)), name_of(m.at(l, Role::shared_up))});
-    const auto& g = m.experts(l, Role::expert_gate);
-    const auto& u = m.experts(l, Role::expert_up);
-    if (m.grouped) {
-      // Stacks: fc1 [E_local, 2*I_t, H] = per local expert [gate_t ; up_t]
-      // (TEGroupedMLP's weight{i} side by side), fc2 [E_local, H, I_t].
-      b.concat(p + "mlp.experts.linear_fc1.weight", {name_of(g[0]), name_of(u[0])}, 1, 1);
-      b.concat(p + "mlp.experts.linear_fc2.weight", {name_of(m.experts(l, Role::expert_down)[0])});
-      continue;
-    }
-    for (std::size_t e = 0; e < g.size(); ++e)
-      b.concat(fmt::format("{}mlp.experts.linear_fc1.weight{}", p, e), {name_of(g[e]), name_of(u[e])});
-  }
+  using F = detail::FusedBuffer;
+  detail::add_fused_buffers(
+      b, m, c.total_layers(),
+      [&](std::int64_t l) {
+        return l < c.layers ? fmt::format("decoder.layers.{}.", l) : fmt::format("mtp.layers.{}.transformer_layer.", l - c.layers);
+      },
+      {{F::Layers::gqa_attention, "self_attention.linear_qkv.weight", {Role::q, Role::k, Role::v}, qkv_interleave},
+       {F::Layers::dense_mlp, "mlp.linear_fc1.weight", {Role::gate, Role::up}},
+       {F::Layers::shared_experts, "mlp.shared_experts.linear_fc1.weight", {Role::shared_gate, Role::shared_up}},
+       // Stacks: fc1 [E_local, 2*I_t, H] = per local expert [gate_t ; up_t]
+       // (TEGroupedMLP's weight{i} side by side), fc2 [E_local, H, I_t];
+       // SequentialMLP: fc1 per expert, no fc2 buffer.
+       {F::Layers::routed_experts, "mlp.experts.linear_fc1.weight", {Role::expert_gate, Role::expert_up}, 1, F::Experts::per_expert_unless_grouped},
+       {F::Layers::grouped_experts, "mlp.experts.linear_fc2.weight", {Role::expert_down}}});
   return b.finish();
 }
 

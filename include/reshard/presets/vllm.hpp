@@ -190,38 +190,16 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
       default: b.add(t, {}, st); break;  // norms, router, router bias, q_a_proj, kv_a_proj_with_mqa
     }
   }
-  auto name_of = [&](int id) { return m.tensors[static_cast<std::size_t>(id)].name; };
-  for (std::int64_t l = 0; l < c.layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
-    if (!c.mla)
-      b.concat(p + "self_attn.qkv_proj.weight",
-               {name_of(m.at(l, Role::q)), name_of(m.at(l, Role::k)), name_of(m.at(l, Role::v))});
-    else if (c.q_lora_rank > 0)
-      b.concat(p + "self_attn.fused_qkv_a_proj.weight", {name_of(m.at(l, Role::q_a)), name_of(m.at(l, Role::kv_a))});
-    if (!c.is_moe_layer(l)) {
-      b.concat(p + "mlp.gate_up_proj.weight", {name_of(m.at(l, Role::gate)), name_of(m.at(l, Role::up))});
-      continue;
-    }
-    if (c.shared_experts > 0)
-      b.concat(p + "mlp.shared_experts.gate_up_proj.weight",
-               {name_of(m.at(l, Role::shared_gate)), name_of(m.at(l, Role::shared_up))});
-    const auto& g = m.experts(l, Role::expert_gate);
-    const auto& u = m.experts(l, Role::expert_up);
-    const auto& d = m.experts(l, Role::expert_down);
-    if (m.grouped) {  // stacks: w13 = [gate ; up] along dim 1, w2 = the down stack
-      b.concat(p + "mlp.experts.w13_weight", {name_of(g[0]), name_of(u[0])}, 1, 1);
-      b.concat(p + "mlp.experts.w2_weight", {name_of(d[0])});
-      continue;
-    }
-    std::vector<std::string> w13, w2;
-    for (std::size_t e = 0; e < g.size(); ++e) {
-      w13.push_back(name_of(g[e]));
-      w13.push_back(name_of(u[e]));
-      w2.push_back(name_of(d[e]));
-    }
-    b.concat(p + "mlp.experts.w13_weight", std::move(w13));
-    b.concat(p + "mlp.experts.w2_weight", std::move(w2));
-  }
+  // Fused local buffers; routed experts: w13 = [gate ; up] of each expert,
+  // w2 = the down projections (grouped: the stacks, w13's along dim 1).
+  using F = detail::FusedBuffer;
+  detail::add_fused_buffers(b, m, c.layers, [](std::int64_t l) { return fmt::format("model.layers.{}.", l); },
+                            {{F::Layers::gqa_attention, "self_attn.qkv_proj.weight", {Role::q, Role::k, Role::v}},
+                             {F::Layers::mla_q_lora, "self_attn.fused_qkv_a_proj.weight", {Role::q_a, Role::kv_a}},
+                             {F::Layers::dense_mlp, "mlp.gate_up_proj.weight", {Role::gate, Role::up}},
+                             {F::Layers::shared_experts, "mlp.shared_experts.gate_up_proj.weight", {Role::shared_gate, Role::shared_up}},
+                             {F::Layers::routed_experts, "mlp.experts.w13_weight", {Role::expert_gate, Role::expert_up}},
+                             {F::Layers::routed_experts, "mlp.experts.w2_weight", {Role::expert_down}}});
   Layout L = b.finish();
   // FP8 serving: the spec's quant=, else the config's quantization_config.
   const std::string quant = !s.quant.empty() ? s.quant : c.fp8_block.empty() ? "none" : "fp8";

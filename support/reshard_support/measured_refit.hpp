@@ -1,0 +1,214 @@
+#pragma once
+// One measured refit, whatever the transport: what a rank of reshard-refit,
+// refit-bench or the UCX harness does (tools/refit_harness.hpp runs it on
+// each thread of a LocalWorld, ucx_refit.hpp in each process under mpirun),
+// and the summary of every rank's figures into one method's result.
+//
+// Per rank: tagged source weights and all-wrong destination memory
+// (verify.hpp), reshard's Resharder and, with a baseline, the traditional
+// gather + broadcast + slice (traditional.hpp) on the same transport; the
+// two alternate iteration by iteration so both see the same machine, each
+// iteration refits new source values (salt k) and is checked element by
+// element outside the timed window, so a refit that moved nothing, or last
+// iteration's values, fails.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "reshard/hierarchical.hpp"
+#include "reshard/resharder.hpp"
+#include "traditional.hpp"
+#include "verify.hpp"
+
+namespace reshard {
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct MeasuredRefitOptions {
+  int iterations = 5;
+  bool baseline = true;
+  ExecutorOptions executor;
+  /// A staged (hierarchical) schedule of src -> dst: reshard's refit runs it
+  /// stage by stage (ResharderOptions::staged) instead of its own plan.
+  std::shared_ptr<const StagedSchedule> staged;
+  /// Called on the world's first rank once every rank is set up and after
+  /// each iteration (both methods, checked): (iterations done, iterations).
+  std::function<void(int, int)> progress;
+};
+
+/// What one rank measured: steady-clock ns per iteration, the last refit's
+/// reports and every iteration's check.
+struct RankFigures {
+  std::vector<std::int64_t> t0, t1, b0, b1;  ///< reshard's and the baseline's start / finish
+  RefitReport main;
+  std::vector<RefitReport> base;  ///< gather, broadcast, slice
+  TagCheck check, base_check;
+  double plan_seconds = 0;
+};
+
+/// Runs the measured refit on this rank (collective over t's world). The
+/// Resharder's channels: 0 (8 for a staged schedule), the baseline's 1-3.
+/// `on_set_up` sees reshard's Resharder before the baseline sets up its own.
+template <class T, class OnSetUp>
+RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, const MeasuredRefitOptions& opt, OnSetUp&& on_set_up) {
+  RankFigures me;
+  const int iters = std::max(1, opt.iterations);
+  const auto far = [&] { return Clock::now() + opt.executor.timeout; };
+  const auto ns = [] { return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count()); };
+  LocalBuffers main_bufs;
+  TaggedSide s, d;
+  s.allocate(src, t.rank(), main_bufs.src);
+  d.allocate(dst, t.rank(), main_bufs.dst);
+  s.other = &dst;  // quantized destinations (docs/fp8.md)
+  d.other = &src;
+  s.fill(TagFill::source, 0);
+  d.fill(TagFill::poison, 0);
+
+  ResharderOptions ro;
+  ro.executor = opt.executor;
+  ro.executor.channel = 0;
+  ResharderOptions mo = ro;
+  if (opt.staged) {
+    mo.staged = opt.staged;
+    mo.executor.channel = 8;
+  }
+  Resharder<Layout, T> reshard_refit(src, dst, main_bufs, t, mo);
+  me.plan_seconds = reshard_refit.schedule().stats.plan_seconds;
+  on_set_up(reshard_refit);
+  // The traditional refit's intermediate buffers: whole tensors on the
+  // gather roots and on every destination rank.
+  const Layout gathered = opt.baseline ? gather_layout(src) : Layout{};
+  const Layout broadcast = opt.baseline ? broadcast_layout(dst) : Layout{};
+  TaggedSide g_side, b_side;
+  std::map<std::string, BufferView> gv, bv;
+  std::unique_ptr<Resharder<Layout, T>> gather, bcast, slice;
+  if (opt.baseline) {
+    g_side.allocate(gathered, t.rank(), gv);
+    b_side.allocate(broadcast, t.rank(), bv);
+    LocalBuffers g_bufs{main_bufs.src, gv}, b_bufs{gv, bv}, s_bufs{bv, main_bufs.dst};
+    ResharderOptions r1 = ro, r2 = ro, r3 = ro;
+    r1.executor.channel = 1;
+    r2.executor.channel = 2;
+    r3.executor.channel = 3;
+    gather = std::make_unique<Resharder<Layout, T>>(src, gathered, g_bufs, t, r1);
+    bcast = std::make_unique<Resharder<Layout, T>>(gathered, broadcast, b_bufs, t, r2);
+    slice = std::make_unique<Resharder<Layout, T>>(broadcast, dst, s_bufs, t, r3);
+  }
+  const bool reports = opt.progress && t.rank() == t.world_ranks().front();
+  if (opt.progress) t.all_gather({}, far());  // every rank set up
+  if (reports) opt.progress(0, iters);
+  for (int k = 0; k < iters; ++k) {
+    const auto salt = static_cast<std::uint64_t>(k);
+    if (k > 0) {
+      s.fill(TagFill::source, salt);
+      d.fill(TagFill::poison, salt);
+    }
+    t.all_gather({}, far());
+    me.t0.push_back(ns());
+    me.main = reshard_refit.refit();
+    me.t1.push_back(ns());
+    me.check.add(d.check(salt), fmt::format("iteration {}", k));
+    if (opt.baseline) {
+      d.fill(TagFill::poison, salt);
+      t.all_gather({}, far());
+      me.b0.push_back(ns());
+      me.base = {gather->refit(), bcast->refit(), slice->refit()};
+      me.b1.push_back(ns());
+      me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
+    }
+    if (opt.progress) t.all_gather({}, far());  // every rank checked this iteration
+    if (reports) opt.progress(k + 1, iters);
+  }
+  t.all_gather({}, far());
+  return me;
+}
+
+/// One method's figures over all ranks.
+struct MethodFigures {
+  std::int64_t bytes_moved = 0;  ///< network bytes per refit, sum over ranks (executor-counted)
+  std::int64_t local_bytes = 0, messages = 0;
+  int waves = 0;                        ///< most waves on any rank
+  std::int64_t peak_staging_bytes = 0;  ///< most on any rank, measured
+  std::int64_t staging_bytes = 0;       ///< most allocated on any rank
+  std::int64_t max_rank_bytes = 0;      ///< most bytes one rank sent or received per refit
+  std::vector<double> seconds;          ///< per iteration
+  double median = 0, best = 0;
+  bool validated = false;
+  std::int64_t checked = 0, wrong = 0;
+  std::string first_wrong;
+};
+
+/// Sums every rank's figures of one method (`baseline`: the traditional
+/// refit's). One host has one clock: an iteration's time is first start to
+/// last finish; over several hosts, the slowest rank's own time.
+inline MethodFigures summarize_method(std::span<const RankFigures> all, bool baseline, bool one_clock) {
+  MethodFigures m;
+  for (const RankFigures& f : all) {
+    std::int64_t sent = 0, recv = 0;
+    const std::vector<RefitReport> reps = baseline ? f.base : std::vector<RefitReport>{f.main};
+    for (const RefitReport& r : reps) {
+      m.bytes_moved += r.bytes_sent;
+      m.local_bytes += r.local_bytes;
+      m.messages += r.messages_sent;
+      m.waves = std::max(m.waves, r.waves);
+      m.peak_staging_bytes = std::max(m.peak_staging_bytes, r.peak_staging_bytes);
+      m.staging_bytes = std::max(m.staging_bytes, r.staging_bytes);
+      sent += r.bytes_sent;
+      recv += r.bytes_received;
+    }
+    m.max_rank_bytes = std::max({m.max_rank_bytes, sent, recv});
+    const TagCheck& c = baseline ? f.base_check : f.check;
+    m.checked += c.checked;
+    m.wrong += c.wrong;
+    if (c.wrong && m.first_wrong.empty()) m.first_wrong = c.first_wrong;
+  }
+  const std::size_t iters = all.empty() ? 0 : (baseline ? all.front().b0 : all.front().t0).size();
+  for (std::size_t k = 0; k < iters; ++k) {
+    std::int64_t a = INT64_MAX, b = INT64_MIN, longest = 0;
+    for (const RankFigures& f : all) {
+      const auto& s0 = baseline ? f.b0 : f.t0;
+      const auto& s1 = baseline ? f.b1 : f.t1;
+      a = std::min(a, s0[k]);
+      b = std::max(b, s1[k]);
+      longest = std::max(longest, s1[k] - s0[k]);
+    }
+    m.seconds.push_back(static_cast<double>(one_clock ? b - a : longest) * 1e-9);
+  }
+  m.median = median(m.seconds);
+  m.best = m.seconds.empty() ? 0 : *std::min_element(m.seconds.begin(), m.seconds.end());
+  m.validated = m.wrong == 0 && m.checked > 0;
+  return m;
+}
+
+/// A method's figures as reshard-refit --json reports them (CONTRACT.md §3's
+/// "baseline" object, and more).
+inline nlohmann::json to_json(const MethodFigures& m) {
+  return {{"bytes_moved", m.bytes_moved},
+          {"seconds", m.median},
+          {"best_seconds", m.best},
+          {"validated", m.validated},
+          {"local_bytes", m.local_bytes},
+          {"messages", m.messages},
+          {"waves", m.waves},
+          {"peak_staging_bytes", m.peak_staging_bytes},
+          {"max_rank_bytes", m.max_rank_bytes},
+          {"iteration_seconds", m.seconds},
+          {"checked_elements", m.checked},
+          {"wrong_elements", m.wrong}};
+}
+
+}  // namespace reshard
