@@ -345,6 +345,34 @@ class FlatIndex {
   int shift_ = 64;  // 64 - log2(slots)
 };
 
+/// positions_of_part of each (tensor, part) of one layout, computed once per
+/// plan and kept in one pool (replica groups meet the same parts again and
+/// again).
+struct PartHolderMemo {
+  FlatIndex index;                                        // (tensor << 32 | part) -> spans index
+  std::vector<std::pair<std::size_t, std::size_t>> spans;  // (first, count) in pool
+  std::vector<std::int64_t> pool;
+
+  /// The holders of `parts` of tensor t of L; `list` and `scratch` are
+  /// positions_of_part's. Valid until the next call.
+  std::span<const std::int64_t> get(const Layout& L, int t, std::span<const std::int64_t> parts, std::vector<std::int64_t>& list,
+                                    PartHolderScratch& scratch) {
+    const auto& cuts = L.tensors[static_cast<std::size_t>(t)].cuts;
+    std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
+    for (std::size_t d = 0; d < parts.size(); ++d)
+      lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
+    auto& i = index.slot((static_cast<std::uint64_t>(t) << 32) | lin);
+    if (i == FlatIndex::kNone) {
+      positions_of_part(L, t, parts, list, scratch);
+      i = static_cast<std::uint32_t>(spans.size());
+      spans.emplace_back(pool.size(), list.size());
+      pool.insert(pool.end(), list.begin(), list.end());
+    }
+    const auto [first, count] = spans[i];
+    return std::span<const std::int64_t>(pool.data() + first, count);
+  }
+};
+
 /// Where emit() puts copies: a vector (a full plan: one destination's batch
 /// at a time) or, for a one-rank plan, a CopyLog.
 struct CopySink {
@@ -543,38 +571,13 @@ class Planner {
   /// positions_of_part(src_, st, parts), computed once per part in a plan.
   /// Valid until the next src_holders call.
   std::span<const std::int64_t> src_holders(int st, std::span<const std::int64_t> parts) {
-    const auto& cuts = src_.tensors[static_cast<std::size_t>(st)].cuts;
-    std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
-    for (std::size_t d = 0; d < parts.size(); ++d)
-      lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
-    auto& i = holders_.slot((static_cast<std::uint64_t>(st) << 32) | lin);
-    if (i == detail::FlatIndex::kNone) {
-      positions_of_part(src_, st, parts, holder_list_, holder_scratch_);
-      i = static_cast<std::uint32_t>(holder_spans_.size());
-      holder_spans_.emplace_back(holder_pool_.size(), holder_list_.size());
-      holder_pool_.insert(holder_pool_.end(), holder_list_.begin(), holder_list_.end());
-    }
-    const auto [first, count] = holder_spans_[i];
-    return std::span<const std::int64_t>(holder_pool_.data() + first, count);
+    return src_holders_.get(src_, st, parts, holder_list_, holder_scratch_);
   }
-
   /// positions_of_part(dst_, dt, parts), computed once per part in a plan
   /// (replica groups meet the same destination parts again and again).
   /// Valid until the next dst_holders call.
   std::span<const std::int64_t> dst_holders(int dt, std::span<const std::int64_t> parts) {
-    const auto& cuts = dst_.tensors[static_cast<std::size_t>(dt)].cuts;
-    std::uint64_t lin = 0;  // < mesh size: each axis digit is referenced once
-    for (std::size_t d = 0; d < parts.size(); ++d)
-      lin = lin * static_cast<std::uint64_t>(cuts[d].k) + static_cast<std::uint64_t>(parts[d]);
-    auto& i = dst_holders_.slot((static_cast<std::uint64_t>(dt) << 32) | lin);
-    if (i == detail::FlatIndex::kNone) {
-      positions_of_part(dst_, dt, parts, group_list_, group_scratch_);
-      i = static_cast<std::uint32_t>(dst_holder_spans_.size());
-      dst_holder_spans_.emplace_back(dst_holder_pool_.size(), group_list_.size());
-      dst_holder_pool_.insert(dst_holder_pool_.end(), group_list_.begin(), group_list_.end());
-    }
-    const auto [first, count] = dst_holder_spans_[i];
-    return std::span<const std::int64_t>(dst_holder_pool_.data() + first, count);
+    return dst_holders_.get(dst_, dt, parts, group_list_, group_scratch_);
   }
 
   /// What one rank sends or receives: its own receives in full, plus, for each
@@ -1607,9 +1610,7 @@ class Planner {
   std::vector<std::int64_t> src_words_;  // held boxes (HeldWords)
   detail::FlatIndex src_store_index_;  // canonical position * tensors + tensor -> src_store_ index
   TensorStorage storage_scratch_;
-  detail::FlatIndex holders_;  // (source tensor, part) -> holder_spans_ index
-  std::vector<std::pair<std::size_t, std::size_t>> holder_spans_;  // (first, count) in holder_pool_
-  std::vector<std::int64_t> holder_pool_;
+  detail::PartHolderMemo src_holders_, dst_holders_;
   std::vector<std::int64_t> holder_list_, dst_list_;  // scratch for positions_of_part, plan_rank
   PartHolderScratch holder_scratch_;
   std::vector<std::vector<RunGroup>> emit_groups_, part_groups_;
@@ -1625,9 +1626,6 @@ class Planner {
   std::deque<TensorStorage> group_store_;  // destination storages by class, kept for the whole plan
   detail::FlatIndex group_store_index_;    // class position * tensors + tensor -> group_store_ index
   std::unordered_map<int, std::vector<std::uint32_t>> group_store_of_;  // tensor -> position -> group_store_ index
-  detail::FlatIndex dst_holders_;  // (destination tensor, part) -> dst_holder_spans_ index
-  std::vector<std::pair<std::size_t, std::size_t>> dst_holder_spans_;
-  std::vector<std::int64_t> dst_holder_pool_;
   std::vector<std::vector<std::int64_t>> group_cand_;
   std::vector<std::int64_t> group_list_, group_load_;
   PartHolderScratch group_scratch_;

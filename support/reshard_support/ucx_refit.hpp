@@ -255,28 +255,21 @@ inline nlohmann::json to_json(const UcxBandwidth& b) {
 /// The contract's reshard-refit --json object (CONTRACT.md §3) without
 /// "model", which the caller adds, plus what this run measured.
 inline nlohmann::json to_json(const UcxRefitResult& r) {
-  nlohmann::json j = {{"transport", "ucx"},
-                      {"protocol", r.protocol},
-                      {"src_ranks", r.src_ranks},
-                      {"dst_ranks", r.dst_ranks},
-                      {"world", r.world},
-                      {"bytes_moved", r.reshard.bytes_moved},
-                      {"seconds", r.reshard.median},
-                      {"best_seconds", r.reshard.best},
-                      {"validated", r.reshard.validated && (!r.has_baseline || r.baseline.validated)},
-                      {"iteration_seconds", r.reshard.seconds},
-                      {"plan_bytes", r.plan_bytes},
-                      {"local_bytes", r.reshard.local_bytes},
-                      {"messages", r.reshard.messages},
-                      {"waves", r.reshard.waves},
-                      {"peak_staging_bytes", r.reshard.peak_staging_bytes},
-                      {"plan_seconds", r.plan_seconds},
-                      {"checked_elements", r.reshard.checked},
-                      {"wrong_elements", r.reshard.wrong},
-                      {"timing", r.same_host ? "first start to last finish (one host)" : "slowest rank (several hosts)"},
-                      {"refit_gb_per_s", r.refit_gb_per_s},
-                      {"bottleneck_gb_per_s", r.bottleneck_gb_per_s},
-                      {"max_endpoints_per_rank", r.connected_peers_max.size()}};
+  // reshard's own figures at the top level (the contract's fields), the
+  // baseline's below.
+  nlohmann::json j = to_json(r.reshard);
+  j.update({{"transport", "ucx"},
+            {"protocol", r.protocol},
+            {"src_ranks", r.src_ranks},
+            {"dst_ranks", r.dst_ranks},
+            {"world", r.world},
+            {"validated", r.reshard.validated && (!r.has_baseline || r.baseline.validated)},
+            {"plan_bytes", r.plan_bytes},
+            {"plan_seconds", r.plan_seconds},
+            {"timing", r.same_host ? "first start to last finish (one host)" : "slowest rank (several hosts)"},
+            {"refit_gb_per_s", r.refit_gb_per_s},
+            {"bottleneck_gb_per_s", r.bottleneck_gb_per_s},
+            {"max_endpoints_per_rank", r.connected_peers_max.size()}});
   if (r.has_baseline) {
     j["baseline"] = to_json(r.baseline);
     j["speedup"] = r.speedup;
