@@ -7,6 +7,11 @@
 #   3. test_cuda_refit    full refits with device memory through the local
 #                         transport (ranks as threads sharing the GPU)
 #   4. test_cuda_nccl     NCCL on one rank (self send, errors, deadline)
+#   5. reshard-refit --transport nccl (where CLI11 and MPI are installed):
+#                         one rank, colocated (every copy by the kernels on the
+#                         GPU, through the NCCL transport's setup), and two ranks
+#                         on one GPU, which must fail naming the one-GPU-per-rank
+#                         rule instead of hanging in NCCL
 # and writes everything to OUTDIR/gpu_check.txt (build log: OUTDIR/build.log).
 #
 #   bash bench/gpu_check.sh OUTDIR          (ARCH=90 by default; BUILD=dir to reuse a build)
@@ -29,12 +34,17 @@ start=$(date +%s)
 } > "$R"
 
 echo "## build (arch $ARCH)" >> "$R"
-if ! cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_TOOLS=OFF \
+# The tools need CLI11 (and reshard-refit-nccl MPI): built where present.
+TOOLS=OFF
+[ -f /usr/include/CLI/CLI.hpp ] && command -v mpirun > /dev/null && TOOLS=ON
+if ! cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_TOOLS=$TOOLS \
       > "$OUTDIR/build.log" 2>&1; then
   echo "CONFIGURE FAILED" >> "$R"; tail -40 "$OUTDIR/build.log" >> "$R"; exit 1
 fi
 grep -E "reshard: (CUDA|NCCL|nvcc)" "$OUTDIR/build.log" >> "$R"
-if ! cmake --build "$BUILD" -j"$JOBS" --target test_cuda_kernels gpu-bandwidth test_cuda_refit test_cuda_nccl >> "$OUTDIR/build.log" 2>&1; then
+targets="test_cuda_kernels gpu-bandwidth test_cuda_refit test_cuda_nccl"
+[ $TOOLS = ON ] && targets="$targets reshard-refit reshard-refit-nccl"
+if ! cmake --build "$BUILD" -j"$JOBS" --target $targets >> "$OUTDIR/build.log" 2>&1; then
   echo "BUILD FAILED" >> "$R"; grep -E "error" -A3 "$OUTDIR/build.log" | head -60 >> "$R"; exit 1
 fi
 echo "built in $(( $(date +%s) - start )) s" >> "$R"
@@ -63,6 +73,18 @@ run bandwidth 90 "$BUILD/bin/gpu-bandwidth" --reps 10 --gib 1
 run device-refit 90 "$BUILD/bin/test_cuda_refit" --gpu
 run nccl-self 90 "$BUILD/bin/test_cuda_nccl" --gpu
 run nccl-cpu 60 "$BUILD/bin/test_cuda_nccl"
+if [ $TOOLS = ON ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 NCCL_SOCKET_IFNAME=lo
+  model="$SRC/examples/models/tiny-llama.json"
+  run nccl-refit-1rank 120 mpirun -np 1 "$BUILD/bin/reshard-refit" --transport nccl --model "$model" --train tp=1 --infer tp=1 --colocate \
+      --iterations 3 --json
+  # Two ranks on one GPU (the device machine has one): every rank must name
+  # the rule, and the job fail, instead of NCCL hanging.
+  run nccl-refit-2ranks-1gpu 120 bash -c "mpirun -np 2 '$BUILD/bin/reshard-refit' --transport nccl --model '$model' --train tp=1 \
+      --infer tp=1 --no-baseline --json 2>&1 | tee /dev/stderr | grep -q 'needs one GPU per rank'"
+else
+  echo "## reshard-refit --transport nccl: SKIPPED (CLI11 or mpirun not installed on this machine)" >> "$R"
+fi
 
 {
   echo "## summary (total $(( $(date +%s) - start )) s)"

@@ -74,3 +74,18 @@ if(PROJECT_IS_TOP_LEVEL AND NOT TARGET gpu-bandwidth)
   add_executable(gpu-bandwidth ${CMAKE_CURRENT_LIST_DIR}/../bench/gpu_bandwidth.cu)
   target_link_libraries(gpu-bandwidth PRIVATE reshard_cuda)
 endif()
+
+# reshard-refit --transport nccl: the same tool built with NCCL, MPI and the
+# CUDA copy kernels (tools/cuda_copy_engine.cu), as an executable of its own,
+# so that the main job's reshard-refit needs no nvcc; reshard-refit runs it
+# for --transport nccl.
+if(PROJECT_IS_TOP_LEVEL AND RESHARD_BUILD_TOOLS AND TARGET reshard_nccl AND MPI_CXX_FOUND AND NOT TARGET reshard-refit-nccl)
+  add_executable(reshard-refit-nccl ${CMAKE_CURRENT_LIST_DIR}/../tools/reshard_refit.cpp ${CMAKE_CURRENT_LIST_DIR}/../tools/cuda_copy_engine.cu)
+  target_link_libraries(reshard-refit-nccl PRIVATE reshard_support reshard_nccl CLI11::CLI11 MPI::MPI_CXX)
+  target_compile_options(reshard-refit-nccl PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>)
+  target_compile_definitions(reshard-refit-nccl PRIVATE RESHARD_HAVE_NCCL)
+  if(TARGET reshard_ucx)
+    target_link_libraries(reshard-refit-nccl PRIVATE reshard::ucx)
+    target_compile_definitions(reshard-refit-nccl PRIVATE RESHARD_HAVE_UCX)
+  endif()
+endif()

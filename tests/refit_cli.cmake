@@ -40,5 +40,19 @@ if(TARGET reshard-refit)
   reshard_cli_usage_tests(refit.usage ${_reshard_refit} refit
       "delta-versions|2|only go with --delta|--versions|3"
       "hierarchical|2|--hierarchical needs --topology|--hierarchical"
-      "transport|2|unknown transport 'carrier-pigeon'|--transport|carrier-pigeon")
+      "transport|2|unknown transport 'carrier-pigeon'|--transport|carrier-pigeon"
+      "nccl-delta|2|--transport nccl does not run --delta yet|--transport|nccl|--delta")
+  # --transport nccl under mpirun (reshard-refit runs reshard-refit-nccl):
+  # where each rank has a GPU, a validated refit; where not (CI has none;
+  # NCCL cannot put two ranks of one communicator on one GPU), every rank
+  # names the rule and the job fails.
+  if(TARGET reshard-refit-nccl AND RESHARD_MPIRUN)
+    list(SUBLIST RESHARD_MPIRUN 1 -1 _mpirun_args)
+    string(JOIN "|" _mpirun_args ${_mpirun_args})
+    add_test(NAME refit.nccl.gpu_per_rank
+             COMMAND ${CMAKE_COMMAND} -DEXE=${MPIEXEC_EXECUTABLE} -DMODE=nccl
+                     "-DARGS=${_mpirun_args}|${MPIEXEC_NUMPROC_FLAG}|2|${_reshard_refit}|--transport|nccl|--model|${_tiny}|--train|tp=1|--infer|tp=1|--no-baseline|--iterations|2|--json"
+                     -DTIMEOUT=170 -P ${_reshard_check})
+    set_tests_properties(refit.nccl.gpu_per_rank PROPERTIES TIMEOUT 180 LABELS "refit;mpi" ENVIRONMENT "${RESHARD_MPI_ENV}")
+  endif()
 endif()

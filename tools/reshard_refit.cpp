@@ -16,7 +16,9 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <mutex>
@@ -38,6 +40,22 @@
 #ifdef RESHARD_HAVE_UCX
 #include "reshard/backends/mpi_bootstrap.hpp"
 #include "reshard_support/ucx_refit.hpp"
+#endif
+#ifdef RESHARD_HAVE_NCCL
+#include "reshard/backends/mpi_bootstrap.hpp"
+#include "reshard/backends/nccl.hpp"
+#include "reshard/cuda/runtime.hpp"
+#include "reshard_support/device_placement.hpp"
+#include "reshard_support/measured_refit.hpp"
+#else
+#include <limits.h>
+#include <unistd.h>
+#endif
+
+#ifdef RESHARD_HAVE_NCCL
+/// tools/cuda_copy_engine.cu (nvcc): the CUDA copy kernels as the executor's
+/// device engine, on the current device.
+std::shared_ptr<reshard::DeviceCopyEngine> make_cuda_copy_engine();
 #endif
 
 namespace {
@@ -126,13 +144,30 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
   return ok ? 0 : 1;
 }
 
+#if defined(RESHARD_HAVE_UCX) || defined(RESHARD_HAVE_NCCL)
+/// One rank's part of an mpirun job: `body` returns the rank's exit status;
+/// an exception is printed with the rank and aborts the whole job (MPI's
+/// finalize can hang after a failed peer).
+template <class Body>
+int mpi_rank_main(int& argc, char**& argv, Body&& body) {
+  MpiSession mpi(argc, argv);
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "reshard-refit: rank {}: {}\n", mpi.rank(), e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  return 1;
+}
+#endif
+
 #ifdef RESHARD_HAVE_UCX
 /// `--transport ucx` under mpirun: world = both sides' ranks. Rank 0 prints
 /// the report; every rank exits 1 unless the refit validated.
 int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const std::string& model, int iterations,
             bool baseline, std::int64_t budget, const std::string& protocol, bool json, const delta_harness::Options* delta) {
-  MpiSession mpi(argc, argv);
-  try {
+  return mpi_rank_main(argc, argv, [&] {
     UcxOptions uo;
     uo.protocol = parse_ucx_protocol(protocol);
     // --delta: the source ranks run Adam over their weights between refits
@@ -140,11 +175,7 @@ int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const
     if (delta) uo.stall_timeout = std::chrono::minutes(10);
     UcxTransport t(mpi_bootstrap(), uo);
     if (delta) {
-      std::int64_t need = 0;
-      for (const Layout* L : {&src, &dst})
-        for (auto r : L->mesh.global_ranks()) need = std::max(need, r + 1);
-      if (static_cast<std::int64_t>(t.world_ranks().size()) < need)
-        fail("ucx refit: the layouts use {} ranks but the job has {} processes (run under mpirun with -np {})", need, t.world_ranks().size(), need);
+      require_world(src, dst, t.world_ranks(), "ucx refit");
       delta_harness::Options o = *delta;
       o.executor.staging_budget = budget;
       const auto r = delta_harness::run(src, dst, t, o);
@@ -169,12 +200,86 @@ int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const
     }
     t.all_gather({}, Clock::now() + std::chrono::seconds(30));
     return ok ? 0 : 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "reshard-refit: rank {}: {}\n", mpi.rank(), e.what());
-    std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, 1);  // finalize can hang after a failed peer
-  }
-  return 1;
+  });
+}
+#endif
+
+#ifdef RESHARD_HAVE_NCCL
+/// `--transport nccl` under mpirun: one GPU per process (NCCL cannot put two
+/// ranks of one communicator on one GPU), every buffer in device memory
+/// (device_placement.hpp), packing by the CUDA kernels. Rank 0 prints the
+/// report; every rank exits 1 unless the refit validated.
+int run_nccl(int& argc, char**& argv, const Layout& src, const Layout& dst, const std::string& model, int iterations, bool baseline,
+             std::int64_t budget, bool json) {
+  return mpi_rank_main(argc, argv, [&] {
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    int local_rank = 0, local_size = 1;
+    MPI_Comm_rank(node, &local_rank);
+    MPI_Comm_size(node, &local_size);
+    MPI_Comm_free(&node);
+    const int gpus = cuda::visible_devices();
+    if (gpus < local_size)
+      fail("nccl refit: needs one GPU per rank (NCCL cannot put two ranks of one communicator on one GPU): {} rank{} on this host, {} GPU{} visible",
+           local_size, local_size == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s");
+    cuda::check_cuda(cudaSetDevice(local_rank), "cudaSetDevice");
+    NcclOptions no;
+    no.device = local_rank;
+    NcclTransport t(mpi_bootstrap(), no);
+    require_world(src, dst, t.world_ranks(), "nccl refit");
+    MeasuredRefitOptions mo;
+    mo.iterations = iterations;
+    mo.baseline = baseline;
+    mo.executor.staging_budget = budget;
+    mo.executor.device = make_cuda_copy_engine();
+    const auto far = [&] { return Clock::now() + mo.executor.timeout; };
+    MethodFigures main, base;
+    std::int64_t plan_bytes = 0;
+    double plan_seconds = 0;
+    {
+      DevicePlacement placement;
+      const RankFigures me = measure_refit_on_rank(src, dst, t, mo, [](const auto&) {}, placement);
+      const std::vector<RankFigures> all = gather_figures(t, me, far());
+      bool one_host = true;
+      for (const RankFigures& f : all) {
+        one_host &= f.host == all.front().host;
+        plan_bytes += f.main.plan_bytes_sent;
+        plan_seconds = std::max(plan_seconds, f.plan_seconds);
+      }
+      main = summarize_method(all, false, one_host);
+      if (baseline) base = summarize_method(all, true, one_host);
+    }
+    const bool ok = main.validated && (!baseline || base.validated);
+    if (t.rank() == t.world_ranks().front()) {
+      nlohmann::json j = to_json(main);
+      j.update({{"model", model}, {"transport", "nccl"}, {"src_ranks", src.mesh.size()}, {"dst_ranks", dst.mesh.size()},
+                {"world", t.world_ranks().size()}, {"src_layout", src.origin}, {"dst_layout", dst.origin}, {"validated", ok},
+                {"plan_bytes", plan_bytes}, {"plan_seconds", plan_seconds}, {"memory", "device"}});
+      if (baseline) {
+        j["baseline"] = to_json(base);
+        j["speedup"] = main.median > 0 ? base.median / main.median : 0;
+      }
+      std::cout << (json ? j.dump() : j.dump(2)) << std::endl;
+      if (!ok) fmt::print(stderr, "reshard-refit: validation failed: {}\n", !main.validated ? main.first_wrong : base.first_wrong);
+    }
+    t.all_gather({}, Clock::now() + std::chrono::seconds(30));
+    return ok ? 0 : 1;
+  });
+}
+#else
+/// This reshard-refit has no NCCL (it needs no nvcc to build): runs the
+/// build's reshard-refit-nccl beside it, which is this tool built with NCCL
+/// and the CUDA kernels, when there is one. Returns only when it cannot.
+int exec_nccl_build(char** argv) {
+  char self[PATH_MAX] = {};
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return 2;
+  std::string path(self, static_cast<std::size_t>(n));
+  path = path.substr(0, path.rfind('/') + 1) + "reshard-refit-nccl";
+  if (access(path.c_str(), X_OK) != 0) return 2;
+  execv(path.c_str(), argv);
+  fmt::print(stderr, "reshard-refit: cannot run {}: {}\n", path, std::strerror(errno));
+  return 2;
 }
 #endif
 
@@ -188,7 +293,7 @@ int main(int argc, char** argv) {
   bool json = false, no_baseline = false;
   std::int64_t budget = ExecutorOptions{}.staging_budget;
   std::string protocol = "tag";
-  app.add_option("--transport", transport, "local (in-process threads) or ucx (under mpirun); nccl is not built yet");
+  app.add_option("--transport", transport, "local (in-process threads), ucx or nccl (under mpirun; nccl: one GPU per rank, device memory)");
   app.add_option("--protocol", protocol, "ucx: tag (tagged messages, default) or put (one-sided puts)");
   app.add_option("--iterations", iterations, "refits per method; seconds is the median")->check(CLI::Range(1, 1000));
   app.add_flag("--json", json, "one JSON object on stdout");
@@ -233,15 +338,27 @@ int main(int argc, char** argv) {
 #else
   const bool have_ucx = false;
 #endif
-  if (transport == "nccl" || (transport == "ucx" && !have_ucx)) {
-    fmt::print(stderr, "reshard-refit: transport '{}' is not built{}\n", transport,
-               transport == "nccl" ? " yet" : " (UCX or MPI was not found when this was configured)");
-    return 2;
-  }
-  if (transport != "local" && transport != "ucx") {
+  if (transport != "local" && transport != "ucx" && transport != "nccl") {
     fmt::print(stderr, "reshard-refit: unknown transport '{}' (local, ucx or nccl)\n", transport);
     return 2;
   }
+  if (transport == "ucx" && !have_ucx) {
+    fmt::print(stderr, "reshard-refit: transport 'ucx' is not built (UCX or MPI was not found when this was configured)\n");
+    return 2;
+  }
+  if (transport == "nccl" && (delta || hierarchical)) {
+    fmt::print(stderr, "reshard-refit: --transport nccl does not run {} yet\n", delta ? "--delta" : "--hierarchical");
+    return 2;
+  }
+#ifndef RESHARD_HAVE_NCCL
+  if (transport == "nccl") {
+    exec_nccl_build(argv);
+    fmt::print(stderr,
+               "reshard-refit: transport 'nccl' is not built (it needs the CUDA toolkit with NCCL and MPI at configure time; then "
+               "`cmake --build build --target reshard-refit-nccl`, which this tool runs for --transport nccl)\n");
+    return 2;
+  }
+#endif
   if (hierarchical && topology.empty()) {
     fmt::print(stderr, "reshard-refit: --hierarchical needs --topology\n");
     return 2;
@@ -287,6 +404,9 @@ int main(int argc, char** argv) {
     dho.versions = versions;
     dho.lr = lr;
     dho.delta.dense_above = dense_above;
+#ifdef RESHARD_HAVE_NCCL
+    if (transport == "nccl") return run_nccl(argc, argv, src, dst, model, iterations, !no_baseline, budget, json);
+#endif
 #ifdef RESHARD_HAVE_UCX
     if (transport == "ucx")
       return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json, delta ? &dho : nullptr);

@@ -11,6 +11,8 @@
 // iteration refits new source values (salt k) and is checked element by
 // element outside the timed window, so a refit that moved nothing, or last
 // iteration's values, fails.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -19,11 +21,15 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "reshard/executor.hpp"
 #include "reshard/hierarchical.hpp"
 #include "reshard/resharder.hpp"
 #include "traditional.hpp"
@@ -58,13 +64,46 @@ struct RankFigures {
   std::vector<RefitReport> base;  ///< gather, broadcast, slice
   TagCheck check, base_check;
   double plan_seconds = 0;
+  std::string host;                                          ///< where the rank ran (one clock or several)
+  std::vector<std::pair<std::int64_t, std::int64_t>> sends;  ///< (dst rank, bytes) reshard's plan sends from here
+  std::vector<std::int64_t> peers;                           ///< the transport's endpoints, where it says (UCX)
 };
+
+inline std::string host_name() {
+  char h[256] = {};
+  if (gethostname(h, sizeof(h) - 1) != 0) return "?";
+  return h;
+}
+
+/// Where the refit's buffers live: the tagged sides' own host memory. A
+/// placement binds each side's buffers (`place`: the views the Resharder
+/// gets) and moves the tagged values there before a refit (`upload`) and
+/// back after it (`download`), outside the timed window; device_placement.hpp
+/// mirrors them in GPU memory.
+struct HostPlacement {
+  void place(const TaggedSide&, std::map<std::string, BufferView>&) {}
+  void upload(const TaggedSide&) {}
+  void download(TaggedSide&) {}
+};
+
+/// Fails unless every rank of both layouts is in the job's world (`who`
+/// starts the message).
+inline void require_world(const Layout& src, const Layout& dst, std::span<const std::int64_t> world, std::string_view who) {
+  std::int64_t need = 0;
+  for (const Layout* L : {&src, &dst})
+    for (auto r : L->mesh.global_ranks()) need = std::max(need, r + 1);
+  for (const Layout* L : {&src, &dst})
+    for (auto r : L->mesh.global_ranks())
+      if (std::find(world.begin(), world.end(), r) == world.end())
+        fail("{}: {} uses rank {} but the job has {} processes (run under mpirun with -np {} or more)", who, L->origin, r, world.size(), need);
+}
 
 /// Runs the measured refit on this rank (collective over t's world). The
 /// Resharder's channels: 0 (8 for a staged schedule), the baseline's 1-3.
 /// `on_set_up` sees reshard's Resharder before the baseline sets up its own.
-template <class T, class OnSetUp>
-RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, const MeasuredRefitOptions& opt, OnSetUp&& on_set_up) {
+template <class T, class OnSetUp, class Placement = HostPlacement>
+RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, const MeasuredRefitOptions& opt, OnSetUp&& on_set_up,
+                                  Placement&& placement = {}) {
   RankFigures me;
   const int iters = std::max(1, opt.iterations);
   const auto far = [&] { return Clock::now() + opt.executor.timeout; };
@@ -77,6 +116,8 @@ RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, co
   d.other = &src;
   s.fill(TagFill::source, 0);
   d.fill(TagFill::poison, 0);
+  placement.place(s, main_bufs.src);
+  placement.place(d, main_bufs.dst);
 
   ResharderOptions ro;
   ro.executor = opt.executor;
@@ -88,6 +129,13 @@ RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, co
   }
   Resharder<Layout, T> reshard_refit(src, dst, main_bufs, t, mo);
   me.plan_seconds = reshard_refit.schedule().stats.plan_seconds;
+  me.host = host_name();
+  {
+    std::map<std::int64_t, std::int64_t> to;
+    for (const auto& c : reshard_refit.schedule().copies)
+      if (c.src_rank == t.rank() && c.dst_rank != t.rank()) to[c.dst_rank] += c.bytes();
+    me.sends.assign(to.begin(), to.end());
+  }
   on_set_up(reshard_refit);
   // The traditional refit's intermediate buffers: whole tensors on the
   // gather roots and on every destination rank.
@@ -99,6 +147,8 @@ RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, co
   if (opt.baseline) {
     g_side.allocate(gathered, t.rank(), gv);
     b_side.allocate(broadcast, t.rank(), bv);
+    placement.place(g_side, gv);
+    placement.place(b_side, bv);
     LocalBuffers g_bufs{main_bufs.src, gv}, b_bufs{gv, bv}, s_bufs{bv, main_bufs.dst};
     ResharderOptions r1 = ro, r2 = ro, r3 = ro;
     r1.executor.channel = 1;
@@ -117,17 +167,22 @@ RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, co
       s.fill(TagFill::source, salt);
       d.fill(TagFill::poison, salt);
     }
+    placement.upload(s);
+    placement.upload(d);
     t.all_gather({}, far());
     me.t0.push_back(ns());
     me.main = reshard_refit.refit();
     me.t1.push_back(ns());
+    placement.download(d);
     me.check.add(d.check(salt), fmt::format("iteration {}", k));
     if (opt.baseline) {
       d.fill(TagFill::poison, salt);
+      placement.upload(d);
       t.all_gather({}, far());
       me.b0.push_back(ns());
       me.base = {gather->refit(), bcast->refit(), slice->refit()};
       me.b1.push_back(ns());
+      placement.download(d);
       me.base_check.add(d.check(salt), fmt::format("iteration {}", k));
     }
     if (opt.progress) t.all_gather({}, far());  // every rank checked this iteration
@@ -135,6 +190,87 @@ RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, co
   }
   t.all_gather({}, far());
   return me;
+}
+
+namespace measured_detail {
+using exec_detail::Reader;
+using exec_detail::Writer;
+template <class V>
+  requires std::is_trivially_copyable_v<V>
+void put(Writer& w, const V& v) {
+  w.put(v);
+}
+template <class V>
+  requires std::is_trivially_copyable_v<V>
+void get(Reader& rd, V& v) {
+  v = rd.get<V>();
+}
+inline void put(Writer& w, const std::string& s) { w.put_string(s); }
+inline void get(Reader& rd, std::string& s) { s = rd.get_string(); }
+inline void put(Writer& w, const std::pair<std::int64_t, std::int64_t>& p) {
+  w.put(p.first);
+  w.put(p.second);
+}
+inline void get(Reader& rd, std::pair<std::int64_t, std::int64_t>& p) {
+  p.first = rd.get<std::int64_t>();
+  p.second = rd.get<std::int64_t>();
+}
+inline void put(Writer& w, const RefitReport& r) {
+  for (std::int64_t v : {r.bytes_sent, r.bytes_received, r.local_bytes, r.messages_sent, r.messages_received, r.zero_copy_bytes, r.packed_bytes,
+                         r.unpacked_bytes, std::int64_t{r.waves}, r.staging_bytes, r.peak_staging_bytes, r.plan_bytes_sent, r.plan_bytes_received,
+                         r.plan_local_bytes})
+    w.put(v);
+  w.put(r.seconds);
+}
+inline void get(Reader& rd, RefitReport& r) {
+  for (std::int64_t* v : {&r.bytes_sent, &r.bytes_received, &r.local_bytes, &r.messages_sent, &r.messages_received, &r.zero_copy_bytes,
+                          &r.packed_bytes, &r.unpacked_bytes})
+    *v = rd.get<std::int64_t>();
+  r.waves = static_cast<int>(rd.get<std::int64_t>());
+  for (std::int64_t* v : {&r.staging_bytes, &r.peak_staging_bytes, &r.plan_bytes_sent, &r.plan_bytes_received, &r.plan_local_bytes})
+    *v = rd.get<std::int64_t>();
+  r.seconds = rd.get<double>();
+}
+inline void put(Writer& w, const TagCheck& c) {
+  w.put(c.checked);
+  w.put(c.wrong);
+  w.put_string(c.first_wrong);
+}
+inline void get(Reader& rd, TagCheck& c) {
+  c.checked = rd.get<std::int64_t>();
+  c.wrong = rd.get<std::int64_t>();
+  c.first_wrong = rd.get_string();
+}
+template <class V>
+void put(Writer& w, const std::vector<V>& v) {
+  w.put<std::uint64_t>(v.size());
+  for (const auto& x : v) put(w, x);
+}
+template <class V>
+void get(Reader& rd, std::vector<V>& v) {
+  v.resize(static_cast<std::size_t>(rd.get<std::uint64_t>()));
+  for (auto& x : v) get(rd, x);
+}
+}  // namespace measured_detail
+
+/// Every rank's figures, in world order, on every rank (collective).
+template <class T>
+std::vector<RankFigures> gather_figures(T& t, const RankFigures& me, Deadline deadline) {
+  using namespace measured_detail;
+  Writer w;
+  put(w, me.t0), put(w, me.t1), put(w, me.b0), put(w, me.b1);
+  put(w, me.main), put(w, me.base), put(w, me.check), put(w, me.base_check);
+  put(w, me.plan_seconds), put(w, me.host), put(w, me.sends), put(w, me.peers);
+  const auto blobs = t.all_gather(w.buf, deadline);
+  std::vector<RankFigures> all(blobs.size());
+  for (std::size_t i = 0; i < blobs.size(); ++i) {
+    Reader rd(blobs[i], t.world_ranks()[i]);
+    RankFigures& f = all[i];
+    get(rd, f.t0), get(rd, f.t1), get(rd, f.b0), get(rd, f.b1);
+    get(rd, f.main), get(rd, f.base), get(rd, f.check), get(rd, f.base_check);
+    get(rd, f.plan_seconds), get(rd, f.host), get(rd, f.sends), get(rd, f.peers);
+  }
+  return all;
 }
 
 /// One method's figures over all ranks.

@@ -68,77 +68,8 @@ struct UcxRefitResult {
   std::vector<std::int64_t> connected_peers_max;  ///< the reshard program's endpoints on the rank with the most
 };
 
-namespace ucx_refit_detail {
-
-/// What one rank contributes to the summary: its measured figures, and
-/// where it runs and sends (for the bandwidth probe).
-struct UcxRankFigures : RankFigures {
-  std::string host;
-  std::vector<std::int64_t> peers;
-  std::vector<std::pair<std::int64_t, std::int64_t>> sends;  ///< (dst rank, bytes) this rank sends
-};
-
-inline void put_report(ucx_detail::Writer& w, const RefitReport& r) {
-  for (std::int64_t v : {r.bytes_sent, r.bytes_received, r.local_bytes, r.messages_sent, r.messages_received, r.zero_copy_bytes, r.packed_bytes,
-                         r.unpacked_bytes, std::int64_t{r.waves}, r.staging_bytes, r.peak_staging_bytes, r.plan_bytes_sent, r.plan_bytes_received,
-                         r.plan_local_bytes})
-    w.put(v);
-  w.put(r.seconds);
-}
-inline RefitReport get_report(ucx_detail::Reader& rd) {
-  RefitReport r;
-  r.bytes_sent = rd.get<std::int64_t>();
-  r.bytes_received = rd.get<std::int64_t>();
-  r.local_bytes = rd.get<std::int64_t>();
-  r.messages_sent = rd.get<std::int64_t>();
-  r.messages_received = rd.get<std::int64_t>();
-  r.zero_copy_bytes = rd.get<std::int64_t>();
-  r.packed_bytes = rd.get<std::int64_t>();
-  r.unpacked_bytes = rd.get<std::int64_t>();
-  r.waves = static_cast<int>(rd.get<std::int64_t>());
-  r.staging_bytes = rd.get<std::int64_t>();
-  r.peak_staging_bytes = rd.get<std::int64_t>();
-  r.plan_bytes_sent = rd.get<std::int64_t>();
-  r.plan_bytes_received = rd.get<std::int64_t>();
-  r.plan_local_bytes = rd.get<std::int64_t>();
-  r.seconds = rd.get<double>();
-  return r;
-}
-template <class V>
-void put_vec(ucx_detail::Writer& w, const std::vector<V>& v) {
-  w.put<std::uint64_t>(v.size());
-  for (const auto& x : v) w.put(x);
-}
-template <class V>
-std::vector<V> get_vec(ucx_detail::Reader& rd) {
-  std::vector<V> v(static_cast<std::size_t>(rd.get<std::uint64_t>()));
-  for (auto& x : v) x = rd.get<V>();
-  return v;
-}
-inline void put_check(ucx_detail::Writer& w, const TagCheck& c) {
-  w.put(c.checked);
-  w.put(c.wrong);
-  w.put_string(c.first_wrong);
-}
-inline TagCheck get_check(ucx_detail::Reader& rd) {
-  TagCheck c;
-  c.checked = rd.get<std::int64_t>();
-  c.wrong = rd.get<std::int64_t>();
-  c.first_wrong = rd.get_string();
-  return c;
-}
-
-inline std::string host_name() {
-  char h[256] = {};
-  if (gethostname(h, sizeof(h) - 1) != 0) return "?";
-  return h;
-}
-
-}  // namespace ucx_refit_detail
-
 /// Runs the measured refit on every rank of `t`'s world (collective).
 inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTransport& t, const UcxRefitOptions& opt = {}) {
-  using namespace ucx_refit_detail;
   UcxRefitResult res;
   const auto world = t.world_ranks();
   res.world = static_cast<std::int64_t>(world.size());
@@ -146,68 +77,15 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
   res.dst_ranks = dst.mesh.size();
   res.protocol = std::string(to_string(t.protocol()));
   res.has_baseline = opt.baseline;
-  {
-    std::int64_t need = 0;
-    for (const Layout* L : {&src, &dst})
-      for (auto r : L->mesh.global_ranks()) need = std::max(need, r + 1);
-    for (const Layout* L : {&src, &dst})
-      for (auto r : L->mesh.global_ranks())
-        if (std::find(world.begin(), world.end(), r) == world.end())
-          fail("ucx refit: {} uses rank {} but the job has {} processes (run under mpirun with -np {} or more)", L->origin, r, world.size(), need);
-  }
+  require_world(src, dst, world, "ucx refit");
   const auto far = [&] { return Clock::now() + opt.executor.timeout; };
 
-  UcxRankFigures me;
-  static_cast<RankFigures&>(me) = measure_refit_on_rank(src, dst, t, opt, [&](const Resharder<Layout, UcxTransport>& main) {
-    me.peers = t.connected_peers();  // the reshard program's endpoints, before the baseline opens its own
-    std::map<std::int64_t, std::int64_t> to;
-    for (const auto& c : main.schedule().copies)
-      if (c.src_rank == t.rank() && c.dst_rank != t.rank()) to[c.dst_rank] += c.bytes();
-    me.sends.assign(to.begin(), to.end());
-  });
-  me.host = host_name();
-
-  // Everyone's figures to everyone.
-  ucx_detail::Writer w;
-  put_vec(w, me.t0);
-  put_vec(w, me.t1);
-  put_vec(w, me.b0);
-  put_vec(w, me.b1);
-  put_report(w, me.main);
-  w.put<std::uint64_t>(me.base.size());
-  for (const auto& r : me.base) put_report(w, r);
-  put_check(w, me.check);
-  put_check(w, me.base_check);
-  w.put(me.plan_seconds);
-  w.put_string(me.host);
-  put_vec(w, me.peers);
-  w.put<std::uint64_t>(me.sends.size());
-  for (const auto& [p, b] : me.sends) {
-    w.put(p);
-    w.put(b);
-  }
-  const Blobs blobs = t.all_gather(w.buf, far());
-  std::vector<UcxRankFigures> all(blobs.size());
-  for (std::size_t i = 0; i < blobs.size(); ++i) {
-    ucx_detail::Reader rd(blobs[i], world[i], "refit figures");
-    UcxRankFigures& f = all[i];
-    f.t0 = get_vec<std::int64_t>(rd);
-    f.t1 = get_vec<std::int64_t>(rd);
-    f.b0 = get_vec<std::int64_t>(rd);
-    f.b1 = get_vec<std::int64_t>(rd);
-    f.main = get_report(rd);
-    f.base.resize(static_cast<std::size_t>(rd.get<std::uint64_t>()));
-    for (auto& r : f.base) r = get_report(rd);
-    f.check = get_check(rd);
-    f.base_check = get_check(rd);
-    f.plan_seconds = rd.get<double>();
-    f.host = rd.get_string();
-    f.peers = get_vec<std::int64_t>(rd);
-    f.sends.resize(static_cast<std::size_t>(rd.get<std::uint64_t>()));
-    for (auto& [p, b] : f.sends) {
-      p = rd.get<std::int64_t>();
-      b = rd.get<std::int64_t>();
-    }
+  std::vector<std::int64_t> peers;  // the reshard program's endpoints, before the baseline opens its own
+  RankFigures me = measure_refit_on_rank(src, dst, t, opt, [&](const auto&) { peers = t.connected_peers(); });
+  me.peers = std::move(peers);
+  const std::vector<RankFigures> all = gather_figures(t, me, far());
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const RankFigures& f = all[i];
     res.same_host &= f.host == all[0].host;
     res.plan_bytes += f.main.plan_bytes_sent;
     res.plan_local_bytes += f.main.plan_local_bytes;
@@ -221,10 +99,9 @@ inline UcxRefitResult ucx_refit(const Layout& src, const Layout& dst, UcxTranspo
       }
   }
 
-  const std::vector<RankFigures> figures(all.begin(), all.end());
-  res.reshard = summarize_method(figures, false, res.same_host);
+  res.reshard = summarize_method(all, false, res.same_host);
   if (opt.baseline) {
-    res.baseline = summarize_method(figures, true, res.same_host);
+    res.baseline = summarize_method(all, true, res.same_host);
     res.speedup = res.reshard.median > 0 ? res.baseline.median / res.reshard.median : 0;
   }
   if (res.reshard.median > 0) {
