@@ -28,11 +28,9 @@
 #include <utility>
 #include <vector>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
 #include "box.hpp"
+#include "copy_log.hpp"
+#include "flat_index.hpp"
 #include "layout.hpp"
 #include "schedule.hpp"
 #include "storage.hpp"
@@ -162,189 +160,6 @@ inline std::vector<std::int64_t> positions_of_part(const Layout& L, int t, std::
 }
 
 namespace detail {
-/// Prefaults the storage for the next `n` elements of v (within its
-/// capacity) in one call: a full plan writes gigabytes of copies, and taking
-/// one page fault per 4 KiB would cost more than planning them.
-template <class T>
-void prefault(std::vector<T>& v, std::size_t n) {
-#if defined(__linux__) && defined(MADV_POPULATE_WRITE) && !defined(RESHARD_NO_PREFAULT)
-  constexpr std::uintptr_t page = 4096;
-  n = std::min(n, v.capacity() - v.size());
-  if (n * sizeof(T) < 16 * page) return;
-  const auto at = reinterpret_cast<std::uintptr_t>(v.data() + v.size());
-  const std::uintptr_t lo = at & ~(page - 1), hi = (at + n * sizeof(T) + page - 1) & ~(page - 1);
-  (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);  // a hint only: may fail
-#else
-  (void)v;
-  (void)n;
-#endif
-}
-/// Doubles v's capacity and prefaults the new part: a plan's copy vectors
-/// grow to megabytes, and on virtual machines one page fault per 4 KiB costs
-/// as much as planning the copies in it.
-template <class T>
-void grow_prefaulted(std::vector<T>& v) {
-  std::vector<T> bigger;
-  bigger.reserve(std::max<std::size_t>(64, 2 * v.capacity()));
-  prefault(bigger, bigger.capacity());  // before the copy touches it page by page
-  bigger.insert(bigger.end(), std::make_move_iterator(v.begin()), std::make_move_iterator(v.end()));
-  v.swap(bigger);
-}
-
-/// A one-rank plan's copies as emitted, before sorting: each copy's route,
-/// offsets and only its `rank` dims, as 64-bit words in fixed blocks. A copy
-/// takes 56 + 24 * rank bytes here instead of sizeof(Copy), and growing
-/// moves nothing: a one-rank plan is one process's whole job, so the pages it
-/// touches for the first time are most of its cost.
-class CopyLog {
- public:
-  using Handle = std::uint32_t;  ///< word position of a copy
-  static constexpr std::size_t kBlockWords = 8192;  // 64 KiB
-  static constexpr std::size_t kHeaderWords = 7;
-  static constexpr std::size_t kMaxWords = kHeaderWords + 3 * static_cast<std::size_t>(kMaxBoxRank);
-
-  std::size_t size() const { return count_; }
-  bool empty() const { return count_ == 0; }
-
-  void push(const Copy& c) {
-    const auto r = static_cast<std::size_t>(c.rank);
-    const std::size_t words = kHeaderWords + 3 * r;
-    if (blocks_.empty() || used_ + words > kBlockWords) {
-      if (blocks_.size() >= (std::size_t{1} << 32) / kBlockWords)
-        fail("plan: one rank's copies exceed {} words of planning memory", std::size_t{1} << 32);
-      blocks_.emplace_back(new std::int64_t[kBlockWords]);  // uninitialized: written before read
-      ends_.push_back(0);
-      used_ = 0;
-    }
-    std::int64_t* w = blocks_.back().get() + used_;
-    w[0] = c.src_rank;
-    w[1] = c.dst_rank;
-    w[2] = c.src_offset;
-    w[3] = c.dst_offset;
-    w[4] = pack(c.src_buffer, c.dst_buffer);
-    w[5] = pack(c.tensor, c.element_bytes);
-    w[6] = pack(static_cast<std::int32_t>(c.quant), c.rank);
-    for (std::size_t d = 0; d < r; ++d) {
-      w[kHeaderWords + 3 * d] = c.extent[d];
-      w[kHeaderWords + 3 * d + 1] = c.src_stride[d];
-      w[kHeaderWords + 3 * d + 2] = c.dst_stride[d];
-    }
-    used_ += words;
-    ends_.back() = static_cast<std::uint32_t>(used_);
-    ++count_;
-  }
-
-  /// Calls f(handle, copy) for every copy in push order; the Copy is a view
-  /// of the header only (dims are not read): route, offsets and rank.
-  template <class F>
-  void for_each_header(F&& f) const {
-    Copy c;
-    for (std::size_t b = 0; b < blocks_.size(); ++b) {
-      const std::int64_t* base = blocks_[b].get();
-      for (std::size_t at = 0; at < ends_[b];) {
-        read_header(base + at, c);
-        f(static_cast<Handle>(b * kBlockWords + at), c);
-        at += kHeaderWords + 3 * static_cast<std::size_t>(c.rank);
-      }
-    }
-  }
-
-  /// The copy at h, exactly as pushed (dims past its rank read 0).
-  void read(Handle h, Copy& c) const {
-    const std::int64_t* w = blocks_[h / kBlockWords].get() + h % kBlockWords;
-    const int old = c.rank;
-    read_header(w, c);
-    const auto r = static_cast<std::size_t>(c.rank);
-    for (std::size_t d = 0; d < r; ++d) {
-      c.extent[d] = w[kHeaderWords + 3 * d];
-      c.src_stride[d] = w[kHeaderWords + 3 * d + 1];
-      c.dst_stride[d] = w[kHeaderWords + 3 * d + 2];
-    }
-    for (std::size_t d = r; d < static_cast<std::size_t>(old); ++d) c.extent[d] = c.src_stride[d] = c.dst_stride[d] = 0;
-  }
-
- private:
-  static std::int64_t pack(std::int32_t hi, std::int32_t lo) {
-    return static_cast<std::int64_t>((static_cast<std::uint64_t>(static_cast<std::uint32_t>(hi)) << 32) |
-                                     static_cast<std::uint32_t>(lo));
-  }
-  static std::int32_t high(std::int64_t w) { return static_cast<std::int32_t>(static_cast<std::uint64_t>(w) >> 32); }
-  static std::int32_t low(std::int64_t w) { return static_cast<std::int32_t>(static_cast<std::uint32_t>(w)); }
-  static void read_header(const std::int64_t* w, Copy& c) {
-    c.src_rank = w[0];
-    c.dst_rank = w[1];
-    c.src_offset = w[2];
-    c.dst_offset = w[3];
-    c.src_buffer = high(w[4]);
-    c.dst_buffer = low(w[4]);
-    c.tensor = high(w[5]);
-    c.element_bytes = low(w[5]);
-    c.rank = low(w[6]);
-    c.quant = static_cast<CopyQuant>(high(w[6]));
-  }
-
-  std::vector<std::unique_ptr<std::int64_t[]>> blocks_;
-  std::vector<std::uint32_t> ends_;  // words used per block
-  std::size_t used_ = 0, count_ = 0;
-};
-
-/// uint64 key -> uint32 value by open addressing: the planner's caches hold
-/// thousands of entries and are read millions of times, and a node per entry
-/// (std::unordered_map) costs an allocation and a cache miss each.
-class FlatIndex {
- public:
-  static constexpr std::uint32_t kNone = UINT32_MAX;
-  /// Forgets every key, keeping the slots.
-  void clear() {
-    if (used_ == 0) return;
-    std::fill(keys_.begin(), keys_.end(), 0);
-    used_ = 0;
-  }
-  /// The value slot of key (< UINT64_MAX), kNone when it was absent (the
-  /// caller fills it). Valid until the next call.
-  std::uint32_t& slot(std::uint64_t key) {
-    if (2 * (used_ + 1) > keys_.size()) grow();
-    const std::uint64_t stored = key + 1;  // 0 marks an empty slot
-    const std::size_t mask = keys_.size() - 1;
-    for (std::size_t i = hash(key, shift_);; i = (i + 1) & mask) {
-      if (keys_[i] == stored) return values_[i];
-      if (keys_[i] == 0) {
-        keys_[i] = stored;
-        ++used_;
-        values_[i] = kNone;
-        return values_[i];
-      }
-    }
-  }
-
- private:
-  // Fibonacci hashing: the product's top bits depend on all of the key's
-  // (keys differ in both halves: tensor << 32 | part, position * tensors + tensor).
-  static std::size_t hash(std::uint64_t k, int shift) {
-    return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> shift);
-  }
-  void grow() {
-    const int shift = keys_.empty() ? 58 : shift_ - 1;  // 64 slots, then doubling
-    std::vector<std::uint64_t> keys(std::size_t{1} << (64 - shift), 0);
-    std::vector<std::uint32_t> values(keys.size());
-    const std::size_t mask = keys.size() - 1;
-    for (std::size_t j = 0; j < keys_.size(); ++j) {
-      if (keys_[j] == 0) continue;
-      std::size_t i = hash(keys_[j] - 1, shift);
-      while (keys[i] != 0) i = (i + 1) & mask;
-      keys[i] = keys_[j];
-      values[i] = values_[j];
-    }
-    keys_.swap(keys);
-    values_.swap(values);
-    shift_ = shift;
-  }
-  std::vector<std::uint64_t> keys_;
-  std::vector<std::uint32_t> values_;
-  std::size_t used_ = 0;
-  int shift_ = 64;  // 64 - log2(slots)
-};
-
 /// positions_of_part of each (tensor, part) of one layout, computed once per
 /// plan and kept in one pool (replica groups meet the same parts again and
 /// again).
@@ -373,20 +188,6 @@ struct PartHolderMemo {
   }
 };
 
-/// Where emit() puts copies: a vector (a full plan: one destination's batch
-/// at a time) or, for a one-rank plan, a CopyLog.
-struct CopySink {
-  std::vector<Copy>* copies = nullptr;
-  CopyLog* log = nullptr;
-  void push(const Copy& c) {
-    if (log) {
-      log->push(c);
-      return;
-    }
-    if (copies->size() == copies->capacity()) grow_prefaulted(*copies);
-    copies->push_back(c);
-  }
-};
 }  // namespace detail
 
 class Planner {
