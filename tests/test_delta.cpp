@@ -192,11 +192,13 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
       std::vector<std::int64_t> want;
       for (std::int64_t j = 0; j < n; ++j)
         if (static_cast<double>(g() >> 11) * 0x1.0p-53 < p) {
-          cur[static_cast<std::size_t>(j) * E] ^= std::byte{0x40};
+          // any bit of any byte of the element (the word compares see every lane)
+          cur[static_cast<std::size_t>(j) * E + g() % E] ^= static_cast<std::byte>(1u << (g() % 8));
           want.push_back(j);
         }
       std::vector<std::uint16_t> idx(static_cast<std::size_t>(n));
       std::vector<std::byte> vals(cur.size()), shadow = base;
+      CHECK(delta::count_changed_bytes(E, cur.data(), base.data(), n) == static_cast<std::int64_t>(want.size()));
       const auto k = delta::diff_compact_bytes(E, cur.data(), shadow.data(), n, idx.data(), vals.data());
       REQUIRE(k == static_cast<std::int64_t>(want.size()));
       CHECK(shadow == cur);
@@ -279,6 +281,25 @@ TEST_CASE("a delta refit at density 0 moves almost nothing; the measured fractio
   CHECK(r.sent[1] * 20 < r.sent[0]);
   CHECK(r.fraction[1] == 0.0);
   CHECK(r.fraction[2] < 0.05);
+}
+
+TEST_CASE("a refit the density sample sends dense skips the full diff and the base stays exact") {
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  const Densities d{1.0, 0.6, 0.01, 0.0, 0.7, 0.8, 0.02, 0.0};
+  // No streak: the sampled-dense refit packs the sources into the shadows, so the next one can be a delta.
+  auto r = run_versions(src, dst, d, delta_options(false, 0.25, 0));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "delta", "delta", "dense", "sampled", "delta", "delta"});
+  CHECK(r.fraction[1] > 0.4);  // (the sample's estimate of 60%)
+  CHECK(r.fraction[1] < 0.8);
+  // A streak: the sampled-dense refit leaves the shadows stale; the streak ends in a re-prime.
+  r = run_versions(src, dst, d, delta_options(false, 0.25, 1));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "streak", "prime", "sampled", "streak", "prime", "delta"});
+  // Double-buffered: each set's own sample and base.
+  r = run_versions(src, dst, d, delta_options(true, 0.25, 0));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
 }
 
 TEST_CASE("delta refits are bit-exact over random layout pairs and a preset model") {
