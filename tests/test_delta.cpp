@@ -241,6 +241,13 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
   CHECK(delta::best_mode(65536, 1000, 2, 10) == delta::ChunkMode::gap);
   CHECK(delta::best_mode(65536, 20000, 2) == delta::ChunkMode::mask);
   CHECK(delta::best_mode(65536, 65000, 2) == delta::ChunkMode::dense);
+  // The simulator's wire bytes per dense byte (bf16, chunks of 65,536): a
+  // 4-byte table entry plus, by hand, nothing / 3277 gaps of 1 byte + 2-byte
+  // values (no gap past 255 at 5%) / an 8 KiB mask + 13107 values / dense.
+  CHECK(delta::expected_wire_fraction(2, 0.0) == doctest::Approx(4.0 / 131072));
+  CHECK(delta::expected_wire_fraction(2, 0.05) == doctest::Approx((4.0 + 3277 * 3) / 131072));
+  CHECK(delta::expected_wire_fraction(2, 0.2) == doctest::Approx((4.0 + 8192 + 13107 * 2) / 131072));
+  CHECK(delta::expected_wire_fraction(2, 1.0) == doctest::Approx((4.0 + 131072) / 131072));
 }
 
 TEST_CASE("delta refits are bit-exact over every message kind, densities 0..100%, single and double-buffered") {

@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -148,6 +149,19 @@ inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::
   for (ChunkMode m : {ChunkMode::mask, ChunkMode::index, ChunkMode::gap})
     if (body_bytes(m, n, k, E, esc) < body_bytes(best, n, k, E, esc)) best = m;
   return best;
+}
+
+/// Wire bytes per dense byte of a stream of E-byte elements in which a
+/// fraction F changed, spread at random: a full chunk's table entry and its
+/// smallest body (best_mode / body_bytes, as the sender chooses), with
+/// k = F x kChunk changes and the expected number of gaps past a byte
+/// (each gap is >= 255 with probability (1 - F)^255). The simulator's
+/// delta prediction (simulate.hpp) scales messages by it.
+inline double expected_wire_fraction(std::int64_t E, double F) {
+  const auto k = static_cast<std::int64_t>(std::llround(std::clamp(F, 0.0, 1.0) * static_cast<double>(kChunk)));
+  const auto esc = static_cast<std::int64_t>(std::llround(static_cast<double>(k) * std::pow(1.0 - std::clamp(F, 0.0, 1.0), 255.0)));
+  const std::int64_t body = body_bytes(best_mode(kChunk, k, E, esc), kChunk, k, E, esc);
+  return static_cast<double>(4 + body) / static_cast<double>(kChunk * E);
 }
 
 /// Gap stream of a sorted index list: per position the distance from the
