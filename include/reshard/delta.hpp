@@ -37,6 +37,12 @@
 //    dense_streak refits go dense without diffing (no shadow upkeep), then
 //    one refit re-primes the shadows (a pack of the sources) and the next
 //    one measures the density again.
+//  * Sample. Until a diff over the current base has measured a density at
+//    or below dense_above, a refit first compares a sample of each stream
+//    (DeltaOptions::sample_every / sample_elements, read only) and sums it
+//    in one all-gather; above dense_above it goes dense without the full
+//    diff (mode "sampled"), leaving the shadows to the streak's re-prime,
+//    or, without a streak, packing the sources into them.
 //  * A base that is always right. The first refit after setup() is dense
 //    and primes the shadows. Any failure breaks the executor (like the
 //    Executor); the Resharder then needs setup() again, which drops every
