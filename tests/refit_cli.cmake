@@ -35,8 +35,9 @@ if(TARGET reshard-refit)
   # Delta refits: tiny-llama Megatron tp=2 -> vLLM tp=4, Adam at lr 1e-6 and
   # at lr 1e-3 (most elements change: the dense fallback).
   set(_tiny ${PROJECT_SOURCE_DIR}/examples/models/tiny-llama.json)
-  reshard_refit_test(refit.delta.tiny-llama 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|4|--json")
-  reshard_refit_test(refit.delta.dense-fallback 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|3|--lr|1e-3|--dense-above|0.2|--json")
+  # The traditional refit is the baseline with --delta too (CONTRACT.md §3); --no-baseline drops it.
+  reshard_refit_test(refit.delta.tiny-llama 120 ON "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|4|--iterations|2|--json")
+  reshard_refit_test(refit.delta.dense-fallback 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|3|--lr|1e-3|--dense-above|0.2|--no-baseline|--json")
   reshard_cli_usage_tests(refit.usage ${_reshard_refit} refit
       "delta-versions|2|only go with --delta|--versions|3"
       "hierarchical|2|--hierarchical needs --topology|--hierarchical"

@@ -192,11 +192,13 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
       std::vector<std::int64_t> want;
       for (std::int64_t j = 0; j < n; ++j)
         if (static_cast<double>(g() >> 11) * 0x1.0p-53 < p) {
-          cur[static_cast<std::size_t>(j) * E] ^= std::byte{0x40};
+          // any bit of any byte of the element (the word compares see every lane)
+          cur[static_cast<std::size_t>(j) * E + g() % E] ^= static_cast<std::byte>(1u << (g() % 8));
           want.push_back(j);
         }
       std::vector<std::uint16_t> idx(static_cast<std::size_t>(n));
       std::vector<std::byte> vals(cur.size()), shadow = base;
+      CHECK(delta::count_changed_bytes(E, cur.data(), base.data(), n) == static_cast<std::int64_t>(want.size()));
       const auto k = delta::diff_compact_bytes(E, cur.data(), shadow.data(), n, idx.data(), vals.data());
       REQUIRE(k == static_cast<std::int64_t>(want.size()));
       CHECK(shadow == cur);
@@ -239,6 +241,13 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
   CHECK(delta::best_mode(65536, 1000, 2, 10) == delta::ChunkMode::gap);
   CHECK(delta::best_mode(65536, 20000, 2) == delta::ChunkMode::mask);
   CHECK(delta::best_mode(65536, 65000, 2) == delta::ChunkMode::dense);
+  // The simulator's wire bytes per dense byte (bf16, chunks of 65,536): a
+  // 4-byte table entry plus, by hand, nothing / 3277 gaps of 1 byte + 2-byte
+  // values (no gap past 255 at 5%) / an 8 KiB mask + 13107 values / dense.
+  CHECK(delta::expected_wire_fraction(2, 0.0) == doctest::Approx(4.0 / 131072));
+  CHECK(delta::expected_wire_fraction(2, 0.05) == doctest::Approx((4.0 + 3277 * 3) / 131072));
+  CHECK(delta::expected_wire_fraction(2, 0.2) == doctest::Approx((4.0 + 8192 + 13107 * 2) / 131072));
+  CHECK(delta::expected_wire_fraction(2, 1.0) == doctest::Approx((4.0 + 131072) / 131072));
 }
 
 TEST_CASE("delta refits are bit-exact over every message kind, densities 0..100%, single and double-buffered") {
@@ -279,6 +288,25 @@ TEST_CASE("a delta refit at density 0 moves almost nothing; the measured fractio
   CHECK(r.sent[1] * 20 < r.sent[0]);
   CHECK(r.fraction[1] == 0.0);
   CHECK(r.fraction[2] < 0.05);
+}
+
+TEST_CASE("a refit the density sample sends dense skips the full diff and the base stays exact") {
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  const Densities d{1.0, 0.6, 0.01, 0.0, 0.7, 0.8, 0.02, 0.0};
+  // No streak: the sampled-dense refit packs the sources into the shadows, so the next one can be a delta.
+  auto r = run_versions(src, dst, d, delta_options(false, 0.25, 0));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "delta", "delta", "dense", "sampled", "delta", "delta"});
+  CHECK(r.fraction[1] > 0.4);  // (the sample's estimate of 60%)
+  CHECK(r.fraction[1] < 0.8);
+  // A streak: the sampled-dense refit leaves the shadows stale; the streak ends in a re-prime.
+  r = run_versions(src, dst, d, delta_options(false, 0.25, 1));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "streak", "prime", "sampled", "streak", "prime", "delta"});
+  // Double-buffered: each set's own sample and base.
+  r = run_versions(src, dst, d, delta_options(true, 0.25, 0));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
 }
 
 TEST_CASE("delta refits are bit-exact over random layout pairs and a preset model") {

@@ -314,7 +314,7 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
       res.wrong += m.wrong;
       if (r == 0) {
         v.mode = m.mode;
-        v.changed_fraction = std::string(m.mode) == "delta" || std::string(m.mode) == "dense" ? m.fraction : -1;
+        v.changed_fraction = std::string(m.mode) == "delta" || std::string(m.mode) == "dense" || std::string(m.mode) == "sampled" ? m.fraction : -1;
       }
       lo0[k] = std::min(lo0[k], m.t0);
       hi0[k] = std::max(hi0[k], m.t1);

@@ -87,6 +87,7 @@ void write_picture(const std::string& path, const Schedule& s, const Layout& src
 struct TopologyRun {
   std::string topology, placement;
   bool hierarchical = false, simulate = false, fp8_wire = false;
+  double delta_density = -1, delta_device_gbps = 3000;  ///< --simulate --delta-density: also a delta refit
   int pipeline = 4;
   std::int64_t split_bytes = std::int64_t{1} << 62;
   std::int64_t min_slab_bytes = PlanOptions{}.min_slab_bytes;
@@ -207,6 +208,8 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
     sim = simulate(traffic);
     lb = refit_lower_bound(src, dst, place, tr.fp8_wire ? &wire : nullptr);
   }
+  std::optional<DeltaSimResult> dsim;
+  if (tr.simulate && tr.delta_density >= 0) dsim = simulate_delta(s, place, tr.delta_density, tr.delta_device_gbps);
   // Replica shares of direct copies only: a staged plan's fan-out reads the destination layout.
   const std::optional<ReplicaShares> shares =
       tr.hierarchical ? std::nullopt : std::optional<ReplicaShares>(replica_shares(s, src, dst));
@@ -221,6 +224,11 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
       j["fan_out_copies"] = rep.fan_out_copies;
     }
     if (sim) j["simulation"] = simulation_json(*sim, lb);
+    if (dsim)
+      j["simulation"]["delta"] = {{"changed_fraction", dsim->density}, {"device_gbps", dsim->device_gbps},
+                                  {"dense_network_bytes", dsim->dense_bytes}, {"wire_bytes", dsim->wire_bytes},
+                                  {"diff_seconds", dsim->diff_seconds}, {"transfer_seconds", dsim->transfer.seconds},
+                                  {"scatter_seconds", dsim->scatter_seconds}, {"seconds", dsim->seconds}};
     return j.dump() + "\n";
   }
   std::string text = plan_summary(s, src, dst, {.only_rank = -1, .shares = shares ? &*shares : nullptr, .nic_gbps = nic_gbps}) +
@@ -233,6 +241,12 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
                         staged.stages, rep.groups, rep.fan_out_copies, human_bytes(static_cast<double>(rep.fan_out_bytes)),
                         human_bytes(static_cast<double>(rep.dropped_bytes)));
   if (sim) text += describe_simulation(*sim, lb, tr.fp8_wire);
+  if (dsim)
+    text += fmt::format("  delta refit  at changed fraction {:g} (docs/delta.md): {} on the wire ({:.4f} of dense); diff {} + transfer {} + "
+                        "scatter {} (device memory {} GB/s) = {} ({:.3f} of the dense prediction)\n",
+                        dsim->density, human_bytes(dsim->wire_bytes), dsim->dense_bytes > 0 ? dsim->wire_bytes / dsim->dense_bytes : 0.0,
+                        human_seconds(dsim->diff_seconds), human_seconds(dsim->transfer.seconds), human_seconds(dsim->scatter_seconds),
+                        dsim->device_gbps, human_seconds(dsim->seconds), sim && sim->seconds > 0 ? dsim->seconds / sim->seconds : 0.0);
   return text;
 }
 
@@ -314,6 +328,17 @@ int main(int argc, char** argv) {
                "simulate: decoder linear weights travel as FP8 (1 byte per element + block scales), as for an FP8 "
                "inference side")
       ->needs(sim_opt);
+  auto* delta_opt = app.add_option("--delta-density", topo_run.delta_density,
+                                   "simulate: also predict a delta refit (docs/delta.md) in which this fraction of the elements "
+                                   "changed (e.g. 0.0257, measured by reshard-refit --delta at lr 1e-6); flat plans, bf16 wire")
+                        ->check(CLI::Range(0.0, 1.0))
+                        ->needs(sim_opt)
+                        ->excludes("--fp8-wire")
+                        ->excludes(hier_opt);
+  app.add_option("--delta-device-gbps", topo_run.delta_device_gbps,
+                 "simulate --delta-density: device memory bandwidth (GB/s) of the diff and scatter kernels (default 3000)")
+      ->check(CLI::PositiveNumber)
+      ->needs(delta_opt);
   sim_opt->excludes(json_flag);
   topo_opt->excludes(rank_opt);
   try {

@@ -80,16 +80,27 @@ std::int64_t peak_rss_bytes() {
 }
 std::string human_seconds(double s) { return s < 1 ? fmt::format("{:.1f} ms", s * 1e3) : fmt::format("{:.3f} s", s); }
 
+/// The traditional refit's figures for the --delta report (CONTRACT.md §3's
+/// "baseline"), from the plain harness run after the versions.
+struct DeltaBaseline {
+  nlohmann::json json;  ///< the method's object, "method": "traditional"
+  double seconds = 0;
+  std::int64_t bytes_moved = 0;
+  bool validated = false;
+  std::string first_wrong;
+};
+
 /// The --delta report: the contract's fields (bytes_moved / seconds: the
 /// delta refit's medians over the versions after the first; "baseline": the
-/// dense refit of the same versions) plus "delta" and "dense".
+/// traditional refit, unless --no-baseline) plus "delta" and "dense" (the
+/// dense refit of the same versions).
 int print_delta(const delta_harness::Result& r, const Layout& src, const Layout& dst, const std::string& model, const std::string& transport,
-                double lr, bool json) {
+                double lr, bool json, const std::optional<DeltaBaseline>& baseline) {
   using V = delta_harness::Version;
   const double dbytes = r.median_of(&V::delta_bytes), nbytes = r.median_of(&V::dense_bytes);
   const double dsec = r.median_of(&V::delta_seconds), nsec = r.median_of(&V::dense_seconds);
   const double frac = r.median_of(&V::changed_fraction);
-  const bool ok = r.validated();
+  const bool ok = r.validated() && (!baseline || baseline->validated);
   if (json) {
     nlohmann::json per = nlohmann::json::array();
     for (const auto& v : r.versions)
@@ -105,7 +116,6 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
                         {"bytes_moved", static_cast<std::int64_t>(dbytes)},
                         {"seconds", dsec},
                         {"validated", ok},
-                        {"baseline", {{"method", "dense"}, {"bytes_moved", static_cast<std::int64_t>(nbytes)}, {"seconds", nsec}}},
                         {"lr", lr},
                         {"delta",
                          {{"versions", r.versions.size()},
@@ -121,6 +131,10 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
                         {"adam_seconds", r.adam_seconds},
                         {"checked_elements", r.checked},
                         {"wrong_elements", r.wrong}};
+    if (baseline) {
+      j["baseline"] = baseline->json;
+      j["speedup"] = dsec > 0 ? baseline->seconds / dsec : 0;
+    }
     std::cout << j.dump() << std::endl;
   } else {
     fmt::print("reshard-refit --delta: {} ({}, {} ranks -> {}, {} ranks) on the {} transport, {} versions, Adam lr {:g}\n", model, src.origin,
@@ -139,8 +153,14 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
                nsec > 0 ? dsec / nsec : 0);
     fmt::print("shadow {} and delta staging {} on the busiest rank; {} elements checked against the dense refit, {} wrong\n",
                human_bytes(static_cast<double>(r.shadow_bytes)), human_bytes(static_cast<double>(r.delta_staging_bytes)), r.checked, r.wrong);
+    if (baseline)
+      fmt::print("traditional refit (gather + broadcast + slice, same transport): {} in {} (median), {}\n",
+                 human_bytes(static_cast<double>(baseline->bytes_moved)), human_seconds(baseline->seconds),
+                 baseline->validated ? "validated" : "NOT validated");
   }
-  if (!ok) fmt::print(stderr, "reshard-refit: validation failed: {}\n", r.first_wrong.empty() ? "nothing was checked" : r.first_wrong);
+  if (!r.validated()) fmt::print(stderr, "reshard-refit: validation failed: {}\n", r.first_wrong.empty() ? "nothing was checked" : r.first_wrong);
+  if (baseline && !baseline->validated)
+    fmt::print(stderr, "reshard-refit: the traditional refit's validation failed: {}\n", baseline->first_wrong);
   return ok ? 0 : 1;
 }
 
@@ -179,8 +199,20 @@ int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const
       delta_harness::Options o = *delta;
       o.executor.staging_budget = budget;
       const auto r = delta_harness::run(src, dst, t, o);
-      int rc = r.validated() ? 0 : 1;
-      if (t.rank() == 0) rc = print_delta(r, src, dst, model, "ucx", o.lr, json);
+      // The traditional refit (CONTRACT.md §3's baseline), after the
+      // versions (their buffers are freed), on the same transport.
+      std::optional<DeltaBaseline> base;
+      if (baseline) {
+        UcxRefitOptions ro;
+        ro.iterations = iterations;
+        ro.executor.staging_budget = budget;
+        ro.probe = false;
+        const UcxRefitResult u = ucx_refit(src, dst, t, ro);
+        base = DeltaBaseline{to_json(u.baseline), u.baseline.median, u.baseline.bytes_moved, u.baseline.validated, u.baseline.first_wrong};
+        base->json["method"] = "traditional";
+      }
+      int rc = r.validated() && (!base || base->validated) ? 0 : 1;
+      if (t.rank() == 0) rc = print_delta(r, src, dst, model, "ucx", o.lr, json, base);
       t.all_gather({}, Clock::now() + std::chrono::seconds(30));
       return rc;
     }
@@ -425,7 +457,18 @@ int main(int argc, char** argv) {
         std::lock_guard lk(m);
         if (!result) result = std::move(r);
       });
-      return print_delta(*result, src, dst, model, "local", lr, json);
+      // The traditional refit (CONTRACT.md §3's baseline), after the versions.
+      std::optional<DeltaBaseline> base;
+      if (!no_baseline) {
+        refit_harness::RunOptions bo;
+        bo.iterations = iterations;
+        bo.baseline = true;
+        bo.executor.staging_budget = budget;
+        const auto b = refit_harness::run_refit(src, dst, bo);
+        base = DeltaBaseline{to_json(b.baseline), b.baseline.median, b.baseline.bytes_moved, b.baseline.validated, b.baseline.first_wrong};
+        base->json["method"] = "traditional";
+      }
+      return print_delta(*result, src, dst, model, "local", lr, json, base);
     }
     refit_harness::RunOptions opt;
     opt.iterations = iterations;

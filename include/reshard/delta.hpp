@@ -37,6 +37,12 @@
 //    dense_streak refits go dense without diffing (no shadow upkeep), then
 //    one refit re-primes the shadows (a pack of the sources) and the next
 //    one measures the density again.
+//  * Sample. Until a diff over the current base has measured a density at
+//    or below dense_above, a refit first compares a sample of each stream
+//    (DeltaOptions::sample_every / sample_elements, read only) and sums it
+//    in one all-gather; above dense_above it goes dense without the full
+//    diff (mode "sampled"), leaving the shadows to the streak's re-prime,
+//    or, without a streak, packing the sources into them.
 //  * A base that is always right. The first refit after setup() is dense
 //    and primes the shadows. Any failure breaks the executor (like the
 //    Executor); the Resharder then needs setup() again, which drops every
@@ -48,7 +54,9 @@
 //
 // Limits: host memory, dense (unstrided) buffers, unstaged schedules.
 #include <algorithm>
+#include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -58,6 +66,10 @@
 #include <vector>
 
 #include <fmt/format.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "checksum.hpp"
 #include "copy_kernels.hpp"
@@ -84,6 +96,13 @@ struct DeltaOptions {
   std::int64_t block_bytes = std::int64_t{64} << 10;
   /// After a refit above dense_above: this many dense refits without diffing.
   int dense_streak = 16;
+  /// The density sample taken before the first diff over a fresh base (or
+  /// after a refit above dense_above): the first sample_elements of every
+  /// sample_every-th chunk of each stream are compared (not encoded); when
+  /// the world's sampled fraction is above dense_above the refit goes dense
+  /// without the full diff. 0: no sample.
+  int sample_every = 16;
+  std::int64_t sample_elements = 4096;
 };
 
 namespace delta {
@@ -138,6 +157,19 @@ inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::
   return best;
 }
 
+/// Wire bytes per dense byte of a stream of E-byte elements in which a
+/// fraction F changed, spread at random: a full chunk's table entry and its
+/// smallest body (best_mode / body_bytes, as the sender chooses), with
+/// k = F x kChunk changes and the expected number of gaps past a byte
+/// (each gap is >= 255 with probability (1 - F)^255). The simulator's
+/// delta prediction (simulate.hpp) scales messages by it.
+inline double expected_wire_fraction(std::int64_t E, double F) {
+  const auto k = static_cast<std::int64_t>(std::llround(std::clamp(F, 0.0, 1.0) * static_cast<double>(kChunk)));
+  const auto esc = static_cast<std::int64_t>(std::llround(static_cast<double>(k) * std::pow(1.0 - std::clamp(F, 0.0, 1.0), 255.0)));
+  const std::int64_t body = body_bytes(best_mode(kChunk, k, E, esc), kChunk, k, E, esc);
+  return static_cast<double>(4 + body) / static_cast<double>(kChunk * E);
+}
+
 /// Gap stream of a sorted index list: per position the distance from the
 /// previous one minus one as a byte, or 255 and the position in 16 bits.
 inline void gaps_from_indices(const std::uint16_t* idx, std::int64_t k, std::byte* out) {
@@ -184,47 +216,135 @@ inline std::uint32_t table_entry(ChunkMode m, std::int64_t k) {
   return static_cast<std::uint32_t>(m) << 24 | static_cast<std::uint32_t>(k);
 }
 
+namespace detail {
+/// The top bit of each E-byte lane of a 64-bit word.
+template <std::size_t E>
+constexpr std::uint64_t lane_tops() {
+  std::uint64_t h = 0;
+  for (std::size_t j = 0; j < 8 / E; ++j) h |= std::uint64_t{1} << (8 * E * (j + 1) - 1);
+  return h;
+}
+/// Of an XOR word (little-endian lanes of E bytes): the top bit of each lane
+/// that is nonzero, without a branch per lane (no carry crosses a lane).
+template <std::size_t E>
+inline std::uint64_t lanes_differ(std::uint64_t x) {
+  constexpr std::uint64_t H = lane_tops<E>(), L = ~H;
+  return (((x & L) + L) | x) & H;
+}
+/// lanes_differ's bits packed: bit j for lane j.
+template <std::size_t E>
+inline std::uint64_t lane_mask(std::uint64_t tops) {
+  std::uint64_t m = 0;
+  for (std::size_t j = 0; j < 8 / E; ++j) m |= (tops >> (8 * E * (j + 1) - 1) & 1) << j;
+  return m;
+}
+template <std::size_t E>
+inline constexpr bool word_lanes = E != 0 && E <= 8 && 8 % E == 0 && std::endian::native == std::endian::little;
+}  // namespace detail
+
 /// Diff-and-compact: compares n elements of E bytes of `cur` with `base`;
 /// writes the positions that differ to `idx` and their new values to `vals`,
-/// copies them into `base`, and returns how many. Equal 8-byte words are
-/// skipped in one compare (most of a chunk at RL densities).
+/// copies them into `base`, and returns how many. One pass: 64 bytes are
+/// compared at a time (XOR of 8 words, one test: most blocks are clean at
+/// RL densities); in a dirty block the changed lanes are found by bit
+/// arithmetic (no branch per element), visited by the set bits of one mask,
+/// and the block is written back to the base whole (its line is dirty anyway).
 /// E == 0: a runtime element size `eb`.
 template <std::size_t E>
 inline std::int64_t diff_compact(const std::byte* cur, std::byte* base, std::int64_t n, std::uint16_t* idx, std::byte* vals,
                                  std::size_t eb = E) {
   const std::size_t esz = E ? E : eb;
   std::int64_t k = 0, i = 0;
-  auto one = [&](std::int64_t j) {
-    const std::byte* c = cur + j * static_cast<std::int64_t>(esz);
-    std::byte* b = base + j * static_cast<std::int64_t>(esz);
-    if (std::memcmp(c, b, esz) == 0) return;
-    idx[k] = static_cast<std::uint16_t>(j);
-    std::memcpy(vals + k * static_cast<std::int64_t>(esz), c, esz);
-    std::memcpy(b, c, esz);
-    ++k;
-  };
-  if constexpr (E != 0 && E <= 8 && 8 % (E ? E : 1) == 0) {
-    // 32 bytes at a time: a clean block is one compare; a dirty one is
-    // compacted without branches (every element written, the count advanced
-    // by whether it differs) and copied into the base whole.
-    constexpr std::int64_t B = 32 / static_cast<std::int64_t>(E);
+  if constexpr (detail::word_lanes<E>) {
+    constexpr std::int64_t per = 8 / static_cast<std::int64_t>(E), W = 8, B = per * W;
     for (; i + B <= n; i += B) {
       const std::byte* c = cur + i * static_cast<std::int64_t>(E);
       std::byte* b = base + i * static_cast<std::int64_t>(E);
-      std::uint64_t a[4], o[4];
-      std::memcpy(a, c, 32);
-      std::memcpy(o, b, 32);
-      if (((a[0] ^ o[0]) | (a[1] ^ o[1]) | (a[2] ^ o[2]) | (a[3] ^ o[3])) == 0) continue;
-      for (std::int64_t j = 0; j < B; ++j) {
-        idx[k] = static_cast<std::uint16_t>(i + j);
-        std::memcpy(vals + k * static_cast<std::int64_t>(E), c + j * static_cast<std::int64_t>(E), E);
-        k += std::memcmp(c + j * static_cast<std::int64_t>(E), b + j * static_cast<std::int64_t>(E), E) != 0;
+      // The block's changed elements as one bit mask.
+      std::uint64_t bits = 0;
+#if defined(__SSE2__)
+      if constexpr (E == 2) {
+        // 16-bit compares, packed to bytes, one movemask per 16 elements.
+        __m128i eq[4];
+        for (int q = 0; q < 4; ++q)
+          eq[q] = _mm_cmpeq_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * q)),
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * q)));
+        const auto lo = static_cast<std::uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[0], eq[1])));
+        const auto hi = static_cast<std::uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[2], eq[3])));
+        bits = ~(lo | hi << 16) & 0xFFFFFFFFu;
+      } else
+#endif
+      {
+        std::uint64_t x[W], any = 0;
+        for (std::int64_t w = 0; w < W; ++w) {
+          std::uint64_t a, o;
+          std::memcpy(&a, c + 8 * w, 8);
+          std::memcpy(&o, b + 8 * w, 8);
+          x[w] = a ^ o;
+          any |= x[w];
+        }
+        if (any)
+          for (std::int64_t w = 0; w < W; ++w) bits |= detail::lane_mask<E>(detail::lanes_differ<E>(x[w])) << (w * per);
       }
-      std::memcpy(b, c, 32);
+      if (bits == 0) continue;
+      // The first four changes are written unconditionally (k advances by
+      // the count), so the common dirty block (one or two changes) takes no
+      // data-dependent branch.
+      const std::int64_t count = std::popcount(bits);
+      constexpr std::uint64_t last = std::uint64_t{1} << (B - 1);  // keeps ctz within the block when bits run out
+      for (std::int64_t r = 0; r < 4; ++r, bits &= bits - 1) {
+        const std::int64_t j = std::countr_zero(bits | last);
+        idx[k + r] = static_cast<std::uint16_t>(i + j);
+        std::memcpy(vals + (k + r) * static_cast<std::int64_t>(E), c + j * static_cast<std::int64_t>(E), E);
+      }
+      for (std::int64_t r = 4; bits; ++r, bits &= bits - 1) {
+        const std::int64_t j = std::countr_zero(bits);
+        idx[k + r] = static_cast<std::uint16_t>(i + j);
+        std::memcpy(vals + (k + r) * static_cast<std::int64_t>(E), c + j * static_cast<std::int64_t>(E), E);
+      }
+      k += count;
+      std::memcpy(b, c, 8 * W);
     }
   }
-  for (; i < n; ++i) one(i);
+  for (; i < n; ++i) {
+    const std::byte* c = cur + i * static_cast<std::int64_t>(esz);
+    std::byte* b = base + i * static_cast<std::int64_t>(esz);
+    if (std::memcmp(c, b, esz) == 0) continue;
+    idx[k] = static_cast<std::uint16_t>(i);
+    std::memcpy(vals + k * static_cast<std::int64_t>(esz), c, esz);
+    std::memcpy(b, c, esz);
+    ++k;
+  }
   return k;
+}
+
+/// How many of n elements of E bytes differ between `cur` and `base` (the
+/// density sample: compares only, writes nothing).
+template <std::size_t E>
+inline std::int64_t count_changed(const std::byte* cur, const std::byte* base, std::int64_t n, std::size_t eb = E) {
+  const std::size_t esz = E ? E : eb;
+  std::int64_t k = 0, i = 0;
+  if constexpr (detail::word_lanes<E>) {
+    constexpr std::int64_t per = 8 / static_cast<std::int64_t>(E);
+    for (; i + per <= n; i += per) {
+      std::uint64_t a, o;
+      std::memcpy(&a, cur + i * static_cast<std::int64_t>(E), 8);
+      std::memcpy(&o, base + i * static_cast<std::int64_t>(E), 8);
+      k += __builtin_popcountll(detail::lanes_differ<E>(a ^ o));
+    }
+  }
+  for (; i < n; ++i) k += std::memcmp(cur + i * static_cast<std::int64_t>(esz), base + i * static_cast<std::int64_t>(esz), esz) != 0;
+  return k;
+}
+
+inline std::int64_t count_changed_bytes(std::size_t E, const std::byte* cur, const std::byte* base, std::int64_t n) {
+  switch (E) {
+    case 1: return count_changed<1>(cur, base, n);
+    case 2: return count_changed<2>(cur, base, n);
+    case 4: return count_changed<4>(cur, base, n);
+    case 8: return count_changed<8>(cur, base, n);
+    default: return count_changed<0>(cur, base, n, E);
+  }
 }
 
 /// diff_compact for any element size (runtime E).
@@ -303,17 +423,24 @@ inline void stream_copy(std::size_t E, const std::vector<StreamSegment>& segs, s
 }
 
 /// Scatter: writes k values (E bytes each) to stream positions chunk_first +
-/// idx[j] (sorted) through the segments.
+/// idx[j] (sorted) through the segments: per segment one tight loop (a
+/// contiguous one is base + position, no division).
 template <std::size_t E>
 inline void scatter(const std::vector<StreamSegment>& segs, std::size_t& cursor, std::int64_t chunk_first, const std::uint16_t* idx,
                     std::int64_t k, const std::byte* vals, std::size_t eb = E) {
-  const std::size_t esz = E ? E : eb;
-  for (std::int64_t j = 0; j < k; ++j) {
+  const auto esz = static_cast<std::int64_t>(E ? E : eb);
+  for (std::int64_t j = 0; j < k;) {
     const std::int64_t p = chunk_first + idx[j];
     while (segs[cursor].first + segs[cursor].count <= p) ++cursor;
     const StreamSegment& g = segs[cursor];
-    const std::int64_t at = g.contiguous ? g.offset + (p - g.first) : g.at(p - g.first);
-    std::memcpy(g.base + at * static_cast<std::int64_t>(esz), vals + j * static_cast<std::int64_t>(esz), esz);
+    const std::int64_t end = g.first + g.count - chunk_first;  // positions of this chunk below it are in g
+    if (g.contiguous) {
+      std::byte* d = g.base + (g.offset - g.first + chunk_first) * esz;
+      for (; j < k && idx[j] < end; ++j) std::memcpy(d + idx[j] * esz, vals + j * esz, static_cast<std::size_t>(esz));
+    } else {
+      for (; j < k && idx[j] < end; ++j)
+        std::memcpy(g.base + g.at(chunk_first + idx[j] - g.first) * esz, vals + j * esz, static_cast<std::size_t>(esz));
+    }
   }
 }
 
@@ -359,8 +486,10 @@ inline bool copy_before(const Copy& a, const Copy& b) {
 
 /// What one delta refit did on this rank (beside its ExecutorStats).
 struct DeltaStats {
-  /// "delta" (payloads), "dense" (decided from the densities), "prime"
-  /// (dense, shadows filled), "streak" (dense without diffing).
+  /// "delta" (payloads), "dense" (decided from the densities), "sampled"
+  /// (dense, decided from the density sample before the full diff; the
+  /// world fields are the sample's), "prime" (dense, shadows filled),
+  /// "streak" (dense without diffing).
   std::string mode;
   std::int64_t compared = 0, changed = 0;              ///< this rank's shadowed send elements
   std::int64_t world_compared = 0, world_changed = 0;  ///< over all ranks (delta and dense modes)
@@ -393,6 +522,7 @@ class DeltaExecutor {
   void invalidate_base() {
     base_valid_ = false;
     streak_left_ = 0;
+    measured_ = -1;
   }
   const DeltaStats& last_delta() const { return last_; }
   bool base_valid() const { return base_valid_; }
@@ -426,6 +556,9 @@ class DeltaExecutor {
   void encode(Pair& p, std::uint64_t version);
   void decode(Pair& p, std::uint64_t version);
   void prime();
+  double sample();
+  template <class F>
+  void put_send_pairs(exec_detail::Writer& w, F&& each) const;
   std::string tensors_of(const Pair& p) const;
 
   T* t_ = nullptr;
@@ -444,6 +577,7 @@ class DeltaExecutor {
   std::vector<std::string> names_;
   bool ready_ = false, broken_ = false, base_valid_ = false, used_full_ = true;
   int streak_left_ = 0;
+  double measured_ = -1;  ///< the world's changed fraction the last diff over this base measured (-1: none yet)
   std::uint64_t base_version_ = 0;  ///< the version the shadows (and the targets) hold
   DeltaStats last_;
 };
@@ -476,6 +610,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   me_ = transport.rank();
   ready_ = broken_ = base_valid_ = false;
   streak_left_ = 0;
+  measured_ = -1;
   base_version_ = 0;
   pairs_.clear();
   shadow_.clear();
@@ -495,6 +630,9 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
     if (!(dopt_.capacity > 0) || dopt_.capacity > 2) fail("rank {}: DeltaOptions::capacity {} is outside (0, 2]", me_, dopt_.capacity);
     if (dopt_.shadow_budget < 0) fail("rank {}: DeltaOptions::shadow_budget is negative", me_);
     if (dopt_.dense_streak < 0) fail("rank {}: DeltaOptions::dense_streak is negative", me_);
+    if (dopt_.sample_every < 0 || (dopt_.sample_every > 0 && (dopt_.sample_elements < 1 || dopt_.sample_elements > delta::kChunk)))
+      fail("rank {}: DeltaOptions::sample_every {} / sample_elements {}: sample_every must be >= 0 and sample_elements in [1, {}]", me_,
+           dopt_.sample_every, dopt_.sample_elements, delta::kChunk);
     for (const auto* v : {&src, &dst})
       for (const BoundBuffer* b : *v)
         if (b && (!b->dense() || b->memory != MemoryKind::host))
@@ -562,15 +700,10 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   exec_detail::Writer w;
   w.put<std::uint8_t>(local_error.empty() ? 1 : 0);
   w.put_string(local_error);
-  std::uint32_t nsend = 0;
-  for (const Pair& p : pairs_) nsend += p.send ? 1 : 0;
-  w.put(nsend);
-  for (const Pair& p : pairs_)
-    if (p.send) {
-      w.put(p.peer);
-      w.put(p.bytes);
-      w.put<std::uint8_t>(p.done ? 1 : 0);
-    }
+  put_send_pairs(w, [&](const Pair& p) {
+    w.put(p.bytes);
+    w.put<std::uint8_t>(p.done ? 1 : 0);
+  });
   std::vector<std::vector<std::byte>> blobs = transport.all_gather(w.buf, deadline);
   const auto world = transport.world_ranks();
   std::string error = local_error;
@@ -672,6 +805,61 @@ void DeltaExecutor<T>::prime() {
       out += s.elements * static_cast<std::int64_t>(s.E);
     }
   }
+}
+
+template <class T>
+template <class F>
+void DeltaExecutor<T>::put_send_pairs(exec_detail::Writer& w, F&& each) const {
+  std::uint32_t n = 0;
+  for (const Pair& p : pairs_) n += p.send ? 1 : 0;
+  w.put(n);
+  for (const Pair& p : pairs_)
+    if (p.send) {
+      w.put(p.peer);
+      each(p);
+    }
+}
+
+template <class T>
+double DeltaExecutor<T>::sample() {
+  // Compare (pack where needed) the head of every sample_every-th chunk with
+  // the shadow: about 1/256 of the elements by default, read only.
+  std::int64_t compared = 0, changed = 0;
+  for (const Pair& p : pairs_) {
+    if (!p.send) continue;
+    const std::byte* shadow = shadow_.data() + p.shadow_offset;
+    for (const auto& s : p.streams) {
+      std::size_t cursor = 0;
+      const auto E = static_cast<std::int64_t>(s.E);
+      for (std::int64_t c0 = 0; c0 < s.elements; c0 += delta::kChunk * dopt_.sample_every) {
+        const std::int64_t n = std::min(dopt_.sample_elements, s.elements - c0);
+        delta::stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
+        changed += delta::count_changed_bytes(s.E, chunk_.data(), shadow + c0 * E, n);
+        compared += n;
+      }
+      shadow += s.elements * E;
+    }
+  }
+  exec_detail::Writer w;
+  w.put(compared);
+  w.put(changed);
+  std::vector<std::vector<std::byte>> blobs;
+  try {
+    blobs = t_->all_gather(w.buf, Clock::now() + opt_.timeout);
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+  const auto world = t_->world_ranks();
+  compared = changed = 0;
+  for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
+    exec_detail::Reader rd(blobs[r], world[r]);
+    compared += rd.get<std::int64_t>();
+    changed += rd.get<std::int64_t>();
+  }
+  last_.world_compared = compared;
+  last_.world_changed = changed;
+  return compared ? static_cast<double>(changed) / static_cast<double>(compared) : 0;
 }
 
 template <class T>
@@ -817,9 +1005,34 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
       prime();
       base_valid_ = true;
       base_version_ = version;
+      measured_ = -1;
     }
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     return st;
+  }
+
+  // No diff over this base has measured a density below dense_above yet: a
+  // sample first, so that a refit that will go dense does not pay the full
+  // diff. Above dense_above it goes dense at once; the shadows then either
+  // wait for the streak's re-prime or (no streak) take the sources packed,
+  // which is cheaper than a diff, so the base stays exact either way.
+  if (dopt_.sample_every > 0 && !(measured_ >= 0 && measured_ <= dopt_.dense_above)) {
+    const auto d0 = Clock::now();
+    const double f = sample();
+    last_.diff_seconds = std::chrono::duration<double>(Clock::now() - d0).count();
+    if (f > dopt_.dense_above) {
+      ExecutorStats st = dense("sampled");
+      if (dopt_.dense_streak > 0) {
+        base_valid_ = false;
+        streak_left_ = dopt_.dense_streak;
+      } else {
+        prime();
+        base_version_ = version;
+      }
+      measured_ = f;
+      st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      return st;
+    }
   }
 
   // Diff every shadowed send pair into its payload.
@@ -827,7 +1040,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     const auto d0 = Clock::now();
     for (Pair& p : pairs_)
       if (p.send) encode(p, version);
-    last_.diff_seconds = std::chrono::duration<double>(Clock::now() - d0).count();
+    last_.diff_seconds += std::chrono::duration<double>(Clock::now() - d0).count();
   } catch (const std::exception& e) {
     fail_run(e.what());
   }
@@ -840,14 +1053,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   w.put(static_cast<std::int64_t>(last_.compared));
   w.put(static_cast<std::int64_t>(last_.changed));
   w.put<std::uint8_t>(overflow ? 1 : 0);
-  std::uint32_t nsend = 0;
-  for (const Pair& p : pairs_) nsend += p.send ? 1 : 0;
-  w.put(nsend);
-  for (const Pair& p : pairs_)
-    if (p.send) {
-      w.put(p.peer);
-      w.put(p.payload);
-    }
+  put_send_pairs(w, [&](const Pair& p) { w.put(p.payload); });
   std::vector<std::vector<std::byte>> blobs;
   try {
     blobs = t_->all_gather(w.buf, deadline);
@@ -856,6 +1062,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     throw;
   }
   const auto world = t_->world_ranks();
+  last_.world_compared = last_.world_changed = 0;  // (the sample's, if any, are superseded)
   for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
     exec_detail::Reader rd(blobs[r], world[r]);
     last_.world_compared += rd.get<std::int64_t>();
@@ -871,6 +1078,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     }
   }
   const double f = last_.changed_fraction();
+  measured_ = f;
   if (overflow || f > dopt_.dense_above) {
     ExecutorStats st = dense("dense");
     base_version_ = version;  // the shadows were brought to this version by the diff

@@ -74,6 +74,7 @@
 
 #include <fmt/format.h>
 
+#include "delta.hpp"
 #include "hierarchical.hpp"
 #include "layout.hpp"
 #include "message_rule.hpp"
@@ -1080,6 +1081,59 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
     }
   }
   return lb;
+}
+
+// ---------------------------------------------------------------------------
+// Delta refits (delta.hpp) predicted at a measured changed fraction F.
+//
+// Every network copy travels as its pair's delta payload: its bytes scaled
+// by delta::expected_wire_fraction(element bytes, F) (the sender's own
+// encoding choice), as packed messages (payloads go in blocks through
+// staging). Local copies stay dense. Before the transfer each sender diffs
+// what it sends against its shadow (reads weights and shadow, writes the
+// payload); after it each receiver scatters (reads the payload, rewrites the
+// 32-byte sectors holding a change: 1 - (1 - F)^(32 / E) of them). Both run
+// at `device_gbps` of device memory bandwidth and are added to the transfer
+// (the host executor diffs everything first; a device one could overlap),
+// the busiest GPU's each. The density all-gather's latency is left out.
+
+struct DeltaSimResult {
+  double density = 0, device_gbps = 0;
+  double dense_bytes = 0, wire_bytes = 0;  ///< network bytes, dense and as delta payloads
+  double diff_seconds = 0, scatter_seconds = 0;
+  SimResult transfer;
+  double seconds = 0;  ///< diff + transfer + scatter
+};
+
+inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& place, double density, double device_gbps) {
+  if (!(density >= 0 && density <= 1)) fail("simulate_delta: the changed fraction {} is outside [0, 1]", density);
+  if (!(device_gbps > 0)) fail("simulate_delta: the device memory bandwidth {} GB/s is not positive", device_gbps);
+  DeltaSimResult r;
+  r.density = density;
+  r.device_gbps = device_gbps;
+  Traffic tr(place);
+  std::unordered_map<std::int64_t, double> diff_bytes, scatter_bytes;  // per GPU
+  for (const Copy& c : s.copies) {
+    const std::int64_t a = place.gpu(c.src_rank), b = place.gpu(c.dst_rank);
+    const auto dense = static_cast<double>(c.bytes());
+    if (a == b) {
+      tr.add(0, c.src_rank, c.dst_rank, dense, tr.shape_of(c));
+      continue;
+    }
+    const double wire = dense * delta::expected_wire_fraction(c.element_bytes, density);
+    tr.add(0, c.src_rank, c.dst_rank, wire, CopyForm::packed);
+    r.dense_bytes += dense;
+    r.wire_bytes += wire;
+    diff_bytes[a] += 2 * dense + wire;
+    const double touched = 1 - std::pow(1 - density, 32.0 / static_cast<double>(std::max<std::int64_t>(c.element_bytes, 1)));
+    scatter_bytes[b] += wire + 2 * dense * touched;
+  }
+  const double bw = device_gbps * 1e9;
+  for (const auto& kv : diff_bytes) r.diff_seconds = std::max(r.diff_seconds, kv.second / bw);
+  for (const auto& kv : scatter_bytes) r.scatter_seconds = std::max(r.scatter_seconds, kv.second / bw);
+  r.transfer = simulate(tr);
+  r.seconds = r.diff_seconds + r.transfer.seconds + r.scatter_seconds;
+  return r;
 }
 
 }  // namespace reshard
