@@ -14,3 +14,12 @@ add_test(NAME mpi.transport_conformance
                  --mca oob_tcp_if_include lo ${MPIEXEC_NUMPROC_FLAG} 3 $<TARGET_FILE:mpi-transport-conformance>)
 set_tests_properties(mpi.transport_conformance PROPERTIES TIMEOUT 120 LABELS mpi
                      ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+# A rank killed mid-exchange over the MPI transport: the job ends within 30 s
+# (mpirun terminates it), naming the rank (tests/mpi/check_killed_rank.cmake).
+add_executable(mpi-killed-rank ${CMAKE_CURRENT_LIST_DIR}/mpi/mpi_killed_rank.cpp)
+target_link_libraries(mpi-killed-rank PRIVATE reshard_support reshard_warnings MPI::MPI_CXX)
+target_include_directories(mpi-killed-rank PRIVATE ${CMAKE_CURRENT_LIST_DIR} ${CMAKE_CURRENT_LIST_DIR}/mpi)
+add_test(NAME mpi.killed_rank
+         COMMAND ${CMAKE_COMMAND} -DMPIEXEC=${MPIEXEC_EXECUTABLE} -DEXE=$<TARGET_FILE:mpi-killed-rank> -P ${CMAKE_CURRENT_LIST_DIR}/mpi/check_killed_rank.cmake)
+set_tests_properties(mpi.killed_rank PROPERTIES TIMEOUT 120 LABELS mpi
+                     ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")

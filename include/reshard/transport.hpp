@@ -203,8 +203,19 @@
 // does not exchange anything: it throws, on the aborting rank at once and on
 // the others once they heard; the Resharder's commit (every rank's verdict
 // through all_gather) relies on that to report "not committed" instead of
-// hanging. Aborting twice is harmless. An aborted transport stays unusable:
-// make a new one.
+// hanging. A backend that cannot reach the peers by itself (NCCL) may
+// instead carry the abort through the bootstrap: its next all_gather joins
+// the exchange with the reason in place of the blob (bounded by that
+// all_gather's deadline) and then throws; the peers' all_gather throws on
+// it, naming the rank. Aborting twice is harmless. An aborted transport stays
+// unusable: make a new one.
+//
+// A peer that dies (a killed process, a rank thread that ends by an
+// exception) without calling abort() must fail the others in bounded time
+// as well, naming it: UCX through its endpoints' error handling (at once) or
+// its stall timeout (20 s); the local world by noticing the thread's end;
+// MPI (without fault tolerance) only through mpirun ending the job; NCCL
+// only through its own remote-error reporting or the deadline.
 //
 // The conformance suite
 // ---------------------
