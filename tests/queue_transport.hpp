@@ -12,8 +12,15 @@
 // match is allowed). Tags are kept whole (64 bits); equal (sender, receiver,
 // tag) keys match first-posted first.
 //
-// QueueFlaws plants one contract violation on purpose, so the tests can show
-// each conformance case turns red on a transport that breaks its rule.
+// With `batches` on, it behaves like a batching transport (NCCL p2p, torch's
+// batch_isend_irecv): post() only queues; flush() (or, for what is still
+// queued, the next test/wait) makes the queued groups one batch on this
+// rank's stream; only the batch at the head of a stream takes part in
+// matching, and the next one starts when it completed (all its ops matched),
+// and its requests complete together with it.
+//
+// Flaw plants one contract violation on purpose, so the tests can show each
+// conformance case turns red on a transport that breaks its rule.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -53,11 +60,13 @@ enum class Flaw {
   stale_replay,      ///< a key matched before is not copied again
   wrong_any,         ///< wait_any returns 0 whenever anything completed
   reversed_gather,   ///< all_gather returns the blobs in reverse world order
+  post_is_batch,     ///< (with batches) every post() is a batch of its own, flush does nothing
 };
 
 class QueueWorld {
  public:
-  explicit QueueWorld(std::vector<std::int64_t> ranks, Flaw flaw = Flaw::none) : ranks_(std::move(ranks)), flaw_(flaw), regions_(ranks_.size()) {}
+  explicit QueueWorld(std::vector<std::int64_t> ranks, Flaw flaw = Flaw::none, bool batches = false)
+      : ranks_(std::move(ranks)), flaw_(flaw), batches_(batches), regions_(ranks_.size()), streams_(ranks_.size()) {}
   QueueWorld(const QueueWorld&) = delete;
   QueueWorld& operator=(const QueueWorld&) = delete;
   const std::vector<std::int64_t>& ranks() const { return ranks_; }
@@ -65,11 +74,18 @@ class QueueWorld {
 
  private:
   friend class QueueTransport;
+  struct Batch;
   struct Group {
     std::size_t slot = 0;
     std::vector<TransferOp> ops;  // copied: post()'s span is the caller's
     std::size_t left = 0;
     std::string error;
+    std::shared_ptr<Batch> batch;  // batches: null until flushed
+    bool complete() const { return left == 0 && (!batch || batch->left == 0); }
+  };
+  struct Batch {
+    std::vector<std::shared_ptr<Group>> groups;  // until it starts matching
+    std::size_t left = 0;                        // ops not yet matched
   };
   struct Half {  // one op waiting for its partner
     std::shared_ptr<Group> group;
@@ -80,6 +96,7 @@ class QueueWorld {
 
   std::vector<std::int64_t> ranks_;
   Flaw flaw_;
+  bool batches_ = false;
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<std::vector<std::pair<std::byte*, std::size_t>>> regions_;  // per slot; {nullptr, 0} once deregistered
@@ -88,6 +105,7 @@ class QueueWorld {
   bool aborted_ = false;
   std::string reason_;
   std::vector<bool> deaf_aborted_;  // for Flaw::deaf_abort: per slot
+  std::vector<std::deque<std::shared_ptr<Batch>>> streams_;  // batches: per slot, the head one matching
   // all_gather: generation-counted rendezvous.
   std::vector<std::vector<std::byte>> slots_, result_;
   std::size_t arrived_ = 0;
@@ -156,39 +174,33 @@ class QueueTransport {
     std::lock_guard lk(w_->m_);
     throw_if_aborted();
     auto& w = *w_;
-    for (std::size_t i = 0; i < g->ops.size(); ++i) {
-      const TransferOp& op = g->ops[i];
+    for (const TransferOp& op : g->ops) {
       const auto& regs = w.regions_[me_];
       if (op.region.id >= regs.size() || !regs[op.region.id].first || op.offset + op.bytes > regs[op.region.id].second)
         throw TransportError(fmt::format("queue transport: rank {}: {} is outside a registered region", rank(), describe(op)));
-      const std::uint64_t tag = w.flaw_ == Flaw::tag_32_bits ? (op.tag & 0xffffffffu) : op.tag;
-      const bool send = op.kind == OpKind::send;
-      const QueueWorld::Key key = send ? QueueWorld::Key{rank(), op.peer, tag} : QueueWorld::Key{op.peer, rank(), tag};
-      QueueWorld::Half mine{g, i, regs[op.region.id].first + op.offset};
-      auto& others = send ? w.recvs_ : w.sends_;
-      auto it = others.find(key);
-      if (it == others.end() || it->second.empty()) {
-        (send ? w.sends_ : w.recvs_)[key].push_back(mine);
-        continue;
-      }
-      QueueWorld::Half theirs;
-      if (w.flaw_ == Flaw::lifo) {
-        theirs = it->second.back();
-        it->second.pop_back();
-      } else {
-        theirs = it->second.front();
-        it->second.pop_front();
-      }
-      match(send ? mine : theirs, send ? theirs : mine, key);
     }
+    if (w.batches_) {
+      queued_.push_back(g);
+      if (w.flaw_ == Flaw::post_is_batch) start_queued();
+      return g;
+    }
+    enter(g);
     w.cv_.notify_all();
     return g;
   }
 
+  /// Batches: the groups posted since the last flush become one batch.
+  void flush(Deadline) {
+    std::lock_guard lk(w_->m_);
+    throw_if_aborted();
+    if (w_->flaw_ != Flaw::post_is_batch) start_queued();
+  }
+
   bool test(request& r) {
     std::unique_lock lk(w_->m_);
-    if (w_->flaw_ == Flaw::blocking_test) w_->cv_.wait_for(lk, std::chrono::seconds(1), [&] { return r->left == 0; });
-    if (r->left == 0) {
+    start_queued();  // what was posted after the last flush
+    if (w_->flaw_ == Flaw::blocking_test) w_->cv_.wait_for(lk, std::chrono::seconds(1), [&] { return r->complete(); });
+    if (r->complete()) {
       if (!r->error.empty()) throw TransportError(r->error);
       return true;
     }
@@ -205,17 +217,18 @@ class QueueTransport {
     if (rs.empty()) throw TransportError(fmt::format("queue transport: rank {}: wait_any on no requests", rank()));
     if (w_->flaw_ == Flaw::late_deadline) deadline += std::chrono::seconds(3);
     std::unique_lock lk(w_->m_);
+    start_queued();
     while (true) {
       for (std::size_t i = 0; i < rs.size(); ++i) {
         const auto& g = **rs[i];
-        if (g.left != 0) continue;
+        if (!g.complete()) continue;
         if (!g.error.empty()) throw TransportError(g.error);
         return w_->flaw_ == Flaw::wrong_any ? 0 : i;
       }
       throw_if_aborted();
       if (w_->cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
         bool done = false;
-        for (auto* r : rs) done |= (*r)->left == 0;
+        for (auto* r : rs) done |= (*r)->complete();
         if (done) continue;
         std::string pending;
         for (auto* r : rs)
@@ -251,6 +264,63 @@ class QueueTransport {
   void throw_if_aborted() const {
     if (w_->aborted_ || (w_->flaw_ == Flaw::deaf_abort && w_->deaf_aborted_[me_])) throw TransportError(w_->reason_);
   }
+  // m_ held. A group's ops take part in matching.
+  void enter(const std::shared_ptr<QueueWorld::Group>& g) {
+    auto& w = *w_;
+    for (std::size_t i = 0; i < g->ops.size(); ++i) {
+      const TransferOp& op = g->ops[i];
+      const auto& regs = w.regions_[g->slot];
+      const std::int64_t self = w.ranks_[g->slot];
+      const std::uint64_t tag = w.flaw_ == Flaw::tag_32_bits ? (op.tag & 0xffffffffu) : op.tag;
+      const bool send = op.kind == OpKind::send;
+      const QueueWorld::Key key = send ? QueueWorld::Key{self, op.peer, tag} : QueueWorld::Key{op.peer, self, tag};
+      QueueWorld::Half mine{g, i, regs[op.region.id].first + op.offset};
+      auto& others = send ? w.recvs_ : w.sends_;
+      auto it = others.find(key);
+      if (it == others.end() || it->second.empty()) {
+        (send ? w.sends_ : w.recvs_)[key].push_back(mine);
+        continue;
+      }
+      QueueWorld::Half theirs;
+      if (w.flaw_ == Flaw::lifo) {
+        theirs = it->second.back();
+        it->second.pop_back();
+      } else {
+        theirs = it->second.front();
+        it->second.pop_front();
+      }
+      match(send ? mine : theirs, send ? theirs : mine, key);
+    }
+  }
+  // m_ held. Batches: the queued groups become one batch on this rank's stream.
+  void start_queued() {
+    if (queued_.empty()) return;
+    auto b = std::make_shared<QueueWorld::Batch>();
+    for (auto& g : queued_) {
+      g->batch = b;
+      b->left += g->ops.size();
+    }
+    b->groups = std::move(queued_);
+    queued_.clear();
+    auto& stream = w_->streams_[me_];
+    stream.push_back(b);
+    if (stream.size() == 1) advance(me_);
+    w_->cv_.notify_all();
+  }
+  // m_ held. Starts the batches at the head of a slot's stream, dropping completed ones.
+  void advance(std::size_t slot) {
+    auto& stream = w_->streams_[slot];
+    while (!stream.empty()) {
+      auto head = stream.front();
+      if (!head->groups.empty()) {
+        auto groups = std::move(head->groups);
+        head->groups.clear();
+        for (auto& g : groups) enter(g);  // its last match may complete it: match() then advances
+      }
+      if (head->left != 0 || stream.empty() || stream.front() != head) return;
+      stream.pop_front();  // completed at once (0 ops)
+    }
+  }
   // m_ held.
   void match(const QueueWorld::Half& s, const QueueWorld::Half& r, const QueueWorld::Key& key) {
     const TransferOp& sop = s.group->ops[s.op];
@@ -264,10 +334,18 @@ class QueueTransport {
     }
     --s.group->left;
     --r.group->left;
+    for (const auto* h : {&s, &r}) {
+      const auto& b = h->group->batch;
+      if (b && --b->left == 0 && !w_->streams_[h->group->slot].empty() && w_->streams_[h->group->slot].front() == b) {
+        w_->streams_[h->group->slot].pop_front();
+        advance(h->group->slot);
+      }
+    }
   }
 
   QueueWorld* w_;
   std::size_t me_ = 0;
+  std::vector<request> queued_;  // batches: posted, not yet flushed
 };
 
 static_assert(reshard::check_transport<QueueTransport>());

@@ -76,6 +76,25 @@ TEST_CASE("the op table survives the bootstrap encoding") {
   CHECK(error_of([] { nccl_detail::decode_ops(std::vector<std::byte>(5), 4); }).find("rank 4 sent a truncated op table") != std::string::npos);
 }
 
+TEST_CASE("all_gather blobs: data comes back unframed; a rank that gave up is found with its reason") {
+  const std::vector<std::int64_t> world{4, 7, 9};
+  const std::string reason = "rank 7 refit failed: boom";
+  auto data = [](int k) { return std::vector<std::byte>(static_cast<std::size_t>(k), std::byte{0x33}); };
+  std::vector<std::vector<std::byte>> all;
+  for (int k : {3, 0, 5}) all.push_back(nccl_detail::frame_blob(nccl_detail::kData, data(k)));
+  std::string why;
+  CHECK(nccl_detail::unframe_blobs(all, world, 4, why) == -1);
+  CHECK(all == std::vector<std::vector<std::byte>>{data(3), data(0), data(5)});  // an empty blob stays empty, in its place
+  all.clear();
+  all.push_back(nccl_detail::frame_blob(nccl_detail::kData, data(3)));
+  all.push_back(nccl_detail::frame_blob(nccl_detail::kGaveUp, std::as_bytes(std::span(reason))));
+  all.push_back(nccl_detail::frame_blob(nccl_detail::kData, data(1)));
+  CHECK(nccl_detail::unframe_blobs(all, world, 4, why) == 1);
+  CHECK(why == reason);
+  all[0].clear();  // no header at all: another program's blob
+  CHECK(error_of([&] { nccl_detail::unframe_blobs(all, world, 9, why); }).find("rank 4 sent a bootstrap blob of another kind") != std::string::npos);
+}
+
 TEST_CASE("the transport constructs where a GPU is visible, and says so where none is") {
   const std::string e = error_of([] { NcclTransport t(solo()); });
   if (cuda::visible_devices() > 0) {

@@ -50,9 +50,10 @@ struct FaultInjectingHarness {
 /// One thread per rank over a QueueWorld; a failing rank aborts the others.
 struct QueueHarness {
   Flaw flaw = Flaw::none;
+  bool batches = false;
   template <class Case>
   void run(const Case& c) {
-    queue_transport::QueueWorld world(world_of(Case::ranks), flaw);
+    queue_transport::QueueWorld world(world_of(Case::ranks), flaw, batches);
     std::mutex m;
     std::string errors;
     std::vector<std::thread> threads;
@@ -74,18 +75,25 @@ struct QueueHarness {
   }
 };
 
+/// QueueTransport as a batching transport (NCCL-like: a batch blocks its
+/// rank's stream until every op of it matched).
+struct BatchQueueHarness : QueueHarness {
+  BatchQueueHarness() { batches = true; }
+};
+
 }  // namespace
 
+TYPE_TO_STRING(BatchQueueHarness);
 TYPE_TO_STRING(LocalHarness);
 TYPE_TO_STRING(FaultInjectingHarness);
 TYPE_TO_STRING(QueueHarness);
 
-RESHARD_TRANSPORT_CONFORMANCE(LocalHarness, FaultInjectingHarness, QueueHarness);
+RESHARD_TRANSPORT_CONFORMANCE(LocalHarness, FaultInjectingHarness, QueueHarness, BatchQueueHarness);
 
 TEST_CASE("transport conformance: every case fails on a transport that breaks its rule") {
-  auto red = [](Flaw f, const auto& c, const std::string& flaw) {
+  auto red = [](Flaw f, const auto& c, const std::string& flaw, bool batches = false) {
     CAPTURE(flaw);
-    QueueHarness h{f};
+    QueueHarness h{f, batches};
     std::string why;
     try {
       h.run(c);
@@ -104,4 +112,7 @@ TEST_CASE("transport conformance: every case fails on a transport that breaks it
   red(Flaw::stale_replay, conformance::Replays{}, "stale_replay");
   red(Flaw::wrong_any, conformance::WaitAny{}, "wrong_any");
   red(Flaw::reversed_gather, conformance::AllGatherOrder{}, "reversed_gather");
+  conformance::Batches impatient;
+  impatient.patience = std::chrono::milliseconds(2000);  // it deadlocks: fail at this deadline
+  red(Flaw::post_is_batch, impatient, "post_is_batch", true);
 }

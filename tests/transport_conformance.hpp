@@ -378,7 +378,9 @@ struct Replays {
 };
 
 /// wait_any returns the index of a request that completed (the only one
-/// that can have), and test() agrees.
+/// that can have), and test() agrees. The request that can complete is
+/// posted and flushed first, in a batch of its own, so a transport whose
+/// batches run in order (NCCL) can complete it too.
 struct WaitAny {
   static constexpr int ranks = 2;
   static constexpr const char* name = "wait_any returns the index of a completed request";
@@ -390,35 +392,121 @@ struct WaitAny {
     std::vector<unsigned char> buf(3 * N, 0);
     const RegionHandle r = t.register_memory(buf.data(), buf.size(), MemoryKind::host);
     const OpKind kind = i == 0 ? OpKind::recv : OpKind::send;
+    // In posting order: message 1 (tag 2, the middle of the buffer), then 0 and 2.
+    const std::uint64_t order[] = {1, 0, 2};
     std::vector<TransferOp> ops;
-    for (std::uint64_t k = 0; k < 3; ++k) ops.push_back({kind, peer, 1 + k, r, k * N, N});
+    for (std::uint64_t k : order) ops.push_back({kind, peer, 1 + k, r, k * N, N});
     t.prepare(ops, in(20s));
     if (i == 1) {
       for (std::size_t k = 0; k < 3; ++k) fill(buf, k * N, N, 40 + k);
-      auto s2 = t.post(std::span(ops).subspan(1, 1));  // only the middle one, for now
-      t.wait(s2, in(20s));
+      auto s1 = t.post(std::span(ops).first(1));  // only the middle one, for now
+      reshard::flush_batch(t, in(20s));
+      t.wait(s1, in(20s));
       t.all_gather({}, in(20s));
       t.all_gather({}, in(20s));
       std::vector<typename T::request> rest;
-      rest.push_back(t.post(std::span(ops).first(1)));
+      rest.push_back(t.post(std::span(ops).subspan(1, 1)));
       rest.push_back(t.post(std::span(ops).subspan(2)));
+      reshard::flush_batch(t, in(20s));
       for (auto& q : rest) t.wait(q, in(20s));
       return;
     }
-    std::vector<typename T::request> rq;
-    for (std::size_t k = 0; k < 3; ++k) rq.push_back(t.post(std::span(ops).subspan(k, 1)));
+    std::vector<typename T::request> rq;  // in posting order: messages 1, 0, 2
+    rq.push_back(t.post(std::span(ops).first(1)));
+    reshard::flush_batch(t, in(20s));
+    rq.push_back(t.post(std::span(ops).subspan(1, 1)));
+    rq.push_back(t.post(std::span(ops).subspan(2)));
+    reshard::flush_batch(t, in(20s));
     t.all_gather({}, in(20s));  // the middle send is posted (and done)
-    std::vector<typename T::request*> ptrs = {&rq[0], &rq[1], &rq[2]};
+    std::vector<typename T::request*> ptrs = {&rq[1], &rq[0], &rq[2]};  // messages 0, 1, 2
     const std::size_t got = t.wait_any(ptrs, in(20s));
     RESHARD_CONFORM(got == 1, "rank {}: wait_any returned {}, but only request 1 can complete", t.rank(), got);
-    RESHARD_CONFORM(t.test(rq[1]), "rank {}: test() of the request wait_any returned is false", t.rank());
+    RESHARD_CONFORM(t.test(rq[0]), "rank {}: test() of the request wait_any returned is false", t.rank());
     RESHARD_CONFORM(wrong(buf, N, N, 41) == 0, "rank {}: the request wait_any returned has the wrong bytes", t.rank());
     t.all_gather({}, in(20s));  // now the others come
-    std::vector<typename T::request*> left = {&rq[0], &rq[2]};
+    std::vector<typename T::request*> left = {&rq[1], &rq[2]};
     const std::size_t next = t.wait_any(left, in(20s));
     RESHARD_CONFORM(next < 2 && t.test(*left[next]), "rank {}: wait_any returned {}, which has not completed", t.rank(), next);
     t.wait(*left[1 - next], in(20s));
     RESHARD_CONFORM(wrong(buf, 0, N, 40) == 0 && wrong(buf, 2 * N, N, 42) == 0, "rank {}: wrong bytes after wait_any", t.rank());
+  }
+};
+
+/// The executor's batches (transport.hpp, "How the executor posts"): per
+/// wave, one post() of receives per peer, then one of every send, then
+/// flush_batch(); two waves live at once, the third posted once the first
+/// completed; ranks skewed (one packs for a while between its flush and its
+/// first wait, one posts its second wave late). Every flushed batch
+/// completes through waits alone: nothing is posted after the last flush.
+/// A transport that makes each post() a batch of its own (so a batch of
+/// receives blocks its stream before the sends are posted) deadlocks here.
+struct Batches {
+  static constexpr int ranks = 3;
+  static constexpr const char* name = "the executor's flushed batches (receives before sends, two waves live) complete";
+  std::chrono::milliseconds patience{20000};
+  template <class T>
+  void operator()(T& t) const {
+    constexpr std::size_t W = 3, K = 2, N = 3000;  // waves, messages per peer and wave, bytes
+    const std::size_t n = t.world_ranks().size(), i = me(t);
+    std::vector<std::size_t> peers;
+    for (std::size_t p = 0; p < n; ++p)
+      if (p != i) peers.push_back(p);
+    const std::size_t P = peers.size();
+    auto at = [&](std::size_t w, std::size_t p, std::size_t k) { return ((w * P + p) * K + k) * N; };
+    auto seed = [&](std::size_t w, std::size_t from, std::size_t to, std::size_t k) { return ((w * 8 + from) * 8 + to) * 8 + k + 1; };
+    std::vector<unsigned char> src(W * P * K * N), dst(W * P * K * N, 0);
+    const RegionHandle rs = t.register_memory(src.data(), src.size(), MemoryKind::host);
+    const RegionHandle rd = t.register_memory(dst.data(), dst.size(), MemoryKind::host);
+    // Per wave: the receives per peer, then all sends (the executor's order).
+    std::vector<std::vector<std::vector<TransferOp>>> recvs(W, std::vector<std::vector<TransferOp>>(P));
+    std::vector<std::vector<TransferOp>> sends(W);
+    std::vector<TransferOp> all;
+    for (std::size_t w = 0; w < W; ++w) {
+      for (std::size_t p = 0; p < P; ++p)
+        for (std::size_t k = 0; k < K; ++k) recvs[w][p].push_back({OpKind::recv, rank_at(t, peers[p]), channel(2) | (w * K + k), rd, at(w, p, k), N});
+      for (std::size_t p = 0; p < P; ++p)
+        for (std::size_t k = 0; k < K; ++k) {
+          sends[w].push_back({OpKind::send, rank_at(t, peers[p]), channel(2) | (w * K + k), rs, at(w, p, k), N});
+          fill(src, at(w, p, k), N, seed(w, i, peers[p], k));
+        }
+      for (const auto& v : recvs[w]) all.insert(all.end(), v.begin(), v.end());
+      all.insert(all.end(), sends[w].begin(), sends[w].end());
+    }
+    t.prepare(all, in(patience));
+    struct Live {
+      std::vector<typename T::request> recvs, sends;
+    };
+    std::vector<Live> live(W);
+    auto post_wave = [&](std::size_t w) {
+      for (const auto& v : recvs[w]) live[w].recvs.push_back(t.post(v));
+      live[w].sends.push_back(t.post(sends[w]));
+      reshard::flush_batch(t, in(patience));
+    };
+    auto finish_wave = [&](std::size_t w) {
+      auto& rq = live[w].recvs;
+      while (!rq.empty()) {
+        std::vector<typename T::request*> ptrs;
+        for (auto& r : rq) ptrs.push_back(&r);
+        const std::size_t got = t.wait_any(ptrs, in(patience));
+        rq.erase(rq.begin() + static_cast<std::ptrdiff_t>(got));
+      }
+      for (auto& s : live[w].sends) t.wait(s, in(patience));
+      for (std::size_t p = 0; p < P; ++p)
+        for (std::size_t k = 0; k < K; ++k)
+          RESHARD_CONFORM(wrong(dst, at(w, p, k), N, seed(w, peers[p], i, k)) == 0, "rank {}: wave {}: message {} from rank {} has wrong bytes",
+                          t.rank(), w, k, rank_at(t, peers[p]));
+    };
+    post_wave(0);
+    if (i == 2) std::this_thread::sleep_for(150ms);  // a late second wave
+    post_wave(1);
+    if (i == 0) std::this_thread::sleep_for(150ms);  // packing: no transport call between flush and wait
+    finish_wave(0);
+    post_wave(2);
+    finish_wave(1);
+    finish_wave(2);
+    t.all_gather({}, in(patience));
+    t.deregister_memory(rs);
+    t.deregister_memory(rd);
   }
 };
 
@@ -482,6 +570,10 @@ TEST_CASE_TEMPLATE_DEFINE("transport conformance: replays of prepared ops move t
 TEST_CASE_TEMPLATE_DEFINE("transport conformance: wait_any returns the index of a completed request", H, conformance_wait_any) {
   conformance::check<H>(conformance::WaitAny{});
 }
+TEST_CASE_TEMPLATE_DEFINE("transport conformance: the executor's flushed batches (receives before sends, two waves live) complete", H,
+                          conformance_batches) {
+  conformance::check<H>(conformance::Batches{});
+}
 TEST_CASE_TEMPLATE_DEFINE("transport conformance: all_gather returns the blobs in world order", H, conformance_all_gather) {
   conformance::check<H>(conformance::AllGatherOrder{});
 }
@@ -495,4 +587,5 @@ TEST_CASE_TEMPLATE_DEFINE("transport conformance: all_gather returns the blobs i
   TEST_CASE_TEMPLATE_INVOKE(conformance_abort, __VA_ARGS__);         \
   TEST_CASE_TEMPLATE_INVOKE(conformance_replays, __VA_ARGS__);       \
   TEST_CASE_TEMPLATE_INVOKE(conformance_wait_any, __VA_ARGS__);      \
+  TEST_CASE_TEMPLATE_INVOKE(conformance_batches, __VA_ARGS__);       \
   TEST_CASE_TEMPLATE_INVOKE(conformance_all_gather, __VA_ARGS__)

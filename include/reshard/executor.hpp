@@ -25,8 +25,8 @@
 //    rank translates its side of every copy into the view's strides, splitting
 //    boxes only where the view breaks their regularity.
 //
-// Replay: post receives, post zero-copy sends, pack and post the rest, copy
-// locally, unpack each peer's receives as they complete, wait for the sends.
+// Replay: post receives, post zero-copy sends, pack and post the rest, end
+// the wave's batch (the transport's flush), copy locally, unpack each peer's receives as they complete, wait for the sends.
 // Any failure aborts the transport (peers fail too) and is rethrown; a failed
 // run never reports success, and the executor refuses further runs.
 //
@@ -1554,6 +1554,9 @@ ExecutorStats Executor<T>::run(std::uint64_t version) {
       st.peak_staging_bytes = std::max(st.peak_staging_bytes, live);
       auto& f = fl[w % 2];
       start_wave(w, st, f.sends, f.recvs, f.recv_groups);
+      // The wave is one batch: a batching transport (NCCL) launches it now,
+      // so it moves while the next wave is packed (transport.hpp, "Batches").
+      flush_batch(*t_, deadline);
     };
     auto local = [&] {
       if (device_) {

@@ -45,8 +45,10 @@
 //    refuse, in post(), an op that was not prepared (UCX does); it may also
 //    accept it (the local one does; the fault injector's `duplicate` needs it).
 //
-//  * data movement: `post(ops)` starts a group of sends and receives of
-//    contiguous byte ranges and returns a `request` for the whole group.
+//  * data movement: `post(ops)` hands the transport a group of sends and
+//    receives of contiguous byte ranges and returns a `request` for the
+//    whole group. `flush(deadline)` (optional, see "Batches") starts
+//    everything posted since the last flush as one batch.
 //
 //  * completion: `test(request)`, `wait(request, deadline)`,
 //    `wait_any(requests, deadline)`; and `abort(reason)`.
@@ -61,35 +63,50 @@
 //   3. per peer: the packed sends are packed (CPU or device copies, no
 //      transport call in between), then one post() of that peer's packed
 //      sends, in tag order;
-//   4. with checksums, one post() of the wave's control sends (several peers).
+//   4. with checksums, one post() of the wave's control sends (several peers);
+//   5. one flush(deadline): the wave is one batch.
 // So receives are posted before sends on one rank, but no single post()
 // holds both a send and its matching receive, nothing orders the ranks
 // against each other (a peer's send may be posted long before this rank's
-// receive, or after it), and ops of several peers share a post(). Then the
-// executor waits: the receive requests with wait_any (wait when one is left),
-// unpacking each group as it completes, then the send requests one by one
-// with wait, in posting order. With ExecutorOptions::pipeline = 2 the next
-// wave's posts (1-4) come before this wave's waits, so two waves' requests
-// are live at once; the first wave's local copies run between the posts and
-// the first wait. The executor never calls test(). Every op is posted to a
-// peer other than rank(): copies within a rank never reach the transport.
+// receive, or after it), and ops of several peers share a post(). A peer
+// pair's ops of one wave are in the same wave (the same batch index) on both
+// ranks. Then the executor waits: the receive requests with wait_any (wait
+// when one is left), unpacking each group as it completes, then the send
+// requests one by one with wait, in posting order. With
+// ExecutorOptions::pipeline = 2 the next wave's posts and flush (1-5) come
+// before this wave's waits, so two waves (two batches) are live at once and
+// wave w+1 is packed while wave w moves; the first wave's local copies run
+// between the posts and the first wait. The executor never calls test().
+// Every op is posted to a peer other than rank(): copies within a rank never
+// reach the transport.
 //
-// Starting work. A transport may make progress only inside its own calls
-// (UCX is single-threaded and progresses in post/test/wait), and it may defer
-// starting what post() was given until its next call. But a wait must not
-// depend on work this rank has not started: when it defers, its next
+// Batches and starting work
+// -------------------------
+// `void flush(Deadline)` is optional (the executor calls it through
+// flush_batch(), a no-op for a transport without one; check_transport()
+// reports a `flush` of another signature). A transport has it when it needs
+// both sides' ops of a peer pair in one batch: NCCL p2p or torch's
+// batch_isend_irecv, whose batch blocks a stream until the peer's batch
+// arrives. Such a transport queues in post() and launches, at flush, all
+// that is queued as one batch (NCCL: one ncclGroupStart/End); batches of one
+// endpoint may run in order (a stream), and a batch's requests may complete
+// only together. Launching each post() as its own batch deadlocks: rank A's
+// batch of receives from B blocks A's stream before A's sends to B launch,
+// and B's does the same. What flush() must guarantee: the batch completes
+// with no further post() or flush() from this rank (only its waits), and the
+// deadline bounds any blocking in flush itself (it must not wait for the
+// peers' batches to complete, only, at most, for them to join).
+//
+// Without a flush, or for ops posted after the last flush (the conformance
+// suite's cases and a decorator's late posts do that), a transport may still
+// defer: it may make progress only inside its own calls (UCX is
+// single-threaded and progresses in post/test/wait) and may defer starting
+// what post() was given until its next call. But a wait must not depend on
+// work this rank has not started: when it defers, its next
 // test()/wait()/wait_any() must start EVERYTHING posted and not yet started,
-// not only the request asked about. A transport that needs both sides' ops
-// of a peer pair in one batch (NCCL p2p, torch batch_isend_irecv: a group's
-// kernels block the stream until the peer's group arrives) must do exactly
-// that: queue in post(), launch all that is queued as one batch at the first
-// test/wait/wait_any (NCCL: one ncclGroupStart/End). That works because the
-// executor posts all of a wave's ops (steps 1-4) before its first wait of that
-// wave. Launching each post() as its own batch deadlocks: rank A's batch of
-// receives from B blocks A's stream before A's sends to B launch, and B's
-// does the same. Launching only the waited-on request deadlocks the same way
-// (A and B each wait for receives whose sends neither started). post() itself
-// must never block on a peer.
+// not only the request asked about (launching only the waited-on request
+// deadlocks the same way: A and B each wait for receives whose sends neither
+// started). post() itself must never block on a peer.
 //
 // Matching and ordering
 // ---------------------
@@ -186,8 +203,19 @@
 // does not exchange anything: it throws, on the aborting rank at once and on
 // the others once they heard; the Resharder's commit (every rank's verdict
 // through all_gather) relies on that to report "not committed" instead of
-// hanging. Aborting twice is harmless. An aborted transport stays unusable:
-// make a new one.
+// hanging. A backend that cannot reach the peers by itself (NCCL) may
+// instead carry the abort through the bootstrap: its next all_gather joins
+// the exchange with the reason in place of the blob (bounded by that
+// all_gather's deadline) and then throws; the peers' all_gather throws on
+// it, naming the rank. Aborting twice is harmless. An aborted transport stays
+// unusable: make a new one.
+//
+// A peer that dies (a killed process, a rank thread that ends by an
+// exception) without calling abort() must fail the others in bounded time
+// as well, naming it: UCX through its endpoints' error handling (at once) or
+// its stall timeout (20 s); the local world by noticing the thread's end;
+// MPI (without fault tolerance) only through mpirun ending the job; NCCL
+// only through its own remote-error reporting or the deadline.
 //
 // The conformance suite
 // ---------------------
@@ -196,9 +224,13 @@
 // matching by (peer, tag) with 64-bit tags, order of equal keys, size
 // mismatch failing both sides, deadlines (bounded, naming the pending op),
 // test() not blocking, abort reaching the peers promptly, many replays of
-// prepared ops, wait_any, and all_gather's order. tests/queue_transport.hpp
-// (in-process queues) and tests/mpi/mpi_transport.hpp (MPI_Isend/Irecv,
-// tags mapped at prepare) are backends written from this comment alone.
+// prepared ops, wait_any, the executor's flushed batches (two waves live,
+// ranks skewed, nothing posted after the last flush), and all_gather's
+// order. tests/queue_transport.hpp (in-process queues; also in a batching
+// mode that behaves like NCCL: a batch blocks its rank's stream until all
+// of it matched) and tests/mpi/mpi_transport.hpp (MPI_Isend/Irecv, 32-bit
+// wire tags mapped at prepare) are backends written from this comment
+// alone.
 //
 // Use check_transport<T>() (or the executor, which calls it) to get one
 // readable static_assert per missing piece instead of a concept backtrace.
@@ -270,9 +302,27 @@ concept Transport = requires(T& t, const T& ct, void* p, std::size_t n, MemoryKi
   { t.abort(why) } noexcept;
 };
 
+/// A transport that launches batches explicitly: `void flush(Deadline)`
+/// starts everything posted since its last flush as one batch.
+template <class T>
+concept FlushingTransport = requires(T& t, Deadline d) {
+  { t.flush(d) } -> std::same_as<void>;
+};
+
+/// Ends one batch of posts (the executor calls it once per wave): T's
+/// flush(deadline) where it has one, else nothing (such a transport starts
+/// its work by its next call, see "Batches and starting work").
+template <class T>
+void flush_batch(T& t, Deadline deadline) {
+  if constexpr (FlushingTransport<T>) t.flush(deadline);
+}
+
 namespace detail {
 template <class T>
 concept has_request = requires { typename T::request; };
+/// T has a member named `flush` (of any signature, not overloaded).
+template <class T>
+concept names_flush = requires { &T::flush; };
 }  // namespace detail
 
 /// One static_assert per missing member, in words; true when T models
@@ -323,6 +373,11 @@ consteval bool check_transport() {
   static_assert(requires(T& t, std::string_view why) {
     { t.abort(why) } noexcept;
   }, "reshard: a Transport needs `void abort(std::string_view reason) noexcept`: fail every rank's waits");
+  // flush is optional; without one the executor's batches start at the
+  // transport's next call. One of another signature would be silently unused.
+  static_assert(FlushingTransport<T> || !detail::names_flush<T>,
+                "reshard: a Transport's `flush` must be `void flush(Deadline)` (start everything posted as one batch); "
+                "with another signature the executor would not call it");
   return Transport<T>;
 }
 
@@ -352,6 +407,8 @@ class ForwardingTransport {
   void wait(request& r, Deadline d) { inner().wait(r, d); }
   std::size_t wait_any(std::span<request* const> rs, Deadline d) { return inner().wait_any(rs, d); }
   void abort(std::string_view why) noexcept { inner().abort(why); }
+  /// Forwards the batch boundary (a no-op over a transport without flush).
+  void flush(Deadline d) { flush_batch(inner(), d); }
 
  protected:
   Inner& inner() {

@@ -304,6 +304,9 @@ class FaultInjectingTransport {
     }
   }
   void abort(std::string_view why) noexcept { in_->abort(why); }
+  /// The batch boundary goes through (delayed sends posted later start at
+  /// the inner transport's next call, as anything posted after a flush).
+  void flush(Deadline deadline) { flush_batch(*in_, deadline); }
 
  private:
   struct Region {

@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
     run_case(conformance::AbortReachesPeers{});
     run_case(conformance::Replays{});
     run_case(conformance::WaitAny{});
+    run_case(conformance::Batches{});
     run_case(conformance::AllGatherOrder{});
   }
   MPI_Finalize();

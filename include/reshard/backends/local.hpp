@@ -74,6 +74,7 @@ class LocalWorld {
     endpoints_.resize(ranks_.size());
     wake_ = std::make_unique<std::condition_variable[]>(ranks_.size());
     asleep_.assign(ranks_.size(), 0);
+    left_.assign(ranks_.size(), 0);
     gather_slots_.resize(ranks_.size());
     gather_seen_.assign(ranks_.size(), 0);
   }
@@ -86,7 +87,9 @@ class LocalWorld {
 
   /// Runs fn(LocalTransport&) on one thread per rank and joins them. When a
   /// rank throws, the world is aborted (so the others fail instead of waiting
-  /// for it) and the first failure is rethrown.
+  /// for it) and the first failure is rethrown. When a rank's fn returns, it
+  /// has left: a wait for an op with it that is still unmatched, or an
+  /// all_gather it did not join, fails at once, naming it (it never will).
   template <class F>
   void run(F&& fn);
 
@@ -313,8 +316,8 @@ class LocalWorld {
 
   /// Blocks until done() holds, executing copy tasks while waiting. Throws on
   /// abort or at the deadline (what() names what is pending).
-  template <class Done, class Pend>
-  void wait_until(std::size_t me, Done&& done, Pend&& pending, Deadline deadline) {
+  template <class Done, class Pend, class Stranded>
+  void wait_until(std::size_t me, Done&& done, Pend&& pending, Stranded&& stranded, Deadline deadline) {
     std::unique_lock lk(m_);
     Wakeups wake;
     while (true) {
@@ -327,6 +330,8 @@ class LocalWorld {
         return;
       }
       if (aborted_) throw TransportError(abort_reason_);
+      if (const std::string why = stranded(); !why.empty())
+        throw TransportError(fmt::format("local transport: rank {} waits in vain: {}", ranks_[me], why));
       if (!tasks_.empty() && active_copiers_ < opt_.copy_threads) {
         Task task = std::move(tasks_.front());
         tasks_.pop_front();
@@ -380,6 +385,33 @@ class LocalWorld {
     return s.empty() ? "nothing" : s;
   }
 
+  /// A rank's fn returned: whoever waits for it is told.
+  void leave(std::size_t slot) {
+    {
+      std::lock_guard lk(m_);
+      left_[slot] = 1;
+    }
+    wake_all();
+  }
+  /// m_ held. "" or which op of `groups` waits for a rank that left: one not
+  /// yet matched (still queued), whose peer's fn returned.
+  std::string stranded(const std::vector<Group*>& groups) const {
+    for (const Group* g : groups)
+      for (std::size_t i = 0; i < g->ops.size(); ++i) {
+        const TransferOp& op = g->ops[i];
+        const auto peer = index_.find(op.peer);
+        if (g->done[i] || peer == index_.end() || !left_[peer->second]) continue;
+        const bool send = op.kind == OpKind::send;
+        const auto& queues = send ? sends_ : recvs_;
+        const auto it = queues.find(send ? Key{g->rank, op.peer, op.tag} : Key{op.peer, g->rank, op.tag});
+        if (it == queues.end()) continue;
+        for (const Pending& p : it->second)
+          if (p.group.get() == g && p.op == i)
+            return fmt::format("rank {} left the world (its thread returned), so this never matches: {}", op.peer, describe(op, g->rank));
+      }
+    return {};
+  }
+
   void abort(std::string_view why) noexcept {
     try {
       {
@@ -417,6 +449,10 @@ class LocalWorld {
     }
     while (gather_gen_ == gen) {
       if (aborted_) throw TransportError(abort_reason_);
+      for (std::size_t i = 0; i < ranks_.size(); ++i)
+        if (left_[i] && gather_seen_[i] != gen + 1)
+          throw TransportError(fmt::format("local transport: rank {} waits in vain in the bootstrap all_gather: rank {} left the world (its "
+                                           "thread returned) without joining it", ranks_[me], ranks_[i]));
       if (gather_cv_.wait_until(lk, deadline) == std::cv_status::timeout && gather_gen_ == gen)
       {
         std::vector<std::int64_t> absent;
@@ -437,6 +473,7 @@ class LocalWorld {
   mutable std::mutex m_;
   std::unique_ptr<std::condition_variable[]> wake_;  ///< per rank slot: its thread sleeps on it in wait_until
   std::vector<char> asleep_;                         ///< per rank slot, guarded by m_
+  std::vector<char> left_;                           ///< per rank slot, guarded by m_: its fn returned
   std::condition_variable gather_cv_;                ///< all_gather's arrivals
   std::vector<Endpoint> endpoints_;
   std::map<Key, std::deque<Pending>> sends_, recvs_;
@@ -497,7 +534,7 @@ class LocalTransport {
     check(r);
     LocalWorld::Group* g = r.get();
     w_->wait_until(
-        me_, [&] { return g->left == 0; }, [&] { return w_->pending_ops({g}); }, deadline);
+        me_, [&] { return g->left == 0; }, [&] { return w_->pending_ops({g}); }, [&] { return w_->stranded({g}); }, deadline);
     if (!g->error.empty()) throw TransportError(g->error);
   }
   std::size_t wait_any(std::span<request* const> rs, Deadline deadline) {
@@ -514,18 +551,18 @@ class LocalTransport {
             }
           return false;
         },
-        [&] {
-          std::vector<LocalWorld::Group*> gs;
-          for (auto* r : rs) gs.push_back(r->get());
-          return w_->pending_ops(gs);
-        },
-        deadline);
+        [&] { return w_->pending_ops(groups_of(rs)); }, [&] { return w_->stranded(groups_of(rs)); }, deadline);
     if (!(*rs[found])->error.empty()) throw TransportError((*rs[found])->error);
     return found;
   }
   void abort(std::string_view why) noexcept { w_->abort(why); }
 
  private:
+  static std::vector<LocalWorld::Group*> groups_of(std::span<request* const> rs) {
+    std::vector<LocalWorld::Group*> gs;
+    for (auto* r : rs) gs.push_back(r->get());
+    return gs;
+  }
   void check(const request& r) const {
     if (!r) fail("local transport: wait on an empty request (rank {})", rank());
     if (r->rank != rank()) fail("local transport: rank {} waits on a request of rank {}", rank(), r->rank);
@@ -549,6 +586,7 @@ void LocalWorld::run(F&& fn) {
       try {
         LocalTransport t(*this, ranks_[i]);
         fn(t);
+        leave(i);
       } catch (const std::exception& e) {
         errors[i] = std::current_exception();
         bool root = false;

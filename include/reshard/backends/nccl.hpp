@@ -9,14 +9,18 @@
 //    (NCCL rank = position in the bootstrap's rank list). Or the caller
 //    passes a communicator of its own, which must have exactly that size and
 //    rank order.
-//  * post() queues its ops; the next test()/wait()/wait_any() (or flush())
-//    starts everything queued as one ncclGroupStart/ncclGroupEnd on the
-//    stream and records one CUDA event. One group per flush is what keeps
-//    NCCL, whose p2p kernels block a stream until their peer arrives, from
-//    deadlocking two ranks that both post their receives before their sends:
-//    the executor posts a whole wave (receives, zero-copy sends, packed
-//    sends) before it waits, so a wave is one NCCL group. Ops between two
-//    ranks are matched by order; prepare() checks, through the bootstrap,
+//  * post() queues its ops; flush(deadline), which the executor calls once
+//    per wave after posting it (transport.hpp, "Batches"), starts everything
+//    queued as one ncclGroupStart/ncclGroupEnd on the stream and records one
+//    CUDA event, so with pipeline = 2 wave w is on the wire while wave w+1
+//    is packed, and the waves are separate groups in stream order. A
+//    test()/wait()/wait_any() starts whatever is still queued (a caller that
+//    never flushes: the conformance cases, a decorator's late posts). One
+//    group per batch is what keeps NCCL, whose p2p kernels block a stream
+//    until their peer arrives, from deadlocking two ranks that both post
+//    their receives before their sends; both ranks of a pair have the pair's
+//    ops of wave w in their group w. Ops between two ranks are matched by
+//    order; prepare() checks, through the bootstrap,
 //    that both sides list the same messages (tags, sizes) in the same order,
 //    so a mismatch is an error at setup instead of a hang or a truncation.
 //  * Completion: cudaEventQuery on the group's event. Waits sleep briefly
@@ -27,9 +31,16 @@
 //    registered as device memory, or device memory of another GPU, is a
 //    clear error. NcclOptions::register_buffers ncclCommRegister's regions
 //    (NCCL >= 2.19) for zero-copy where NCCL supports it.
-//  * abort(reason) aborts this rank's communicator; the peers notice through
-//    NCCL's own error reporting (a remote error) or at their deadline: NCCL
-//    has no side channel to carry the reason.
+//  * abort(reason) aborts this rank's communicator (a caller-supplied one
+//    too: after a failed refit its p2p state is unknown; make a new one); the
+//    peers' NCCL waits notice through NCCL's own error reporting (a remote
+//    error) or at their deadline: NCCL has no side channel. The bootstrap
+//    is one, for what happens after the run: every all_gather blob carries
+//    a header byte, and an aborted or failed endpoint still joins its next
+//    all_gather (the Resharder's verdict exchange), with its reason instead
+//    of data, then throws. So the peers that finished their run (or failed
+//    on their own) are told at once, naming the rank, instead of waiting
+//    for it until their verdict deadline (2 x the refit timeout).
 //
 // Header-only, plain C++ (no nvcc needed): include <cuda_runtime.h> and
 // <nccl.h> paths and link CUDA::cudart and libnccl (reshard::nccl in CMake).
@@ -164,6 +175,33 @@ inline std::string check_op_tables(std::span<const std::int64_t> world, std::int
   return {};
 }
 
+/// Header byte of every blob NcclTransport::all_gather exchanges: data, or
+/// the reason an aborted (or failed) endpoint gave up.
+inline constexpr std::byte kData{1}, kGaveUp{2};
+
+inline std::vector<std::byte> frame_blob(std::byte kind, std::span<const std::byte> body) {
+  std::vector<std::byte> b(1 + body.size());
+  b[0] = kind;
+  if (!body.empty()) std::memcpy(b.data() + 1, body.data(), body.size());
+  return b;
+}
+
+/// Strips the header bytes in place; returns the index of the first rank
+/// that gave up (its reason in `why`), or -1. Throws on a blob of another kind.
+inline std::ptrdiff_t unframe_blobs(std::vector<std::vector<std::byte>>& all, std::span<const std::int64_t> world, std::int64_t me,
+                                    std::string& why) {
+  for (std::size_t i = 0; i < all.size(); ++i)
+    if (all[i].empty() || (all[i][0] != kData && all[i][0] != kGaveUp))
+      throw TransportError(fmt::format("nccl transport: rank {}: rank {} sent a bootstrap blob of another kind", me, world[i]));
+  for (std::size_t i = 0; i < all.size(); ++i)
+    if (all[i][0] == kGaveUp) {
+      why.assign(reinterpret_cast<const char*>(all[i].data() + 1), all[i].size() - 1);
+      return static_cast<std::ptrdiff_t>(i);
+    }
+  for (auto& b : all) b.erase(b.begin());
+  return -1;
+}
+
 inline void sleep_for(std::chrono::microseconds us) {
   timespec ts{0, static_cast<long>(us.count()) * 1000};
   nanosleep(&ts, nullptr);
@@ -239,8 +277,25 @@ class NcclTransport {
   }
 
   Blobs all_gather(std::span<const std::byte> blob, Deadline deadline) {
-    check_usable();
-    return boot_.all_gather(blob, deadline, [this] { check_usable(); });
+    if (aborted_ || broken_) {
+      // Tell the peers waiting in this exchange why this rank gave up (NCCL
+      // could not), then fail like any call after an abort.
+      const std::string why = failure_text();
+      try {
+        (void)boot_.all_gather(nccl_detail::frame_blob(nccl_detail::kGaveUp, std::as_bytes(std::span(why))), deadline, [] {});
+      } catch (...) {
+      }
+      throw TransportError(why);
+    }
+    Blobs all = boot_.all_gather(nccl_detail::frame_blob(nccl_detail::kData, blob), deadline, [this] { check_usable(); });
+    std::string why;
+    const std::ptrdiff_t gave_up = nccl_detail::unframe_blobs(all, boot_.ranks, me_, why);
+    if (gave_up >= 0) {
+      const std::int64_t who = boot_.ranks[static_cast<std::size_t>(gave_up)];
+      abort(fmt::format("rank {} gave up: {}", who, why));
+      throw TransportError(fmt::format("nccl transport: rank {}: rank {} gave up: {}", me_, who, why));
+    }
+    return all;
   }
 
   /// Checks the ops against the registered regions, then (collective) that
@@ -282,7 +337,8 @@ class NcclTransport {
     return g;
   }
 
-  /// Starts every queued op as one NCCL group (test/wait do this themselves).
+  /// Starts every queued op as one NCCL group (the executor's batch
+  /// boundary; test/wait do it too for ops posted after the last flush).
   void flush(Deadline deadline) {
     if (pending_.empty()) return;
     check_usable();
@@ -475,7 +531,7 @@ class NcclTransport {
         if (joined[i].empty() || joined[i][0] != std::byte{1})
           throw TransportError(fmt::format("nccl transport: rank {}: rank {} failed to join the communicator", me_, boot_.ranks[i]));
     } catch (...) {
-      abort_comm();
+      abort_comm(true);
       if (own_stream_ && stream_) (void)cudaStreamDestroy(stream_);
       stream_ = nullptr;
       throw;
@@ -508,10 +564,17 @@ class NcclTransport {
     stream_ = nullptr;
   }
 
-  void abort_comm() noexcept {
-    if (comm_ && own_comm_) (void)ncclCommAbort(comm_);
+  /// Aborts the communicator, the caller's too unless `spare_given` (a
+  /// construction that failed before using it).
+  void abort_comm(bool spare_given = false) noexcept {
+    if (comm_ && (own_comm_ || !spare_given)) (void)ncclCommAbort(comm_);
     comm_ = nullptr;
     broken_ = true;
+  }
+  std::string failure_text() const {
+    if (aborted_ && !abort_reason_.empty()) return abort_reason_;
+    if (!failure_.empty()) return failure_;
+    return fmt::format("nccl transport: rank {}: the communicator failed or was aborted earlier; make a new transport", me_);
   }
 
   void select_device() const {
@@ -528,8 +591,9 @@ class NcclTransport {
       if (state != ncclInProgress) return state;
       if (Clock::now() >= deadline) {
         abort_comm();
-        throw TransportError(fmt::format("nccl transport: rank {} timed out {} (some rank of the {} did not join or stalled); the "
-                                         "communicator was aborted", me_, what, boot_.ranks.size()));
+        failure_ = fmt::format("nccl transport: rank {} timed out {} (some rank of the {} did not join or stalled); the communicator was "
+                               "aborted", me_, what, boot_.ranks.size());
+        throw TransportError(failure_);
       }
       nccl_detail::sleep_for(sleep);
       sleep = std::min(sleep * 2, opt_.max_sleep);
@@ -560,11 +624,13 @@ class NcclTransport {
 
   [[noreturn]] void time_out(const std::string& pending) {
     abort_comm();
-    throw TransportError(fmt::format("nccl transport: rank {} timed out waiting for {}; the communicator was aborted", me_, pending));
+    failure_ = fmt::format("nccl transport: rank {} timed out waiting for {}; the communicator was aborted", me_, pending);
+    throw TransportError(failure_);
   }
   [[noreturn]] void fail_comm(const std::string& what) {
     abort_comm();
-    throw TransportError(fmt::format("nccl transport: rank {}: {}; the communicator was aborted", me_, what));
+    failure_ = fmt::format("nccl transport: rank {}: {}; the communicator was aborted", me_, what);
+    throw TransportError(failure_);
   }
   void check_usable() const {
     if (aborted_) throw TransportError(abort_reason_.empty() ? fmt::format("nccl transport: rank {} was aborted", me_) : abort_reason_);
@@ -624,7 +690,7 @@ class NcclTransport {
   std::vector<Region> regions_;
   std::vector<request> pending_;
   bool aborted_ = false, broken_ = false;
-  std::string abort_reason_;
+  std::string abort_reason_, failure_;
   NcclTrafficStats traffic_;
 };
 
