@@ -18,6 +18,7 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
+#include <utility>
 
 #include "dtype.hpp"
 #include "error.hpp"
@@ -100,6 +101,9 @@ inline float load_f32(DType dt, const std::byte* row, std::int64_t i) {
       fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(dt));
   }
 }
+
+/// A tile in a compiled run: (end row, scale byte offset), see quantize_tiles.
+using TileEnd = std::pair<std::size_t, std::int64_t>;
 
 /// The dtype a scheme's scale entries have.
 constexpr DType scale_dtype(QuantScheme s) { return s == QuantScheme::block ? DType::f32 : DType::u8; }
@@ -216,10 +220,22 @@ template <DType D>
   *scale = static_cast<std::byte>(e + 127);
 }
 
+/// Tiles one after another: tile k is rows [end of k-1, end of k) of
+/// `rows`, its scale entry at byte offset tiles[k].second of `scales`.
 template <DType D>
-inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
-                             std::byte* scale) {
-  quantize_rows_body<D>(scheme, from, to, rows, n, scale);
+[[gnu::always_inline]] inline void quantize_tiles_body(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows,
+                                                       const TileEnd* tiles, std::size_t n, std::byte* scales) {
+  std::size_t row = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    quantize_rows_body<D>(scheme, from, to, rows + 2 * row, tiles[k].first - row, scales + tiles[k].second);
+    row = tiles[k].first;
+  }
+}
+
+template <DType D>
+inline void quantize_tiles_as(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, const TileEnd* tiles,
+                              std::size_t n, std::byte* scales) {
+  quantize_tiles_body<D>(scheme, from, to, rows, tiles, n, scales);
 }
 
 // x86-64 builds target SSE2 by default; the same loops compiled for AVX2
@@ -229,35 +245,46 @@ inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uin
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__) && !defined(__CUDACC__)
 #define RESHARD_QUANTIZE_AVX2_DISPATCH 1
 template <DType D>
-__attribute__((target("avx2"))) inline void quantize_rows_as_avx2(QuantScheme scheme, const std::byte* from, std::uint8_t* to,
-                                                                  const std::int64_t* rows, std::size_t n, std::byte* scale) {
-  quantize_rows_body<D>(scheme, from, to, rows, n, scale);
+__attribute__((target("avx2"))) inline void quantize_tiles_as_avx2(QuantScheme scheme, const std::byte* from, std::uint8_t* to,
+                                                                   const std::int64_t* rows, const TileEnd* tiles, std::size_t n,
+                                                                   std::byte* scales) {
+  quantize_tiles_body<D>(scheme, from, to, rows, tiles, n, scales);
 }
 inline bool cpu_has_avx2() { return __builtin_cpu_supports("avx2"); }
 #endif
 
 template <DType D>
-inline void quantize_rows_dispatch(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
-                                   std::byte* scale) {
+inline void quantize_tiles_dispatch(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, const TileEnd* tiles,
+                                    std::size_t n, std::byte* scales) {
 #ifdef RESHARD_QUANTIZE_AVX2_DISPATCH
-  if (cpu_has_avx2()) return quantize_rows_as_avx2<D>(scheme, from, to, rows, n, scale);
+  if (cpu_has_avx2()) return quantize_tiles_as_avx2<D>(scheme, from, to, rows, tiles, n, scales);
 #endif
-  quantize_rows_as<D>(scheme, from, to, rows, n, scale);
+  quantize_tiles_as<D>(scheme, from, to, rows, tiles, n, scales);
 }
 }  // namespace detail
 
-/// Quantizes one tile given as n rows (element offset, count) pairs: source
-/// elements at from + offset (dtype dt), FP8 codes to to + offset (the same
-/// offsets: a shadow or staging copy of one buffer), the scale entry to
-/// `scale`. The same recipe as quantize_tile, with the dtype dispatched once.
-inline void quantize_rows(QuantScheme scheme, DType dt, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
-                          std::byte* scale) {
+/// Quantizes a run of tiles with one dispatch (the replay of a rank's
+/// compiled tiles): rows are (element offset, count) pairs, source elements
+/// at from + offset (dtype dt), FP8 codes to to + offset (the same offsets:
+/// a shadow or staging copy of one buffer); tile k is rows
+/// [tiles[k-1].first, tiles[k].first) with its scale entry at byte
+/// tiles[k].second of `scales`. The same recipe as quantize_tile.
+inline void quantize_tiles(QuantScheme scheme, DType dt, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, const TileEnd* tiles,
+                           std::size_t n, std::byte* scales) {
   switch (dt) {
-    case DType::bf16: return detail::quantize_rows_dispatch<DType::bf16>(scheme, from, to, rows, n, scale);
-    case DType::f16: return detail::quantize_rows_dispatch<DType::f16>(scheme, from, to, rows, n, scale);
-    case DType::f32: return detail::quantize_rows_dispatch<DType::f32>(scheme, from, to, rows, n, scale);
+    case DType::bf16: return detail::quantize_tiles_dispatch<DType::bf16>(scheme, from, to, rows, tiles, n, scales);
+    case DType::f16: return detail::quantize_tiles_dispatch<DType::f16>(scheme, from, to, rows, tiles, n, scales);
+    case DType::f32: return detail::quantize_tiles_dispatch<DType::f32>(scheme, from, to, rows, tiles, n, scales);
     default: fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(dt));
   }
+}
+
+/// One tile given as n rows: quantize_tiles of that one tile, its scale
+/// entry to `scale`.
+inline void quantize_rows(QuantScheme scheme, DType dt, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+                          std::byte* scale) {
+  const TileEnd one{n, 0};
+  quantize_tiles(scheme, dt, from, to, rows, &one, 1, scale);
 }
 
 }  // namespace reshard
