@@ -305,6 +305,17 @@ TEST_CASE("stages run one after another") {
   CHECK(r.bound_seconds == doctest::Approx(0.030));
 }
 
+namespace {
+/// 4 GPUs per node and per NVLink domain, each side on domains of its own.
+Topology four_gpu_domains_separate() {
+  Topology topo;
+  topo.gpus_per_node = 4;
+  topo.nvlink_domain = 4;
+  topo.placement = PlacementKind::separate;
+  return topo;
+}
+}  // namespace
+
 TEST_CASE("lower bound: a destination domain takes each unique byte once over its NICs") {
   // Source: 2 ranks (tp=2), destination dp=2 x tp=2 = 4 ranks, separate
   // placement with 4-GPU domains: the destination is one domain of 4 GPUs
@@ -316,10 +327,7 @@ TEST_CASE("lower bound: a destination domain takes each unique byte once over it
   Layout dst = mesh_layout({{"dp", 2}, {"tp", 2}}, 2);
   add_tensor(dst, "w", {1000, 250000}, {{}, cut({ax(dst, "tp")})}, DType::f32);
   dst.validate();
-  Topology topo;
-  topo.gpus_per_node = 4;
-  topo.nvlink_domain = 4;
-  topo.placement = PlacementKind::separate;
+  const Topology topo = four_gpu_domains_separate();
   const RankPlacement place(topo, src, dst);
   const auto lb = refit_lower_bound(src, dst, place);
   CHECK(lb.unique_bytes.at(1) == doctest::Approx(1e9));
@@ -360,10 +368,7 @@ TEST_CASE("FP8 destinations (quant): the simulator and the lower bound take the 
   add_tensor(dst, "w_scale_inv", {16, 32}, {cut({ax(dst, "tp")}), {}}, DType::f32);
   dst.validate();
   const double fp8_bytes = 2048.0 * 4096 + 16 * 32 * 4;  // the tensor once, as the wire carries it
-  Topology topo;
-  topo.gpus_per_node = 4;
-  topo.nvlink_domain = 4;
-  topo.placement = PlacementKind::separate;
+  const Topology topo = four_gpu_domains_separate();
   const RankPlacement place(topo, src, dst);
   const auto lb = refit_lower_bound(src, dst, place);
   CHECK(lb.unique_bytes.at(1) == doctest::Approx(fp8_bytes));
