@@ -305,6 +305,17 @@ TEST_CASE("stages run one after another") {
   CHECK(r.bound_seconds == doctest::Approx(0.030));
 }
 
+namespace {
+/// 4 GPUs per node and per NVLink domain, each side on domains of its own.
+Topology four_gpu_domains_separate() {
+  Topology topo;
+  topo.gpus_per_node = 4;
+  topo.nvlink_domain = 4;
+  topo.placement = PlacementKind::separate;
+  return topo;
+}
+}  // namespace
+
 TEST_CASE("lower bound: a destination domain takes each unique byte once over its NICs") {
   // Source: 2 ranks (tp=2), destination dp=2 x tp=2 = 4 ranks, separate
   // placement with 4-GPU domains: the destination is one domain of 4 GPUs
@@ -316,10 +327,7 @@ TEST_CASE("lower bound: a destination domain takes each unique byte once over it
   Layout dst = mesh_layout({{"dp", 2}, {"tp", 2}}, 2);
   add_tensor(dst, "w", {1000, 250000}, {{}, cut({ax(dst, "tp")})}, DType::f32);
   dst.validate();
-  Topology topo;
-  topo.gpus_per_node = 4;
-  topo.nvlink_domain = 4;
-  topo.placement = PlacementKind::separate;
+  const Topology topo = four_gpu_domains_separate();
   const RankPlacement place(topo, src, dst);
   const auto lb = refit_lower_bound(src, dst, place);
   CHECK(lb.unique_bytes.at(1) == doctest::Approx(1e9));
@@ -344,6 +352,40 @@ TEST_CASE("lower bound: a destination domain takes each unique byte once over it
   launch.placement = PlacementKind::launch;
   const auto lb2 = refit_lower_bound(src, dst, RankPlacement(launch, src, dst));
   CHECK(lb2.skipped_domains == 1);
+}
+
+TEST_CASE("FP8 destinations (quant): the simulator and the lower bound take the plan's real wire bytes") {
+  // Source dp=2 x tp=2 in bf16 (two replicas of each half); destination
+  // dp=2 x tp=2 in block FP8 (128x128 tiles, f32 scales), one 4-GPU domain
+  // of its own. Every copy is sender-side: FP8 (1 byte per element) plus 4
+  // bytes per tile cross.
+  Layout src = mesh_layout({{"dp", 2}, {"tp", 2}});
+  add_tensor(src, "w", {2048, 4096}, {cut({ax(src, "tp")}), {}}, DType::bf16);
+  src.validate();
+  Layout dst = mesh_layout({{"dp", 2}, {"tp", 2}}, 4);
+  add_tensor(dst, "w", {2048, 4096}, {cut({ax(dst, "tp")}), {}}, DType::fp8e4m3);
+  dst.tensors.back().quant = QuantSpec{QuantScheme::block, {128, 128}, "w_scale_inv"};
+  add_tensor(dst, "w_scale_inv", {16, 32}, {cut({ax(dst, "tp")}), {}}, DType::f32);
+  dst.validate();
+  const double fp8_bytes = 2048.0 * 4096 + 16 * 32 * 4;  // the tensor once, as the wire carries it
+  const Topology topo = four_gpu_domains_separate();
+  const RankPlacement place(topo, src, dst);
+  const auto lb = refit_lower_bound(src, dst, place);
+  CHECK(lb.unique_bytes.at(1) == doctest::Approx(fp8_bytes));
+  CHECK(lb.egress_seconds == doctest::Approx(fp8_bytes / (4 * topo.nic_bytes_per_s())));
+  Schedule s = plan(src, dst);
+  CHECK(s.stats.bytes == static_cast<std::int64_t>(2 * fp8_bytes));  // dp=2: each replica takes it once
+  // The topology-aware sender choice leaves quantized copies (and their
+  // scale copies) on the planner's sender.
+  const Schedule before = s;
+  prefer_near(s, src, dst, place);
+  REQUIRE(s.copies.size() == before.copies.size());
+  for (std::size_t i = 0; i < s.copies.size(); ++i) CHECK(s.copies[i].src_rank == before.copies[i].src_rank);
+  Traffic tr(place);
+  add_traffic(tr, s);
+  const auto r = simulate(tr);
+  CHECK(r.stages.at(0).bytes[static_cast<int>(LinkKind::network)] == doctest::Approx(2 * fp8_bytes));
+  CHECK(r.seconds >= lb.seconds);
 }
 
 TEST_CASE("FP8 on the inference side: decoder linear weights at 1 byte per element plus block scales") {

@@ -8,6 +8,7 @@
 //                 [--hierarchical [--pipeline K]] [--simulate [--fp8-wire]]]
 // Exit status: 0 done, 1 invalid input (one line on stderr naming the file,
 // tensor and field; nothing on stdout), 2 usage error.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -121,9 +122,11 @@ std::string describe_topology(const Topology& t, const RankPlacement& place, con
   return s;
 }
 
-std::string describe_simulation(const SimResult& r, const LowerBound& lb, bool fp8) {
+std::string describe_simulation(const SimResult& r, const LowerBound& lb, bool fp8_wire, bool quantized) {
   std::string s = fmt::format("simulation (flows per stage and GPU pair, max-min fair over NIC and NVLink ports{})\n",
-                              fp8 ? "; FP8 on the wire for decoder linear weights" : "");
+                              fp8_wire    ? "; FP8 on the wire for decoder linear weights (--fp8-wire accounting)"
+                              : quantized ? "; FP8 destinations: the plan's wire bytes (FP8 + scales where senders quantize)"
+                                          : "");
   s += fmt::format("  predicted    {}\n", human_seconds(r.seconds));
   s += fmt::format("  lower bound  {} ({:.2f}x): {}\n", human_seconds(lb.seconds), lb.seconds > 0 ? r.seconds / lb.seconds : 0.0,
                    lb.what.empty() ? "nothing to move" : lb.what);
@@ -201,6 +204,11 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
   }
   std::optional<SimResult> sim;
   LowerBound lb;
+  const auto quantized = std::find_if(dst.tensors.begin(), dst.tensors.end(), [](const TensorSpec& t) { return t.quant.has_value(); });
+  if (tr.fp8_wire && quantized != dst.tensors.end())
+    fail("--fp8-wire: the destination already has quantized (FP8) tensors (e.g. '{}'), so the plan carries the real wire bytes; drop "
+         "--fp8-wire",
+         quantized->name);
   if (tr.simulate) {
     const std::vector<double> wire = fp8_wire_scale(dst);
     Traffic traffic(place);
@@ -240,7 +248,7 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
                         "replace {} of direct copies\n",
                         staged.stages, rep.groups, rep.fan_out_copies, human_bytes(static_cast<double>(rep.fan_out_bytes)),
                         human_bytes(static_cast<double>(rep.dropped_bytes)));
-  if (sim) text += describe_simulation(*sim, lb, tr.fp8_wire);
+  if (sim) text += describe_simulation(*sim, lb, tr.fp8_wire, quantized != dst.tensors.end());
   if (dsim)
     text += fmt::format("  delta refit  at changed fraction {:g} (docs/delta.md): {} on the wire ({:.4f} of dense); diff {} + transfer {} + "
                         "scatter {} (device memory {} GB/s) = {} ({:.3f} of the dense prediction)\n",
@@ -325,8 +333,9 @@ int main(int argc, char** argv) {
                                "predict the refit time on the topology, with the lower bound and a per-stage breakdown")
                       ->needs(topo_opt);
   app.add_flag("--fp8-wire", topo_run.fp8_wire,
-               "simulate: decoder linear weights travel as FP8 (1 byte per element + block scales), as for an FP8 "
-               "inference side")
+               "simulate a BF16 plan as if decoder linear weights travelled as FP8 (1 byte per element + block "
+               "scales); a real FP8 plan (--infer ...,quant=fp8) replaces it, except with --hierarchical, which does "
+               "not plan FP8 destinations")
       ->needs(sim_opt);
   auto* delta_opt = app.add_option("--delta-density", topo_run.delta_density,
                                    "simulate: also predict a delta refit (docs/delta.md) in which this fraction of the elements "

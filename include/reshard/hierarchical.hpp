@@ -350,7 +350,10 @@ inline std::int64_t choose_senders(std::vector<Copy>& copies, const std::vector<
   for (std::size_t i = 0; i < copies.size(); ++i) {
     const Copy& c = copies[i];
     if (c.is_local()) continue;
-    if (reads_dst(i) || !src.mesh.position_of(c.src_rank))
+    // Copies into quantized (FP8) tensors keep the planner's sender: a
+    // sender quantizes the tiles its scale copies name, so a weight copy
+    // and its tile's scale copy must leave the same replica.
+    if (reads_dst(i) || !src.mesh.position_of(c.src_rank) || c.quant != CopyQuant::none)
       choice.load(stage_of(i), c.src_rank, c.dst_rank, c.bytes());
     else
       movable.emplace_back(-c.bytes(), i);

@@ -234,17 +234,11 @@ class QuantRefit {
     std::uint8_t* to = nullptr;
     std::byte* scales = nullptr;
     std::vector<std::int64_t> rows;
-    std::vector<std::pair<std::size_t, std::int64_t>> tiles;  ///< (end row, scale byte offset)
+    std::vector<TileEnd> tiles;  ///< (end row, scale byte offset)
   };
 
   static void replay(const std::vector<TileJobs>& jobs) {
-    for (const auto& j : jobs) {
-      std::size_t row = 0;
-      for (const auto& [end, at] : j.tiles) {
-        quantize_rows(j.scheme, j.dtype, j.from, j.to, j.rows.data() + 2 * row, end - row, j.scales + at);
-        row = end;
-      }
-    }
+    for (const auto& j : jobs) quantize_tiles(j.scheme, j.dtype, j.from, j.to, j.rows.data(), j.tiles.data(), j.tiles.size(), j.scales);
   }
 
   /// Element offsets (in `buffer` of the copy's side) of every element of a

@@ -240,8 +240,12 @@ class Traffic {
 /// plus one f32 scale per 128x128 block) for every linear weight of the
 /// decoder layers (not embeddings, lm_head, norms or the MoE router), as in
 /// DeepSeek-V3 / Kimi-K2 FP8 checkpoints; the training side quantizes before
-/// sending, so those copies move that many bytes instead. The plan itself
-/// is unchanged (dtype conversion in flight is not in the contract).
+/// sending, so those copies move that many bytes instead. An accounting on a
+/// BF16 plan: a plan with quantized destinations (`--infer ...,quant=fp8`,
+/// docs/fp8.md) already carries its real wire bytes (FP8 + scales where the
+/// sender quantizes, BF16 where the receiver does) and replaces it; it stays
+/// for the two-hop (hierarchical) estimate, which does not plan FP8
+/// destinations.
 inline std::vector<double> fp8_wire_scale(const Layout& dst) {
   std::vector<double> s(dst.tensors.size(), 1.0);
   auto ends_with = [](const std::string& a, const std::string& b) {
@@ -941,9 +945,14 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
   std::vector<double> gpu_need(need_gpu.size(), 0);  // destination-only GPUs
   // Source GPUs holding a tensor -> unique bytes of such tensors the domains need.
   std::map<std::vector<std::int64_t>, std::pair<double, std::int64_t>> group_bytes;  // (bytes, tensors)
-  for (const auto& t : dst.tensors)
-    if (t.quant) fail("simulate: tensor '{}' is quantized (FP8); the hierarchical estimate does not model FP8 destinations yet", t.name);
-  const std::vector<int> src_of = match_tensors(src, dst);
+  // Quantized (FP8) destinations count at their own dtype (1 byte per
+  // element, plus the scale tensor's entries): what a sender-quantized copy
+  // moves, and less than a receiver-quantized one (source dtype), so the
+  // bound stays a bound whatever the planner decides. A scale tensor has no
+  // source: its bytes leave the GPUs holding its weight.
+  std::vector<int> src_of = match_tensors(src, dst);
+  for (std::size_t t = 0; t < dst.tensors.size(); ++t)
+    if (const int w = dst.tensors[t].scale_of; src_of[t] < 0 && w >= 0) src_of[t] = src_of[static_cast<std::size_t>(w)];
   // What a position holds of a tensor: (domain, part) and a linear interval
   // of the part's local array; sorted, as a map of (domain, part) to its
   // sorted intervals would list them.
