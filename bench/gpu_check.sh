@@ -12,9 +12,17 @@
 #                         GPU, through the NCCL transport's setup), and two ranks
 #                         on one GPU, which must fail naming the one-GPU-per-rank
 #                         rule instead of hanging in NCCL
+#   6. compute-sanitizer memcheck and racecheck of the device refit (where
+#                         compute-sanitizer is installed)
 # and writes everything to OUTDIR/gpu_check.txt (build log: OUTDIR/build.log).
 #
 #   bash bench/gpu_check.sh OUTDIR          (ARCH=90 by default; BUILD=dir to reuse a build)
+#
+# On a machine without the Debian packages (the device machines here have
+# nvcc, CMake and PyTorch's pip packages, nothing else): DEPS=prefix names a
+# copy of the header libraries' installs (nlohmann-json, fmt with its .so,
+# doctest: include/, lib/, share/ as under /usr), and NCCL is taken from the
+# nvidia-nccl pip package when none is next to the toolkit.
 set -u
 OUTDIR=${1:-${OUT:-gpu_check_out}}
 mkdir -p "$OUTDIR"
@@ -34,11 +42,34 @@ start=$(date +%s)
 } > "$R"
 
 echo "## build (arch $ARCH)" >> "$R"
-# The tools need CLI11 (and reshard-refit-nccl MPI): built where present.
-TOOLS=OFF
-[ -f /usr/include/CLI/CLI.hpp ] && command -v mpirun > /dev/null && TOOLS=ON
+extra=()
+if [ -n "${DEPS:-}" ]; then
+  DEPS=$(cd "$DEPS" && pwd)
+  extra+=("-DCMAKE_PREFIX_PATH=$DEPS")
+  export LD_LIBRARY_PATH="$DEPS/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+fi
+# NCCL: next to the toolkit, NCCL_ROOT, or the pip package (whose library
+# has no unversioned name: a shim folder gives it one).
+cuda_root=$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")
+if [ -z "${NCCL_ROOT:-}" ] && [ ! -f "$cuda_root/include/nccl.h" ]; then
+  pipnccl=$(python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0])' 2>/dev/null)
+  if [ -n "$pipnccl" ] && [ -f "$pipnccl/include/nccl.h" ]; then
+    export NCCL_ROOT="$OUTDIR/nccl-shim"
+    mkdir -p "$NCCL_ROOT/lib"
+    ln -sfn "$pipnccl/include" "$NCCL_ROOT/include"
+    ln -sf "$(ls "$pipnccl"/lib/libnccl.so* | head -1)" "$NCCL_ROOT/lib/libnccl.so"
+    export LD_LIBRARY_PATH="$pipnccl/lib:${LD_LIBRARY_PATH:-}"
+  fi
+fi
+echo "nccl: ${NCCL_ROOT:-next to the toolkit ($cuda_root)}" >> "$R"
+# The tools need CLI11 (and reshard-refit-nccl MPI): built where present,
+# unless TOOLS=OFF is given (a shorter check).
+if [ -z "${TOOLS:-}" ]; then
+  TOOLS=OFF
+  [ -f /usr/include/CLI/CLI.hpp ] && command -v mpirun > /dev/null && TOOLS=ON
+fi
 if ! cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_TOOLS=$TOOLS \
-      > "$OUTDIR/build.log" 2>&1; then
+      "${extra[@]}" > "$OUTDIR/build.log" 2>&1; then
   echo "CONFIGURE FAILED" >> "$R"; tail -40 "$OUTDIR/build.log" >> "$R"; exit 1
 fi
 grep -E "reshard: (CUDA|NCCL|nvcc)" "$OUTDIR/build.log" >> "$R"
@@ -80,10 +111,18 @@ if [ $TOOLS = ON ]; then
       --iterations 3 --json
   # Two ranks on one GPU (the device machine has one): every rank must name
   # the rule, and the job fail, instead of NCCL hanging.
-  run nccl-refit-2ranks-1gpu 120 bash -c "mpirun -np 2 '$BUILD/bin/reshard-refit' --transport nccl --model '$model' --train tp=1 \
-      --infer tp=1 --no-baseline --json 2>&1 | tee /dev/stderr | grep -q 'needs one GPU per rank'"
+  # (The output goes to the report by echo: a `tee /dev/stderr` here would
+  # reopen the report and truncate it.)
+  run nccl-refit-2ranks-1gpu 120 bash -c "out=\$(mpirun -np 2 '$BUILD/bin/reshard-refit' --transport nccl --model '$model' --train tp=1 \
+      --infer tp=1 --no-baseline --json 2>&1); echo \"\$out\"; grep -q 'needs one GPU per rank' <<< \"\$out\""
 else
   echo "## reshard-refit --transport nccl: SKIPPED (CLI11 or mpirun not installed on this machine)" >> "$R"
+fi
+if command -v compute-sanitizer > /dev/null; then
+  run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/bin/test_cuda_refit" --gpu
+  run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$BUILD/bin/test_cuda_refit" --gpu
+else
+  echo "## compute-sanitizer: SKIPPED (not installed)" >> "$R"
 fi
 
 {
