@@ -21,7 +21,8 @@
 # On a machine without the Debian packages (the device machines here have
 # nvcc, CMake and PyTorch's pip packages, nothing else): DEPS=prefix names a
 # copy of the header libraries' installs (nlohmann-json, fmt with its .so,
-# doctest: include/, lib/, share/ as under /usr), and NCCL is taken from the
+# doctest: include/, lib/, share/ as under /usr; bench/device_deps.sh makes
+# it), and NCCL is taken from the
 # nvidia-nccl pip package when none is next to the toolkit.
 set -u
 OUTDIR=${1:-${OUT:-gpu_check_out}}
