@@ -28,8 +28,8 @@
 #include "reshard/hierarchical.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/simulate.hpp"
-#include "reshard/stream_traffic.hpp"
+#include "reshard/sim/simulate.hpp"
+#include "reshard/sim/stream_traffic.hpp"
 #include "reshard/topology.hpp"
 #include "bench_clock.hpp"
 

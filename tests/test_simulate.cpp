@@ -9,10 +9,10 @@
 #include "refit_util.hpp"
 #include "reshard/binding.hpp"
 #include "reshard/executor.hpp"
-#include "reshard/simulate.hpp"
+#include "reshard/sim/simulate.hpp"
 #include "reshard/staged_executor.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/stream_traffic.hpp"
+#include "reshard/sim/stream_traffic.hpp"
 
 #include <map>
 #include <random>

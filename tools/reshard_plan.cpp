@@ -3,7 +3,7 @@
 //   reshard-plan --model CONFIG.json --train SPEC --infer SPEC [--colocate]
 //                [--emit-layouts DIR] [--json | --stats] [--rank R]
 //                [--nic-gbps G] [--picture FILE.svg] [--group-experts]
-//   any of the above with a cluster topology (topology.hpp, simulate.hpp):
+//   any of the above with a cluster topology (topology.hpp, sim/simulate.hpp):
 //                [--topology NAME|FILE [--placement launch|separate]
 //                 [--hierarchical [--pipeline K]] [--simulate [--fp8-wire]]]
 // Exit status: 0 done, 1 invalid input (one line on stderr naming the file,
@@ -33,7 +33,7 @@
 #include "reshard/plan.hpp"
 #include "reshard/plan_summary.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/simulate.hpp"
+#include "reshard/sim/simulate.hpp"
 #include "reshard/storage.hpp"
 #include "reshard/topology.hpp"
 #include "layout_args.hpp"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Calibrates the simulator's loopback topology and compares predicted with
-measured UCX refits (simulate.hpp, "Calibration").
+measured UCX refits (sim/simulate.hpp, "Calibration").
 
   bench/calibration/measure.sh BUILD N > runs.jsonl
   bench/calibration/compare.py BUILD runs.jsonl [more.jsonl ...]   (runs pooled)

@@ -162,7 +162,7 @@ inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::
 /// smallest body (best_mode / body_bytes, as the sender chooses), with
 /// k = F x kChunk changes and the expected number of gaps past a byte
 /// (each gap is >= 255 with probability (1 - F)^255). The simulator's
-/// delta prediction (simulate.hpp) scales messages by it.
+/// delta prediction (sim/simulate.hpp) scales messages by it.
 inline double expected_wire_fraction(std::int64_t E, double F) {
   const auto k = static_cast<std::int64_t>(std::llround(std::clamp(F, 0.0, 1.0) * static_cast<double>(kChunk)));
   const auto esc = static_cast<std::int64_t>(std::llround(static_cast<double>(k) * std::pow(1.0 - std::clamp(F, 0.0, 1.0), 255.0)));

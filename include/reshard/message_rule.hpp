@@ -1,7 +1,7 @@
 #pragma once
 // How the executor cuts a peer pair's copies into messages (executor.hpp,
 // "Compile"), as the small functions both the executor and the simulator
-// (simulate.hpp) use, so that the simulator counts the messages the executor
+// (sim/simulate.hpp) use, so that the simulator counts the messages the executor
 // sends:
 //  * a copy that is one contiguous run on both sides and at least
 //    zero_copy_min bytes is its own message (zero-copy);

@@ -6,7 +6,7 @@
 //   reshard/backends/ucx.hpp      the UCX transport                       (reshard::ucx)
 //   reshard/backends/nccl.hpp     the NCCL transport                      (reshard::nccl)
 //   reshard/cuda/*                CUDA copy kernels and device engine     (reshard::cuda)
-//   reshard/simulate.hpp, stream_traffic.hpp   the refit simulator        (reshard::sim)
+//   reshard/sim/simulate.hpp, stream_traffic.hpp   the refit simulator    (reshard::sim)
 //   support/reshard_support/ (verify, traditional, fault_injection, ucx_refit): test and tool
 //                                 support of this repository, not installed
 

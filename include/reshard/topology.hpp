@@ -184,7 +184,7 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     return t;
   }
   if (name == "loopback") {
-    // UCX over TCP loopback on this 2-core machine (simulate.hpp,
+    // UCX over TCP loopback on this 2-core machine (sim/simulate.hpp,
     // "Calibration"; bench/calibration/compare.py refits these numbers from
     // a fresh measurement): every process is its own node, so every copy is
     // a network flow, and all flows share the host (fabric): one pair of

@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "hierarchical.hpp"
-#include "plan.hpp"
+#include "../hierarchical.hpp"
+#include "../plan.hpp"
 #include "simulate.hpp"
 
 namespace reshard {

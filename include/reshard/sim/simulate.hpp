@@ -74,13 +74,13 @@
 
 #include <fmt/format.h>
 
-#include "delta.hpp"
-#include "hierarchical.hpp"
-#include "layout.hpp"
-#include "message_rule.hpp"
-#include "schedule.hpp"
-#include "storage.hpp"
-#include "topology.hpp"
+#include "../delta.hpp"
+#include "../hierarchical.hpp"
+#include "../layout.hpp"
+#include "../message_rule.hpp"
+#include "../schedule.hpp"
+#include "../storage.hpp"
+#include "../topology.hpp"
 
 namespace reshard {
 
