@@ -69,6 +69,12 @@ class QueueWorld {
       : ranks_(std::move(ranks)), flaw_(flaw), batches_(batches), regions_(ranks_.size()), streams_(ranks_.size()) {}
   QueueWorld(const QueueWorld&) = delete;
   QueueWorld& operator=(const QueueWorld&) = delete;
+  // A batch that never started (a failed or deadlocked case) still holds its
+  // groups, which hold it: break that cycle.
+  ~QueueWorld() {
+    for (auto& stream : streams_)
+      for (auto& b : stream) b->groups.clear();
+  }
   const std::vector<std::int64_t>& ranks() const { return ranks_; }
   Flaw flaw() const { return flaw_; }
 
