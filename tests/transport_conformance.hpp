@@ -25,6 +25,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include "reshard/peer_exchange.hpp"
 #include "reshard/transport.hpp"
 
 namespace conformance {
@@ -535,6 +536,53 @@ struct AllGatherOrder {
   }
 };
 
+/// The pairwise exchange (transport.hpp "pairwise exchange", through
+/// exchange_with_peers: the transport's own where it has one, else its
+/// all_gather): each rank gets exactly what each listed peer addressed to it,
+/// call after call, with peer sets that change per call (a rank with none),
+/// an empty blob and one large enough to need fragments.
+struct PairwiseExchange {
+  static constexpr int ranks = 3;
+  static constexpr const char* name = "the pairwise exchange delivers each peer's blob for this rank, call after call";
+  template <class T>
+  void operator()(T& t) const {
+    const std::size_t i = me(t);
+    // Peer sets by position, symmetric: round 0 a chain 0-1-2, round 1 only
+    // 0-2 (rank 1 has no peer), round 2 everyone.
+    auto peers = [](int round, std::size_t pos) -> std::vector<std::size_t> {
+      if (round == 0) return pos == 1 ? std::vector<std::size_t>{2, 0} : std::vector<std::size_t>{1};
+      if (round == 1) return pos == 1 ? std::vector<std::size_t>{} : std::vector<std::size_t>{2 - pos};
+      std::vector<std::size_t> all;
+      for (std::size_t p = 0; p < 3; ++p)
+        if (p != pos) all.push_back(p);
+      return all;
+    };
+    auto blob = [](std::size_t from, std::size_t to, int round) {
+      const std::size_t n = from == 2 && to == 0 ? 0 : from == 0 && to == 1 ? 300'000 : 17 + 5 * from + to + static_cast<std::size_t>(round);
+      std::vector<std::byte> b(n);
+      for (std::size_t k = 0; k < n; ++k) b[k] = static_cast<std::byte>(pattern(from * 16 + to * 4 + static_cast<std::size_t>(round), k));
+      return b;
+    };
+    for (int round = 0; round < 4; ++round) {
+      const int shape = round == 3 ? 0 : round;  // round 3: the chain again, through the all_gather fallback
+      std::vector<reshard::PeerBlob> out;
+      for (auto p : peers(shape, i)) out.push_back({rank_at(t, p), blob(i, p, shape)});
+      const auto got = reshard::exchange_with_peers(t, out, round != 3, in(20s));
+      RESHARD_CONFORM(got.size() == out.size(), "rank {}: round {}: {} blobs for {} peers", t.rank(), round, got.size(), out.size());
+      for (const auto& g : got) {
+        const auto w = t.world_ranks();
+        const auto from = static_cast<std::size_t>(std::find(w.begin(), w.end(), g.peer) - w.begin());
+        const auto listed = peers(shape, i);
+        RESHARD_CONFORM(std::find(listed.begin(), listed.end(), from) != listed.end(), "rank {}: round {}: a blob from unlisted rank {}",
+                        t.rank(), round, g.peer);
+        RESHARD_CONFORM(g.bytes == blob(from, i, shape), "rank {}: round {}: the blob from rank {} ({} bytes) is not the one it sent", t.rank(),
+                        round, g.peer, g.bytes.size());
+      }
+    }
+    t.all_gather({}, in(20s));
+  }
+};
+
 /// Runs one case on harness H and turns a failure into a doctest failure.
 template <class H, class Case>
 void check(const Case& c, H h = {}) {
@@ -577,6 +625,10 @@ TEST_CASE_TEMPLATE_DEFINE("transport conformance: the executor's flushed batches
 TEST_CASE_TEMPLATE_DEFINE("transport conformance: all_gather returns the blobs in world order", H, conformance_all_gather) {
   conformance::check<H>(conformance::AllGatherOrder{});
 }
+TEST_CASE_TEMPLATE_DEFINE("transport conformance: the pairwise exchange delivers each peer's blob for this rank, call after call", H,
+                          conformance_pairwise_exchange) {
+  conformance::check<H>(conformance::PairwiseExchange{});
+}
 
 /// Every case on every harness named.
 #define RESHARD_TRANSPORT_CONFORMANCE(...)                            \
@@ -588,4 +640,5 @@ TEST_CASE_TEMPLATE_DEFINE("transport conformance: all_gather returns the blobs i
   TEST_CASE_TEMPLATE_INVOKE(conformance_replays, __VA_ARGS__);       \
   TEST_CASE_TEMPLATE_INVOKE(conformance_wait_any, __VA_ARGS__);      \
   TEST_CASE_TEMPLATE_INVOKE(conformance_batches, __VA_ARGS__);       \
-  TEST_CASE_TEMPLATE_INVOKE(conformance_all_gather, __VA_ARGS__)
+  TEST_CASE_TEMPLATE_INVOKE(conformance_all_gather, __VA_ARGS__);      \
+  TEST_CASE_TEMPLATE_INVOKE(conformance_pairwise_exchange, __VA_ARGS__)

@@ -66,6 +66,7 @@
 #include "error.hpp"
 #include "layout.hpp"
 #include "message_rule.hpp"
+#include "peer_exchange.hpp"
 #include "schedule.hpp"
 #include "transport.hpp"
 
@@ -423,6 +424,7 @@ class Reader {
     pos_ += sizeof(T);
     return v;
   }
+  bool done() const { return pos_ == b_.size(); }
   std::string get_string() {
     const auto n = get<std::uint32_t>();
     if (pos_ + n > b_.size()) fail("executor: truncated setup blob from rank {}", rank_);
@@ -437,24 +439,20 @@ class Reader {
   std::int64_t rank_;
 };
 
-inline std::uint64_t mix(std::uint64_t h, std::uint64_t v) {
-  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
-  h *= 0xBF58476D1CE4E5B9ull;
-  return h ^ (h >> 31);
-}
+using reshard::hash_mix;
 
 inline std::uint64_t copy_digest(std::uint64_t h, const Copy& c) {
-  h = mix(h, static_cast<std::uint64_t>(c.src_buffer));
-  h = mix(h, static_cast<std::uint64_t>(c.dst_buffer));
-  h = mix(h, static_cast<std::uint64_t>(c.element_bytes));
-  h = mix(h, static_cast<std::uint64_t>(c.src_offset));
-  h = mix(h, static_cast<std::uint64_t>(c.dst_offset));
-  h = mix(h, static_cast<std::uint64_t>(c.rank));
+  h = hash_mix(h, static_cast<std::uint64_t>(c.src_buffer));
+  h = hash_mix(h, static_cast<std::uint64_t>(c.dst_buffer));
+  h = hash_mix(h, static_cast<std::uint64_t>(c.element_bytes));
+  h = hash_mix(h, static_cast<std::uint64_t>(c.src_offset));
+  h = hash_mix(h, static_cast<std::uint64_t>(c.dst_offset));
+  h = hash_mix(h, static_cast<std::uint64_t>(c.rank));
   for (int k = 0; k < c.rank; ++k) {
     const auto u = static_cast<std::size_t>(k);
-    h = mix(h, static_cast<std::uint64_t>(c.extent[u]));
-    h = mix(h, static_cast<std::uint64_t>(c.src_stride[u]));
-    h = mix(h, static_cast<std::uint64_t>(c.dst_stride[u]));
+    h = hash_mix(h, static_cast<std::uint64_t>(c.extent[u]));
+    h = hash_mix(h, static_cast<std::uint64_t>(c.src_stride[u]));
+    h = hash_mix(h, static_cast<std::uint64_t>(c.dst_stride[u]));
   }
   return h;
 }
@@ -836,8 +834,13 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
     local_error = e.what();
   }
 
-  // 2. First exchange: status, options, and per pair what this rank believes
-  //    the pair moves (so a schedule mismatch is an error, not a hang).
+  // 2. Status and options (one fixed-size all_gather, with the balance of
+  //    this rank's pair summaries), then, pairwise, per pair what this rank
+  //    believes it moves (so a schedule mismatch is an error, not a hang).
+  PairBalance balance;
+  for (const auto& p : pairs_)
+    balance.add(p.send, p.send ? me_ : p.peer, p.send ? p.peer : me_,
+                {static_cast<std::uint64_t>(p.copies.size()), static_cast<std::uint64_t>(p.bytes), p.digest});
   exec_detail::Writer w1;
   w1.put(exec_detail::kBlobMagic);
   w1.put<std::uint8_t>(local_error.empty() ? 1 : 0);
@@ -845,16 +848,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   w1.put(opt_.zero_copy_min);
   w1.put(opt_.channel);
   w1.put<std::uint8_t>(opt_.checksum ? 1 : 0);
-  w1.put<std::uint32_t>(static_cast<std::uint32_t>(pairs_.size()));
-  for (const auto& p : pairs_) {
-    w1.put(p.peer);
-    w1.put<std::uint8_t>(p.send ? 1 : 0);
-    w1.put<std::uint64_t>(p.copies.size());
-    w1.put(p.bytes);
-    w1.put(p.digest);
-    w1.put<std::uint32_t>(static_cast<std::uint32_t>(p.exceptions.size()));
-    for (auto e : p.exceptions) w1.put(e);
-  }
+  w1.put(balance.sum);
   const auto blobs1 = transport.all_gather(w1.buf, deadline);
   if (!local_error.empty()) throw Error(local_error);
   // Checks against the peers' view; a failure here is shared in the second
@@ -863,47 +857,89 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   std::int64_t total_staged = 0;
   bool reuse = false;
   std::int64_t capacity = -1;  // -1: this rank does not constrain its pairs
-  try {
-    std::set<std::pair<std::int64_t, bool>> confirmed;
-    for (std::size_t r = 0; r < blobs1.size(); ++r) {
+  // Every blob is read whatever an earlier one held, so that every rank
+  // derives the same sums (and the same choice below) from the same blobs.
+  std::vector<std::uint64_t> sums(blobs1.size(), 1);
+  std::int64_t failed_rank = -1;
+  for (std::size_t r = 0; r < blobs1.size() && failed_rank < 0; ++r) {
+    try {
       exec_detail::Reader rd(blobs1[r], world[r]);
       if (rd.get<std::uint32_t>() != exec_detail::kBlobMagic)
         fail_here(fmt::format("rank {} sent a setup blob of another format (a different executor?)", world[r]));
       const bool ok = rd.get<std::uint8_t>() != 0;
       const std::string msg = rd.get_string();
-      if (!ok) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, world[r], msg));
+      if (!ok) {  // every rank reads the same: all leave below, none waits in the exchange
+        failed_rank = world[r];
+        step_error = msg;
+        break;
+      }
       const auto zcm = rd.get<std::int64_t>();
       const auto channel = rd.get<std::uint16_t>();
       const bool checksum = rd.get<std::uint8_t>() != 0;
+      sums[r] = rd.get<std::uint64_t>();
       if (zcm != opt_.zero_copy_min || channel != opt_.channel)
         fail_here(fmt::format("rank {} uses other executor options (zero_copy_min {} vs {}, channel {} vs {})", world[r], zcm,
                               opt_.zero_copy_min, channel, opt_.channel));
       if (checksum != opt_.checksum)
         fail_here(fmt::format("rank {} {} checksums but this rank {}: every rank must set ExecutorOptions::checksum alike", world[r],
                               checksum ? "uses" : "does not use", opt_.checksum ? "does" : "does not"));
-      const auto n = rd.get<std::uint32_t>();
-      for (std::uint32_t i = 0; i < n; ++i) {
-        const auto peer = rd.get<std::int64_t>();
+    } catch (const std::exception& e) {
+      if (step_error.empty()) step_error = e.what();
+    }
+  }
+  if (failed_rank >= 0) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, failed_rank, step_error));
+  // Pairwise when every pair's two ends agree (the same decision on every
+  // rank: it is read off the same blobs); otherwise every rank's summaries
+  // reach every rank, so the disagreement can be named.
+  std::vector<PeerBlob> out;
+  {
+    std::map<std::int64_t, std::size_t> slot;
+    for (const auto& p : pairs_) {
+      auto [it, fresh] = slot.emplace(p.peer, out.size());
+      if (fresh) out.push_back(PeerBlob{p.peer, {}});
+      exec_detail::Writer w;
+      w.put<std::uint8_t>(p.send ? 1 : 0);
+      w.put<std::uint64_t>(p.copies.size());
+      w.put(p.bytes);
+      w.put(p.digest);
+      w.put<std::uint32_t>(static_cast<std::uint32_t>(p.exceptions.size()));
+      for (auto e : p.exceptions) w.put(e);
+      auto& b = out[it->second].bytes;
+      b.insert(b.end(), w.buf.begin(), w.buf.end());
+    }
+  }
+  std::vector<PeerBlob> views;
+  try {
+    views = exchange_with_peers(transport, out, PairBalance::balanced(sums), deadline);
+  } catch (const std::exception& e) {  // the peers must not wait for this rank in the next all_gather
+    transport.abort(fmt::format("rank {} failed setup: {}", me_, e.what()));
+    throw;
+  }
+  try {
+    if (!step_error.empty()) throw Error(step_error);
+    std::set<std::pair<std::int64_t, bool>> confirmed;
+    for (const auto& v : views) {
+      exec_detail::Reader rd(v.bytes, v.peer);
+      while (!rd.done()) {
         const bool sends = rd.get<std::uint8_t>() != 0;
         const auto count = rd.get<std::uint64_t>();
         const auto bytes = rd.get<std::int64_t>();
         const auto digest = rd.get<std::uint64_t>();
         std::vector<std::uint32_t> exc(rd.get<std::uint32_t>());
         for (auto& e : exc) e = rd.get<std::uint32_t>();
-        if (peer != me_) continue;
-        auto it = pair_index.find({world[r], !sends});
-        const std::string dir = sends ? fmt::format("rank {} to rank {}", world[r], me_) : fmt::format("rank {} to rank {}", me_, world[r]);
+        auto it = pair_index.find({v.peer, !sends});
+        const std::string dir = sends ? fmt::format("rank {} to rank {}", v.peer, me_) : fmt::format("rank {} to rank {}", me_, v.peer);
         if (it == pair_index.end())
           fail_here(fmt::format("rank {} plans {} copies ({} bytes) from {}, but this rank's schedule has none: were both planned "
-                                "from the same layouts?", world[r], count, bytes, dir));
+                                "from the same layouts?", v.peer, count, bytes, dir));
         Pair& p = pairs_[it->second];
         if (p.copies.size() != count || p.bytes != bytes || p.digest != digest)
           fail_here(fmt::format("this rank and rank {} disagree about the copies from {} ({} vs {} copies, {} vs {} bytes): were "
-                                "both planned from the same layouts?", world[r], dir, p.copies.size(), count, p.bytes, bytes));
+                                "both planned from the same layouts?", v.peer, dir, p.copies.size(), count, p.bytes, bytes));
         for (auto e : exc)
-          if (e >= p.copies.size()) fail_here(fmt::format("rank {} names copy {} of a pair of {} copies", world[r], e, p.copies.size()));
+          if (e >= p.copies.size()) fail_here(fmt::format("rank {} names copy {} of a pair of {} copies", v.peer, e, p.copies.size()));
         p.peer_exceptions = std::move(exc);
-        confirmed.insert({world[r], !sends});
+        confirmed.insert({v.peer, !sends});
       }
     }
     for (const auto& p : pairs_)

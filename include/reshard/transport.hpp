@@ -30,6 +30,21 @@
 //    empty blob stays empty). Collective: every rank calls it the same number
 //    of times. MPI_Allgather, a TCP store, or (in-process) a barrier.
 //
+//  * pairwise exchange (optional): `exchange(out, deadline)` sends each
+//    PeerBlob out[i] to rank out[i].peer and returns, in out's order, the
+//    blob out[i].peer addressed to this rank in its matching call, so that a
+//    setup moves O(peers) bytes per rank (an all_gather of per-pair tables
+//    moves O(job)); each peer at most once in `out`, never this rank. Every
+//    world rank calls it the same number of times (an empty `out` when it
+//    has no peers); the k-th calls of two ranks pair up.
+//    The lists must be symmetric (A lists B exactly when B lists A; callers
+//    check that first, peer_exchange.hpp's PairBalance): a rank waits for each
+//    listed peer until the deadline and then throws TransportError naming
+//    those it did not hear from; after abort() it throws at once, and a dead
+//    or aborting peer fails it as it fails a wait. The blobs are copied before
+//    it returns. Without it, exchange_with_peers() (peer_exchange.hpp) sends
+//    the same through one all_gather.
+//
 //  * setup of a replayed program: `prepare(ops, deadline)`, collective (every
 //    world rank calls it, with an empty span if it has no ops), once per
 //    executor setup (a setup that fails earlier fails on every rank before
@@ -274,6 +289,12 @@ struct TransferOp {
   std::uint64_t bytes = 0;
 };
 
+/// One blob addressed to (or received from) one peer: the pairwise exchange.
+struct PeerBlob {
+  std::int64_t peer = -1;
+  std::vector<std::byte> bytes;
+};
+
 /// A transport operation failed: timeout, abort, size mismatch, bad region.
 class TransportError : public Error {
  public:
@@ -300,6 +321,12 @@ concept Transport = requires(T& t, const T& ct, void* p, std::size_t n, MemoryKi
     { t.wait_any(rs, deadline) } -> std::same_as<std::size_t>;
   };
   { t.abort(why) } noexcept;
+};
+
+/// A transport with its own pairwise exchange (see "pairwise exchange" above).
+template <class T>
+concept ExchangingTransport = requires(T& t, std::span<const PeerBlob> out, Deadline d) {
+  { t.exchange(out, d) } -> std::same_as<std::vector<std::vector<std::byte>>>;
 };
 
 /// A transport that launches batches explicitly: `void flush(Deadline)`
@@ -373,6 +400,9 @@ consteval bool check_transport() {
   static_assert(requires(T& t, std::string_view why) {
     { t.abort(why) } noexcept;
   }, "reshard: a Transport needs `void abort(std::string_view reason) noexcept`: fail every rank's waits");
+  static_assert(ExchangingTransport<T> || !requires { &T::exchange; },
+                "reshard: a Transport's `exchange` must be `std::vector<std::vector<std::byte>> exchange(std::span<const "
+                "PeerBlob>, Deadline)`; with another signature setup would not call it");
   // flush is optional; without one the executor's batches start at the
   // transport's next call. One of another signature would be silently unused.
   static_assert(FlushingTransport<T> || !detail::names_flush<T>,
@@ -402,6 +432,12 @@ class ForwardingTransport {
   void deregister_memory(RegionHandle h) { inner().deregister_memory(h); }
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline d) { return inner().all_gather(blob, d); }
   void prepare(std::span<const TransferOp> ops, Deadline d) { inner().prepare(ops, d); }
+  /// Forwards the pairwise exchange where the inner transport has one.
+  std::vector<std::vector<std::byte>> exchange(std::span<const PeerBlob> out, Deadline d)
+    requires ExchangingTransport<Inner>
+  {
+    return inner().exchange(out, d);
+  }
   request post(std::span<const TransferOp> ops) { return inner().post(ops); }
   bool test(request& r) { return inner().test(r); }
   void wait(request& r, Deadline d) { inner().wait(r, d); }

@@ -208,6 +208,12 @@ class FaultInjectingTransport {
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
     return in_->all_gather(blob, deadline);
   }
+  /// The inner transport's pairwise exchange, where it has one.
+  std::vector<std::vector<std::byte>> exchange(std::span<const PeerBlob> out, Deadline deadline)
+    requires ExchangingTransport<Inner>
+  {
+    return in_->exchange(out, deadline);
+  }
   void prepare(std::span<const TransferOp> ops, Deadline deadline) { in_->prepare(ops, deadline); }
 
   request post(std::span<const TransferOp> ops) {

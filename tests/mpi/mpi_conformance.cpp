@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
     run_case(conformance::WaitAny{});
     run_case(conformance::Batches{});
     run_case(conformance::AllGatherOrder{});
+    run_case(conformance::PairwiseExchange{});
   }
   MPI_Finalize();
   return ok ? 0 : 1;

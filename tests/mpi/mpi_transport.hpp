@@ -57,6 +57,7 @@ class MpiTransport {
   explicit MpiTransport(MPI_Comm comm) {
     MPI_Comm_dup(comm, &comm_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_dup(comm_, &exchange_comm_);  // pairwise setup blobs: apart from data tags
     int me = 0, n = 0;
     MPI_Comm_rank(comm_, &me);
     MPI_Comm_size(comm_, &n);
@@ -80,6 +81,7 @@ class MpiTransport {
       MPI_Wait(&abort_req_, MPI_STATUS_IGNORE);
     }
     for (auto& r : abort_sends_) MPI_Request_free(&r);
+    MPI_Comm_free(&exchange_comm_);
     MPI_Comm_free(&comm_);
   }
 
@@ -117,6 +119,34 @@ class MpiTransport {
     std::vector<std::vector<std::byte>> out(n);
     for (std::size_t i = 0; i < n; ++i) out[i].assign(all.begin() + displs[i], all.begin() + displs[i] + counts[i]);
     return out;
+  }
+
+  /// Pairwise exchange: one message per listed peer on a communicator of
+  /// its own (MPI keeps messages of one sender and tag in order, so the k-th
+  /// calls pair up), received by size after a probe.
+  std::vector<std::vector<std::byte>> exchange(std::span<const reshard::PeerBlob> out, Deadline deadline) {
+    check_aborted();
+    std::vector<MPI_Request> sends(out.size(), MPI_REQUEST_NULL);
+    for (std::size_t i = 0; i < out.size(); ++i)
+      MPI_Isend(out[i].bytes.data(), static_cast<int>(out[i].bytes.size()), MPI_BYTE, static_cast<int>(out[i].peer), 1, exchange_comm_, &sends[i]);
+    std::vector<std::vector<std::byte>> got(out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      MPI_Status st;
+      for (int flag = 0; !flag;) {
+        MPI_Iprobe(static_cast<int>(out[i].peer), 1, exchange_comm_, &flag, &st);
+        if (flag) break;
+        check_aborted();
+        if (Clock::now() >= deadline)
+          throw TransportError(fmt::format("mpi transport: rank {} timed out in a pairwise exchange: nothing from rank {}", me_, out[i].peer));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      got[i].resize(static_cast<std::size_t>(count));
+      MPI_Recv(got[i].data(), count, MPI_BYTE, static_cast<int>(out[i].peer), 1, exchange_comm_, MPI_STATUS_IGNORE);
+    }
+    for (auto& r : sends) settle(r, deadline, "the sends of a pairwise exchange");
+    return got;
   }
 
   void prepare(std::span<const TransferOp> ops, Deadline deadline) {
@@ -291,7 +321,7 @@ class MpiTransport {
     }
   }
 
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL, exchange_comm_ = MPI_COMM_NULL;
   std::int64_t me_ = 0;
   std::vector<std::int64_t> ranks_;
   std::vector<std::pair<std::byte*, std::size_t>> regions_;

@@ -466,6 +466,48 @@ class LocalWorld {
     return gather_result_;
   }
 
+  std::vector<std::vector<std::byte>> exchange(std::size_t me, std::span<const PeerBlob> out, Deadline deadline) {
+    std::unique_lock lk(m_);
+    if (aborted_) throw TransportError(abort_reason_);
+    std::vector<std::size_t> from(out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      auto it = index_.find(out[i].peer);
+      if (it == index_.end() || it->second == me)
+        throw TransportError(fmt::format("local transport: rank {} exchanges with rank {}, which is {}", ranks_[me], out[i].peer,
+                                         it == index_.end() ? "not in the world" : "itself"));
+      from[i] = it->second;
+    }
+    for (std::size_t i = 0; i < out.size(); ++i) mail_[{me, from[i]}].push_back(out[i].bytes);
+    gather_cv_.notify_all();
+    auto missing = [&] {
+      std::vector<std::int64_t> m;
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        // A peer listed twice needs two blobs.
+        const auto need = static_cast<std::size_t>(std::count(from.begin(), from.begin() + static_cast<std::ptrdiff_t>(i) + 1, from[i]));
+        auto it = mail_.find({from[i], me});
+        if (it == mail_.end() || it->second.size() < need) m.push_back(ranks_[from[i]]);
+      }
+      return m;
+    };
+    for (auto m = missing(); !m.empty(); m = missing()) {
+      if (aborted_) throw TransportError(abort_reason_);
+      for (auto r : m)
+        if (left_[index_.at(r)])
+          throw TransportError(fmt::format("local transport: rank {} waits in vain in a pairwise exchange: rank {} left the world (its "
+                                           "thread returned) without sending to it", ranks_[me], r));
+      if (gather_cv_.wait_until(lk, deadline) == std::cv_status::timeout && !missing().empty())
+        throw TransportError(fmt::format("local transport: rank {} timed out in a pairwise exchange: nothing from rank{} {}", ranks_[me],
+                                         missing().size() == 1 ? "" : "s", fmt::join(missing(), ", ")));
+    }
+    std::vector<std::vector<std::byte>> got(out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      auto& box = mail_[{from[i], me}];
+      got[i] = std::move(box.front());
+      box.pop_front();
+    }
+    return got;
+  }
+
   std::vector<std::int64_t> ranks_;
   std::map<std::int64_t, std::size_t> index_;
   LocalWorldOptions opt_;
@@ -482,6 +524,7 @@ class LocalWorld {
   bool aborted_ = false;
   std::string abort_reason_;
   std::vector<std::vector<std::byte>> gather_slots_, gather_result_;
+  std::map<std::pair<std::size_t, std::size_t>, std::deque<std::vector<std::byte>>> mail_;  ///< (from, to) slot: pairwise blobs
   std::vector<std::uint64_t> gather_seen_;  ///< per rank: generation + 1 of its last arrival
   std::size_t gather_arrived_ = 0;
   std::uint64_t gather_gen_ = 0;
@@ -511,6 +554,9 @@ class LocalTransport {
 
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
     return w_->all_gather(me_, blob, deadline);
+  }
+  std::vector<std::vector<std::byte>> exchange(std::span<const PeerBlob> out, Deadline deadline) {
+    return w_->exchange(me_, out, deadline);
   }
   /// Two-sided matching needs no setup; checks the ops reference live regions.
   void prepare(std::span<const TransferOp> ops, Deadline) {

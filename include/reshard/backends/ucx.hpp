@@ -70,12 +70,14 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <ucp/api/ucp.h>
 
 #include "../error.hpp"
 #include "../transport.hpp"
 #include "bootstrap.hpp"
 #include "../cuda/ucx_memory.hpp"
+#include "../peer_exchange.hpp"
 
 namespace reshard {
 
@@ -139,13 +141,16 @@ struct UcxBandwidth {
 struct UcxTrafficStats {
   std::int64_t bytes_sent = 0, bytes_received = 0, messages_sent = 0, messages_received = 0;
   std::int64_t signals_sent = 0, signals_received = 0, puts = 0, flushes = 0;
+  /// Setup traffic: what this rank put into and got out of all_gather and
+  /// exchange (blob bytes; the bootstrap's own framing not counted).
+  std::int64_t setup_bytes_sent = 0, setup_bytes_received = 0;
 };
 
 namespace ucx_detail {
 
 constexpr std::uint32_t kMagic = 0x52534855;  // "RSHU"
 constexpr unsigned kAmId = 0x5253;
-enum class AmType : std::uint16_t { ready = 1, done = 2, abort = 3, probe = 4 };
+enum class AmType : std::uint16_t { ready = 1, done = 2, abort = 3, probe = 4, exchange = 5 };
 
 struct AmHeader {
   std::uint32_t magic = kMagic;
@@ -233,6 +238,9 @@ class UcxTransport {
   RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind);
   void deregister_memory(RegionHandle h);
   Blobs all_gather(std::span<const std::byte> blob, Deadline deadline);
+  /// Pairwise exchange (transport.hpp): active messages on the control
+  /// endpoints, so only the listed peers are talked to.
+  Blobs exchange(std::span<const PeerBlob> out, Deadline deadline);
   void prepare(std::span<const TransferOp> ops, Deadline deadline);
   request post(std::span<const TransferOp> ops);
   bool test(request& r);
@@ -304,7 +312,7 @@ class UcxTransport {
  private:
   /// Context of one UCX operation in flight (user_data of its callback).
   struct Pending {
-    enum Kind : std::uint8_t { put_chunk, flush, signal, abort_msg, tag_send, tag_recv, probe_put, probe_flush } kind;
+    enum Kind : std::uint8_t { put_chunk, flush, signal, abort_msg, tag_send, tag_recv, probe_put, probe_flush, exchange_send } kind;
     UcxTransport* t = nullptr;
     std::uint32_t op = 0;
     std::size_t peer = 0;
@@ -397,6 +405,10 @@ class UcxTransport {
   std::string abort_reason_;
   std::optional<double> probe_seconds_;
   UcxTrafficStats traffic_;
+  std::uint64_t exchange_calls_ = 0;                                             ///< exchange() calls so far
+  std::map<std::pair<std::int64_t, std::uint64_t>, std::vector<std::byte>> inbox_;  ///< (from, call): pairwise blobs
+  std::size_t exchange_sends_left_ = 0;
+  std::string exchange_error_;
 };
 
 static_assert(check_transport<UcxTransport>());
@@ -605,6 +617,13 @@ inline void UcxTransport::handle_am(const ucx_detail::AmHeader& h, const std::by
     }
     return;
   }
+  if (type == AmType::exchange) {  // kept until this rank's matching exchange() takes it
+    std::uint64_t call = 0;
+    if (len < sizeof(call)) return;
+    std::memcpy(&call, data, sizeof(call));
+    inbox_[{h.from, call}].assign(data + sizeof(call), data + len);
+    return;
+  }
   if (type == AmType::probe) {
     double s = 0;
     if (len == sizeof(s)) std::memcpy(&s, data, sizeof(s));
@@ -741,6 +760,12 @@ inline void UcxTransport::finish(Pending* p, ucs_status_t st, std::size_t recv_l
       break;
     }
     case Pending::abort_msg:
+      break;
+    case Pending::exchange_send:
+      --exchange_sends_left_;
+      if (!ok && exchange_error_.empty())
+        exchange_error_ = fmt::format("ucx transport: rank {}: sending its setup blob to rank {} failed: {}", me_, peers_[p->peer]->rank,
+                                      peer_text(p->peer));
       break;
     case Pending::probe_put:
     case Pending::probe_flush:
@@ -944,7 +969,79 @@ inline Blobs UcxTransport::all_gather(std::span<const std::byte> blob, Deadline 
   });
   if (out.size() != boot_.ranks.size())
     throw TransportError(fmt::format("ucx transport: rank {}: the bootstrap returned {} blobs for {} ranks", me_, out.size(), boot_.ranks.size()));
+  traffic_.setup_bytes_sent += static_cast<std::int64_t>(blob.size());
+  for (const auto& b : out) traffic_.setup_bytes_received += static_cast<std::int64_t>(b.size());
   return out;
+}
+
+inline Blobs UcxTransport::exchange(std::span<const PeerBlob> out, Deadline deadline) {
+  check_usable();
+  const std::uint64_t call = ++exchange_calls_;
+  std::vector<std::size_t> peer(out.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    peer[i] = peer_index(out[i].peer);
+    if (peer[i] == my_index_ || std::find(peer.begin(), peer.begin() + static_cast<std::ptrdiff_t>(i), peer[i]) != peer.begin() + static_cast<std::ptrdiff_t>(i))
+      throw TransportError(fmt::format("ucx transport: rank {} lists rank {} {} in a pairwise exchange", me_, out[i].peer,
+                                       peer[i] == my_index_ ? "(itself)" : "twice"));
+  }
+  exchange_error_.clear();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    auto* p = new Pending{};
+    p->kind = Pending::exchange_send;
+    p->t = this;
+    p->peer = peer[i];
+    p->header.type = static_cast<std::uint16_t>(ucx_detail::AmType::exchange);
+    p->header.from = me_;
+    p->payload.resize(sizeof(call) + out[i].bytes.size());
+    std::memcpy(p->payload.data(), &call, sizeof(call));
+    if (!out[i].bytes.empty()) std::memcpy(p->payload.data() + sizeof(call), out[i].bytes.data(), out[i].bytes.size());
+    ucp_ep_h ep = nullptr;
+    try {
+      ep = ensure_ep(peer[i]);
+    } catch (...) {
+      delete p;
+      throw;
+    }
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = &UcxTransport::on_send_done;
+    prm.user_data = p;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;  // delivered whole to on_am, whatever its size
+    ++exchange_sends_left_;
+    launch(p, [&] { return ucp_am_send_nbx(ep, ucx_detail::kAmId, &p->header, sizeof(p->header), p->payload.data(), p->payload.size(), &prm); });
+  }
+  auto unheard = [&] {
+    std::vector<std::int64_t> m;
+    for (const auto& o : out)
+      if (!inbox_.count({o.peer, call})) m.push_back(o.peer);
+    return m;
+  };
+  // Like all_gather's patience: longer than a wait's stall timeout.
+  const Deadline d = std::min(deadline, Clock::now() + opt_.stall_timeout + opt_.stall_timeout / 4 + std::chrono::seconds(1));
+  wait_until(
+      [&] {
+        if (!exchange_error_.empty()) throw TransportError(exchange_error_);
+        for (std::size_t i = 0; i < out.size(); ++i)
+          if (peers_[peer[i]]->failed && !inbox_.count({out[i].peer, call}))
+            throw TransportError(fmt::format("ucx transport: rank {}: peer rank {} failed ({}) before it sent its setup blob", me_,
+                                             out[i].peer, peers_[peer[i]]->failure));
+        return exchange_sends_left_ == 0 && unheard().empty();
+      },
+      [&] {
+        const auto m = unheard();
+        return m.empty() ? fmt::format("{} setup blob sends", exchange_sends_left_)
+                         : fmt::format("the setup blobs of rank{} {}", m.size() == 1 ? "" : "s", fmt::join(m, ", "));
+      },
+      d, "in a pairwise exchange");
+  Blobs got(out.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    auto it = inbox_.find({out[i].peer, call});
+    got[i] = std::move(it->second);
+    inbox_.erase(it);
+    traffic_.setup_bytes_sent += static_cast<std::int64_t>(out[i].bytes.size());
+    traffic_.setup_bytes_received += static_cast<std::int64_t>(got[i].size());
+  }
+  return got;
 }
 
 inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline deadline) {
@@ -981,44 +1078,19 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     for (std::size_t i = first; i < ops_.size(); ++i) by_uid_.erase(ops_[i].uid);
     ops_.resize(first);
   };
-  // 1. Publish this rank's ops (and receive keys).
+  // 1. Status, and the balance of this rank's ops over the job (one uint64:
+  //    zero when every send has its receive), through one fixed-size all_gather.
+  PairBalance balance;
+  for (std::size_t i = first; i < ops_.size(); ++i) {
+    const TransferOp& op = ops_[i].op;
+    const bool send = op.kind == OpKind::send;
+    balance.add(send, send ? me_ : op.peer, send ? op.peer : me_, {op.tag, op.bytes});
+  }
   ucx_detail::Writer w;
   w.put(ucx_detail::kMagic);
   w.put<std::uint8_t>(error.empty() ? 1 : 0);
   w.put_string(error);
-  std::vector<std::vector<std::byte>> packed;
-  if (error.empty()) {
-    for (auto id : rkey_regions) {
-      void* buf = nullptr;
-      std::size_t len = 0;
-      const ucs_status_t st = ucp_rkey_pack(ctx_, regions_.at(id).memh, &buf, &len);
-      if (st != UCS_OK) {
-        error = fmt::format("ucx transport: rank {}: packing the remote key of region {} failed: {}", me_, id, ucx_detail::status_text(st));
-        break;
-      }
-      packed.emplace_back(static_cast<std::byte*>(buf), static_cast<std::byte*>(buf) + len);
-      ucp_rkey_buffer_release(buf);
-    }
-  }
-  const std::size_t n = error.empty() ? ops_.size() - first : 0;
-  w.put<std::uint32_t>(static_cast<std::uint32_t>(error.empty() ? rkey_regions.size() : 0));
-  if (error.empty())
-    for (std::size_t k = 0; k < rkey_regions.size(); ++k) {
-      w.put<std::uint32_t>(rkey_regions[k]);
-      w.put_bytes(packed[k].data(), packed[k].size());
-    }
-  w.put<std::uint64_t>(n);
-  for (std::size_t i = first; i < first + n; ++i) {
-    const Op& o = ops_[i];
-    w.put<std::uint8_t>(o.op.kind == OpKind::send ? 0 : 1);
-    w.put<std::int64_t>(o.op.peer);
-    w.put<std::uint64_t>(o.op.tag);
-    w.put<std::uint64_t>(o.op.bytes);
-    w.put<std::uint64_t>(o.uid);
-    const bool keyed = put && o.op.kind == OpKind::recv && o.op.bytes > 0;
-    w.put<std::uint64_t>(keyed ? reinterpret_cast<std::uint64_t>(regions_.at(o.op.region.id).ptr + o.op.offset) : 0);
-    w.put<std::uint32_t>(keyed ? o.op.region.id : UINT32_MAX);
-  }
+  w.put(balance.sum);
   Blobs blobs;
   try {
     blobs = all_gather(w.buf, deadline);
@@ -1026,8 +1098,87 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     drop_new();
     throw;
   }
+  std::vector<std::uint64_t> sums(blobs.size(), 1);
+  for (std::size_t r = 0; r < blobs.size(); ++r) {
+    ucx_detail::Reader rd(blobs[r], boot_.ranks[r], "prepare");
+    std::string why;
+    try {
+      if (rd.get<std::uint32_t>() != ucx_detail::kMagic)
+        why = fmt::format("ucx transport: rank {}: rank {} sent a prepare blob of another kind", me_, boot_.ranks[r]);
+      else if (rd.get<std::uint8_t>() == 0)
+        why = fmt::format("ucx transport: rank {}: prepare failed on rank {}: {}", me_, boot_.ranks[r], rd.get_string());
+      else
+        (void)rd.get_string(), sums[r] = rd.get<std::uint64_t>();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (!why.empty()) {  // every rank reads the same blobs: all leave here
+      drop_new();
+      throw TransportError(error.empty() ? why : error);
+    }
+  }
 
-  // 2. Match every new op with the peer's op of the other kind, same tag, same occurrence.
+  // 2. Each peer gets this rank's ops with it (and, for puts, the keys of
+  //    the receive regions it writes): pairwise when the balance is zero,
+  //    else through an all_gather that lets the mismatch be named.
+  std::vector<PeerBlob> out;
+  {
+    std::map<std::size_t, std::vector<std::uint32_t>> keyed;  // peer -> receive regions it writes
+    std::map<std::size_t, std::vector<std::size_t>> by_peer;   // peer -> this rank's new ops with it
+    for (std::size_t i = first; i < ops_.size(); ++i) {
+      const Op& o = ops_[i];
+      by_peer[o.peer].push_back(i);
+      if (put && o.op.kind == OpKind::recv && o.op.bytes > 0) {
+        auto& k = keyed[o.peer];
+        if (std::find(k.begin(), k.end(), o.op.region.id) == k.end()) k.push_back(o.op.region.id);
+      }
+    }
+    std::map<std::uint32_t, std::vector<std::byte>> packed;  // region -> packed remote key
+    for (const auto& [peer, list] : by_peer) {
+      ucx_detail::Writer pw;
+      const auto& regions = keyed[peer];
+      pw.put<std::uint32_t>(static_cast<std::uint32_t>(regions.size()));
+      for (auto id : regions) {
+        auto pk = packed.find(id);
+        if (pk == packed.end()) {
+          void* buf = nullptr;
+          std::size_t len = 0;
+          const ucs_status_t st = ucp_rkey_pack(ctx_, regions_.at(id).memh, &buf, &len);
+          if (st != UCS_OK) {
+            if (error.empty())
+              error = fmt::format("ucx transport: rank {}: packing the remote key of region {} failed: {}", me_, id, ucx_detail::status_text(st));
+            buf = nullptr;
+            len = 0;
+          }
+          pk = packed.emplace(id, std::vector<std::byte>(static_cast<std::byte*>(buf), static_cast<std::byte*>(buf) + len)).first;
+          if (buf) ucp_rkey_buffer_release(buf);
+        }
+        pw.put<std::uint32_t>(id);
+        pw.put_bytes(pk->second.data(), pk->second.size());
+      }
+      pw.put<std::uint64_t>(list.size());
+      for (auto i : list) {
+        const Op& o = ops_[i];
+        pw.put<std::uint8_t>(o.op.kind == OpKind::send ? 0 : 1);
+        pw.put<std::uint64_t>(o.op.tag);
+        pw.put<std::uint64_t>(o.op.bytes);
+        pw.put<std::uint64_t>(o.uid);
+        const bool keyed_op = put && o.op.kind == OpKind::recv && o.op.bytes > 0;
+        pw.put<std::uint64_t>(keyed_op ? reinterpret_cast<std::uint64_t>(regions_.at(o.op.region.id).ptr + o.op.offset) : 0);
+        pw.put<std::uint32_t>(keyed_op ? o.op.region.id : UINT32_MAX);
+      }
+      out.push_back(PeerBlob{boot_.ranks[peer], std::move(pw.buf)});
+    }
+  }
+  std::vector<PeerBlob> got;
+  try {
+    got = exchange_with_peers(*this, out, PairBalance::balanced(sums), deadline);
+  } catch (...) {
+    drop_new();
+    throw;
+  }
+
+  // 3. Match every new op with the peer's op of the other kind, same tag, same occurrence.
   struct Theirs {
     std::uint64_t bytes, uid, addr;
     std::uint32_t region;
@@ -1038,13 +1189,9 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     std::map<std::size_t, std::map<std::uint32_t, std::span<const std::byte>>> keys;
     std::vector<char> talks(boot_.ranks.size(), 0);
     for (std::size_t i = first; i < ops_.size(); ++i) talks[ops_[i].peer] = 1;
-    for (std::size_t r = 0; r < blobs.size(); ++r) {
-      ucx_detail::Reader rd(blobs[r], boot_.ranks[r], "prepare");
-      if (rd.get<std::uint32_t>() != ucx_detail::kMagic)
-        throw TransportError(fmt::format("ucx transport: rank {}: rank {} sent a prepare blob of another kind", me_, boot_.ranks[r]));
-      const bool ok = rd.get<std::uint8_t>() != 0;
-      const std::string msg = rd.get_string();
-      if (!ok) throw TransportError(fmt::format("ucx transport: rank {}: prepare failed on rank {}: {}", me_, boot_.ranks[r], msg));
+    for (const auto& g : got) {
+      const std::size_t r = peer_index(g.peer);
+      ucx_detail::Reader rd(g.bytes, g.peer, "prepare");
       const auto nk = rd.get<std::uint32_t>();
       for (std::uint32_t k = 0; k < nk; ++k) {
         const auto id = rd.get<std::uint32_t>();
@@ -1053,18 +1200,16 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
       const auto m = rd.get<std::uint64_t>();
       for (std::uint64_t k = 0; k < m; ++k) {
         const auto kind = rd.get<std::uint8_t>();
-        const auto peer = rd.get<std::int64_t>();
         const auto tag = rd.get<std::uint64_t>();
         Theirs t{};
         t.bytes = rd.get<std::uint64_t>();
         t.uid = rd.get<std::uint64_t>();
         t.addr = rd.get<std::uint64_t>();
         t.region = rd.get<std::uint32_t>();
-        if (peer != me_) continue;
         if (!talks[r])
           throw TransportError(fmt::format("ucx transport: rank {}: rank {} prepared a {} of {} bytes with this rank (tag {:#x}) but this rank "
                                            "prepared nothing with rank {}",
-                                           me_, boot_.ranks[r], kind == 0 ? "send" : "receive", t.bytes, tag, boot_.ranks[r]));
+                                           me_, g.peer, kind == 0 ? "send" : "receive", t.bytes, tag, g.peer));
         theirs[r][{kind, tag}].push_back(t);
       }
     }
@@ -1113,7 +1258,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
   } catch (const std::exception& e) {
     if (error.empty()) error = e.what();
   }
-  // 3. Everyone learns whether everyone succeeded.
+  // 4. Everyone learns whether everyone succeeded.
   ucx_detail::Writer w2;
   w2.put<std::uint8_t>(error.empty() ? 1 : 0);
   w2.put_string(error);

@@ -1,0 +1,119 @@
+#pragma once
+// Pairwise setup exchange: each rank sends one blob to each of its peers and
+// gets one back from each, so a setup moves O(peers) bytes per rank. An
+// all_gather of the same tables hands every rank every rank's tables: O(ops
+// in the job) per rank (the DeepSeek-V3 128+128 plan: hundreds of MB per
+// rank in UCX's prepare).
+//
+// The optional Transport member `exchange` is specified in transport.hpp
+// ("Pairwise exchange").
+//
+// Callers make sure the lists are symmetric before they rely on it:
+// PairBalance, summed over every rank through the all_gather a setup does
+// anyway (one uint64 per rank), is zero exactly when the two ends of every
+// pair agree (up to a 64-bit hash collision). Where it is not zero (or T has
+// no exchange), exchange_with_peers() falls back to an all_gather of every
+// rank's blobs, which cannot hang on an asymmetric list and lets the caller
+// name the disagreement.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <span>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "transport.hpp"
+
+namespace reshard {
+
+/// A 64-bit mixing step (setup digests and pair balances).
+inline std::uint64_t hash_mix(std::uint64_t h, std::uint64_t v) {
+  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+  h *= 0xBF58476D1CE4E5B9ull;
+  return h ^ (h >> 31);
+}
+
+/// What one rank holds of the pairs it is in, as a sum that cancels over the
+/// job: the sending end adds the hash of (sender, receiver, what), the
+/// receiving end subtracts the same hash. The sum over all ranks is zero when
+/// every item one end lists the other end lists too (a multiset, so two
+/// identical sends need two receives).
+struct PairBalance {
+  std::uint64_t sum = 0;
+  void add(bool sending_end, std::int64_t sender, std::int64_t receiver, std::initializer_list<std::uint64_t> what) {
+    std::uint64_t h = hash_mix(hash_mix(0x5041495242414cull, static_cast<std::uint64_t>(sender)), static_cast<std::uint64_t>(receiver));
+    for (auto v : what) h = hash_mix(h, v);
+    sum += sending_end ? h : 0 - h;
+  }
+  /// The job's balance from every rank's sum.
+  static bool balanced(std::span<const std::uint64_t> sums) {
+    std::uint64_t s = 0;
+    for (auto v : sums) s += v;
+    return s == 0;
+  }
+};
+
+namespace exchange_detail {
+inline void put_u64(std::vector<std::byte>& b, std::uint64_t v) {
+  const auto* p = reinterpret_cast<const std::byte*>(&v);
+  b.insert(b.end(), p, p + sizeof v);
+}
+inline std::uint64_t get_u64(std::span<const std::byte> b, std::size_t& pos, std::int64_t from) {
+  std::uint64_t v = 0;
+  if (pos + sizeof v > b.size()) throw TransportError(fmt::format("pairwise exchange: the blob list from rank {} is truncated", from));
+  std::memcpy(&v, b.data() + pos, sizeof v);
+  pos += sizeof v;
+  return v;
+}
+}  // namespace exchange_detail
+
+/// Sends each out[i] to its peer and returns what this rank received, by
+/// sender. With `symmetric` (the caller checked a PairBalance) and a T that
+/// exchanges natively, that is exactly one blob from each listed peer, in
+/// out's order. Otherwise every rank's blobs travel through one all_gather
+/// and the result holds, in world order, every blob any rank addressed to
+/// this one: a listed peer that addressed none is absent and an unlisted
+/// sender present, for the caller to report. Collective over the world.
+template <class T>
+std::vector<PeerBlob> exchange_with_peers(T& t, std::span<const PeerBlob> out, bool symmetric, Deadline deadline) {
+  std::vector<PeerBlob> got;
+  if constexpr (ExchangingTransport<T>) {
+    if (symmetric) {
+      auto blobs = t.exchange(out, deadline);
+      if (blobs.size() != out.size())
+        throw TransportError(fmt::format("{} transport: exchange returned {} blobs for {} peers", t.name(), blobs.size(), out.size()));
+      got.reserve(out.size());
+      for (std::size_t i = 0; i < out.size(); ++i) got.push_back(PeerBlob{out[i].peer, std::move(blobs[i])});
+      return got;
+    }
+  }
+  std::vector<std::byte> mine;
+  exchange_detail::put_u64(mine, out.size());
+  for (const auto& o : out) {
+    exchange_detail::put_u64(mine, static_cast<std::uint64_t>(o.peer));
+    exchange_detail::put_u64(mine, o.bytes.size());
+    mine.insert(mine.end(), o.bytes.begin(), o.bytes.end());
+  }
+  const auto all = t.all_gather(mine, deadline);
+  const auto world = t.world_ranks();
+  const std::int64_t me = t.rank();
+  for (std::size_t r = 0; r < all.size() && r < world.size(); ++r) {
+    std::span<const std::byte> b = all[r];
+    std::size_t pos = 0;
+    const auto n = exchange_detail::get_u64(b, pos, world[r]);
+    for (std::uint64_t k = 0; k < n; ++k) {
+      const auto to = static_cast<std::int64_t>(exchange_detail::get_u64(b, pos, world[r]));
+      const auto len = exchange_detail::get_u64(b, pos, world[r]);
+      if (len > b.size() - pos) throw TransportError(fmt::format("pairwise exchange: the blob list from rank {} is truncated", world[r]));
+      if (to == me) got.push_back(PeerBlob{world[r], std::vector<std::byte>(b.begin() + static_cast<std::ptrdiff_t>(pos),
+                                                                            b.begin() + static_cast<std::ptrdiff_t>(pos + len))});
+      pos += static_cast<std::size_t>(len);
+    }
+  }
+  return got;
+}
+
+}  // namespace reshard
