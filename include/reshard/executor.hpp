@@ -594,6 +594,16 @@ class Executor {
 
   [[noreturn]] void fail_here(const std::string& what) const { fail("rank {}: {}", me_, what); }
   void release();
+  // The steps of setup(), in order (each collective from step 2 on).
+  std::string bind_copies(const Schedule& schedule, std::string local_error);
+  std::string agree_on_pairs(T& transport, const std::string& local_error, Deadline deadline);
+  bool negotiate_staging(T& transport, std::string step_error, Deadline deadline);
+  void compile_program(T& transport, bool reuse, Deadline deadline);
+  /// Position of `rank` in the transport's world, -1 if absent.
+  std::ptrdiff_t world_index(std::int64_t rank) const {
+    auto it = world_pos_.find(rank);
+    return it == world_pos_.end() ? -1 : it->second;
+  }
   void build_side(const Copy& c, std::size_t index, bool src_side, SideCopy& out) const;
   std::vector<std::pair<bool, bool>> pair_modes(const Pair& p) const;
   void plan_pair_messages(Pair& p) const;
@@ -636,6 +646,8 @@ class Executor {
   std::vector<const BoundBuffer*> src_, dst_;
   std::vector<RegionHandle> src_regions_, dst_regions_;
   std::vector<Pair> pairs_;
+  std::map<std::pair<std::int64_t, bool>, std::size_t> pair_index_;  ///< (peer, this rank sends) -> pairs_ index
+  std::map<std::int64_t, std::ptrdiff_t> world_pos_;                 ///< rank -> position in world_ranks()
   std::vector<LocalCopy> local_;
   std::vector<Message> messages_;
   std::vector<Wave> waves_;
@@ -723,18 +735,23 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   arrived_.clear();
   crc_.clear();
   plan_sent_ = plan_recv_ = plan_local_ = 0;
-  const Deadline deadline = Clock::now() + opt_.timeout;
+  pair_index_.clear();
+  world_pos_.clear();
   const auto world = transport.world_ranks();
-  std::map<std::int64_t, std::ptrdiff_t> world_pos;
-  for (std::size_t i = 0; i < world.size(); ++i) world_pos.emplace(world[i], static_cast<std::ptrdiff_t>(i));
-  auto world_index = [&](std::int64_t r) -> std::ptrdiff_t {
-    auto it = world_pos.find(r);
-    return it == world_pos.end() ? -1 : it->second;
-  };
+  for (std::size_t i = 0; i < world.size(); ++i) world_pos_.emplace(world[i], static_cast<std::ptrdiff_t>(i));
+  const Deadline deadline = Clock::now() + opt_.timeout;
+  local_error = bind_copies(schedule, std::move(local_error));
+  std::string step_error = agree_on_pairs(transport, local_error, deadline);
+  const bool reuse = negotiate_staging(transport, std::move(step_error), deadline);
+  compile_program(transport, reuse, deadline);
+  ready_ = true;
+  ++compiles_;
+}
 
-  // 1. Local checks and the rank's side of every copy. Errors are collected,
-  //    not thrown, until every rank has heard of them.
-  std::map<std::pair<std::int64_t, bool>, std::size_t> pair_index;
+/// Step 1 of setup: local checks and this rank's side of every copy. Errors
+/// are returned, not thrown, until every rank has heard of them.
+template <class T>
+std::string Executor<T>::bind_copies(const Schedule& schedule, std::string local_error) {
   try {
     if (!local_error.empty()) throw Error(local_error);
     if (opt_.pipeline < 1 || opt_.pipeline > 2) fail_here(fmt::format("executor pipeline must be 1 or 2, not {}", opt_.pipeline));
@@ -815,7 +832,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
       if (world_index(peer) < 0)
         fail_here(fmt::format("the schedule {} rank {}, which is not in the transport's world", i_send ? "sends to" : "receives from", peer));
       buffer_of(i_send, c);
-      auto [it, fresh] = pair_index.emplace(std::make_pair(peer, i_send), pairs_.size());
+      auto [it, fresh] = pair_index_.emplace(std::make_pair(peer, i_send), pairs_.size());
       if (fresh) {
         pairs_.emplace_back();
         pairs_.back().peer = peer;
@@ -833,10 +850,17 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   } catch (const std::exception& e) {
     local_error = e.what();
   }
+  return local_error;
 
-  // 2. Status and options (one fixed-size all_gather, with the balance of
-  //    this rank's pair summaries), then, pairwise, per pair what this rank
-  //    believes it moves (so a schedule mismatch is an error, not a hang).
+}
+
+/// Step 2 of setup: status and options (one fixed-size all_gather, with the
+/// balance of this rank's pair summaries), then, pairwise, per pair what
+/// this rank believes it moves, so a schedule mismatch is an error, not a
+/// hang. Throws when a rank failed step 1; returns the first disagreement.
+template <class T>
+std::string Executor<T>::agree_on_pairs(T& transport, const std::string& local_error, Deadline deadline) {
+  const auto world = transport.world_ranks();
   PairBalance balance;
   for (const auto& p : pairs_)
     balance.add(p.send, p.send ? me_ : p.peer, p.send ? p.peer : me_,
@@ -851,12 +875,9 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   w1.put(balance.sum);
   const auto blobs1 = transport.all_gather(w1.buf, deadline);
   if (!local_error.empty()) throw Error(local_error);
-  // Checks against the peers' view; a failure here is shared in the second
-  // exchange so that every rank fails setup together.
+  // Checks against the peers' view; a failure here is shared in the next
+  // all_gather (negotiate_staging) so that every rank fails setup together.
   std::string step_error;
-  std::int64_t total_staged = 0;
-  bool reuse = false;
-  std::int64_t capacity = -1;  // -1: this rank does not constrain its pairs
   // Every blob is read whatever an earlier one held, so that every rank
   // derives the same sums (and the same choice below) from the same blobs.
   std::vector<std::uint64_t> sums(blobs1.size(), 1);
@@ -927,9 +948,9 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
         const auto digest = rd.get<std::uint64_t>();
         std::vector<std::uint32_t> exc(rd.get<std::uint32_t>());
         for (auto& e : exc) e = rd.get<std::uint32_t>();
-        auto it = pair_index.find({v.peer, !sends});
+        auto it = pair_index_.find({v.peer, !sends});
         const std::string dir = sends ? fmt::format("rank {} to rank {}", v.peer, me_) : fmt::format("rank {} to rank {}", me_, v.peer);
-        if (it == pair_index.end())
+        if (it == pair_index_.end())
           fail_here(fmt::format("rank {} plans {} copies ({} bytes) from {}, but this rank's schedule has none: were both planned "
                                 "from the same layouts?", v.peer, count, bytes, dir));
         Pair& p = pairs_[it->second];
@@ -946,8 +967,24 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
       if (!confirmed.count({p.peer, p.send}))
         fail_here(fmt::format("this rank's schedule {} rank {} ({} bytes) but rank {} plans no such copies: were both planned from "
                               "the same layouts?", p.send ? "sends to" : "receives from", p.peer, p.bytes, p.peer));
+  } catch (const std::exception& e) {
+    step_error = e.what();
+  }
+  return step_error;
+}
 
-    // 3. Modes and staged bytes; this rank's capacity per wave.
+/// Step 3 of setup: each pair's staged bytes, this rank's capacity per wave,
+/// and (one fixed-size all_gather, which also shares step 2's verdict) each
+/// pair's share of both ends' staging budgets; plans the pairs' messages.
+/// Returns whether waves reuse staging (the budget is exceeded).
+template <class T>
+bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadline deadline) {
+  const auto world = transport.world_ranks();
+  std::int64_t total_staged = 0;
+  bool reuse = false;
+  std::int64_t capacity = -1;  // -1: this rank does not constrain its pairs
+  try {
+    if (!step_error.empty()) throw Error(step_error);
     for (auto& p : pairs_) {
       const auto modes = pair_modes(p);
       p.staged = 0;
@@ -998,8 +1035,13 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   }
   for (auto& p : pairs_)
     if (p.staged == 0) plan_pair_messages(p);
+  return reuse;
+}
 
-  // 4. Register memory, lay out staging per wave, build the op groups.
+/// Step 4 of setup: registers the buffers, lays out staging per wave, builds
+/// the op groups and prepares them with the transport (collective).
+template <class T>
+void Executor<T>::compile_program(T& transport, bool reuse, Deadline deadline) {
   try {
     src_regions_.assign(src_.size(), RegionHandle{});
     dst_regions_.assign(dst_.size(), RegionHandle{});
@@ -1025,8 +1067,6 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
     release();
     throw;
   }
-  ready_ = true;
-  ++compiles_;
 }
 
 template <class T>
