@@ -1,5 +1,5 @@
-// agree_refit / refit_and_agree (commit.hpp) on the in-process transport: a
-// refit counts only when every rank's succeeded.
+// agree_refit (commit.hpp) and Resharder::refit() on the in-process transport:
+// a refit counts only when every rank's succeeded.
 #include <mutex>
 
 #include <doctest/doctest.h>
@@ -31,7 +31,7 @@ TEST_CASE("commit: one rank's failure makes every rank's refit not committed, na
   CHECK_NOTHROW(ok.run([&](LocalTransport& t) { agree_refit(t, "", Clock::now() + std::chrono::seconds(10)); }));
 }
 
-TEST_CASE("commit: refit_and_agree returns the report of a refit every rank completed") {
+TEST_CASE("commit: refit() returns the report of a refit every rank completed") {
   const auto src = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]]},
     "tensors": [{"name": "w", "shape": [64, 8], "dtype": "f32", "dims": ["tp", null]}]})"), "src");
   const auto dst = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2},
@@ -44,7 +44,7 @@ TEST_CASE("commit: refit_and_agree returns the report of a refit every rank comp
     auto dm = refit_test::make_side(dst, t.rank(), false, 0);
     LocalBuffers bufs{refit_test::views(src, sm), refit_test::views(dst, dm)};
     Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
-    const RefitReport rep = refit_and_agree(r, t);
+    const RefitReport rep = r.refit();
     std::lock_guard lk(m);
     wrong += refit_test::count_wrong(dst, dm, t.rank(), 0, nullptr);
     received += rep.bytes_received;

@@ -321,18 +321,3 @@ TEST_CASE("double-buffered: the two sets share the staging budget; misuse is nam
   CHECK(has(errors2[3], "back destination (dst_back) buffer"));
   CHECK(has(errors2[3], "is missing"));
 }
-
-TEST_CASE("commit: refit_and_agree is refit(), which agrees before it returns") {
-  Job job(options(false));
-  FaultPlan none;
-  job.run(none, [&](std::size_t i, R& r) {
-    FT& t = *job.transports.back()[i];
-    // New source values (salt 5) into a destination that holds none of them.
-    refit_test::write_side(message_kinds_src(), job.src[i], true, 5);
-    const auto rep = refit_and_agree(r, t);
-    CHECK(rep.version == 1);
-    CHECK(r.state() == RefitState::current);
-    std::string first;
-    CHECK_MESSAGE(refit_test::count_wrong(message_kinds_dst(), job.dst[i], job.ranks[i], 5, &first) == 0, first);
-  });
-}

@@ -287,7 +287,7 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
     mine.push_back(m);
   }
   // Everyone's figures to everyone.
-  exec_detail::Writer w;
+  BlobWriter w;
   w.put<std::uint32_t>(static_cast<std::uint32_t>(mine.size()));
   for (const Mine& m : mine) w.put(m);
   w.put(delta.delta_executor(0).shadow_bytes());
@@ -300,7 +300,7 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
   std::vector<std::int64_t> lo0(mine.size(), INT64_MAX), hi0(mine.size(), INT64_MIN), lo1(mine.size(), INT64_MAX), hi1(mine.size(), INT64_MIN);
   const auto world = t.world_ranks();
   for (std::size_t r = 0; r < blobs.size(); ++r) {
-    exec_detail::Reader rd(blobs[r], world[r]);
+    BlobReader rd(blobs[r], world[r]);
     const auto n = rd.get<std::uint32_t>();
     for (std::uint32_t k = 0; k < n && k < mine.size(); ++k) {
       const Mine m = rd.get<Mine>();

@@ -558,7 +558,7 @@ class DeltaExecutor {
   void prime();
   double sample();
   template <class F>
-  void put_send_pairs(exec_detail::Writer& w, F&& each) const;
+  void put_send_pairs(BlobWriter& w, F&& each) const;
   std::string tensors_of(const Pair& p) const;
 
   T* t_ = nullptr;
@@ -697,7 +697,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   // 2. Exchange: status, and per send pair (receiver, bytes, shadowed), so
   //    the receivers know which pairs come as payloads and both ends check
   //    they see the same pair.
-  exec_detail::Writer w;
+  BlobWriter w;
   w.put<std::uint8_t>(local_error.empty() ? 1 : 0);
   w.put_string(local_error);
   put_send_pairs(w, [&](const Pair& p) {
@@ -709,7 +709,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   std::string error = local_error;
   std::set<std::pair<std::int64_t, std::int64_t>> shadowed;  // (src rank, dst rank)
   for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
-    exec_detail::Reader rd(blobs[r], world[r]);
+    BlobReader rd(blobs[r], world[r]);
     const bool ok = rd.get<std::uint8_t>() != 0;
     const std::string msg = rd.get_string();
     if (!ok) {
@@ -809,7 +809,7 @@ void DeltaExecutor<T>::prime() {
 
 template <class T>
 template <class F>
-void DeltaExecutor<T>::put_send_pairs(exec_detail::Writer& w, F&& each) const {
+void DeltaExecutor<T>::put_send_pairs(BlobWriter& w, F&& each) const {
   std::uint32_t n = 0;
   for (const Pair& p : pairs_) n += p.send ? 1 : 0;
   w.put(n);
@@ -840,7 +840,7 @@ double DeltaExecutor<T>::sample() {
       shadow += s.elements * E;
     }
   }
-  exec_detail::Writer w;
+  BlobWriter w;
   w.put(compared);
   w.put(changed);
   std::vector<std::vector<std::byte>> blobs;
@@ -853,7 +853,7 @@ double DeltaExecutor<T>::sample() {
   const auto world = t_->world_ranks();
   compared = changed = 0;
   for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
-    exec_detail::Reader rd(blobs[r], world[r]);
+    BlobReader rd(blobs[r], world[r]);
     compared += rd.get<std::int64_t>();
     changed += rd.get<std::int64_t>();
   }
@@ -1049,7 +1049,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   // many blocks to post.
   bool overflow = false;
   for (const Pair& p : pairs_) overflow |= p.send && p.overflow;
-  exec_detail::Writer w;
+  BlobWriter w;
   w.put(static_cast<std::int64_t>(last_.compared));
   w.put(static_cast<std::int64_t>(last_.changed));
   w.put<std::uint8_t>(overflow ? 1 : 0);
@@ -1064,7 +1064,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   const auto world = t_->world_ranks();
   last_.world_compared = last_.world_changed = 0;  // (the sample's, if any, are superseded)
   for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
-    exec_detail::Reader rd(blobs[r], world[r]);
+    BlobReader rd(blobs[r], world[r]);
     last_.world_compared += rd.get<std::int64_t>();
     last_.world_changed += rd.get<std::int64_t>();
     overflow |= rd.get<std::uint8_t>() != 0;

@@ -60,6 +60,7 @@
 
 #include <fmt/format.h>
 
+#include "blob.hpp"
 #include "checksum.hpp"
 #include "copy_kernels.hpp"
 #include "cuda/device_engine.hpp"
@@ -397,47 +398,6 @@ inline bool in_bounds(std::int64_t off, int rank, const std::int64_t* ext, const
   }
   return lo >= 0 && hi < n;
 }
-
-// --- bootstrap blobs ---
-class Writer {
- public:
-  template <class T>
-  void put(const T& v) {
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    buf.insert(buf.end(), p, p + sizeof(T));
-  }
-  void put_string(const std::string& s) {
-    put<std::uint32_t>(static_cast<std::uint32_t>(s.size()));
-    const auto* p = reinterpret_cast<const std::byte*>(s.data());
-    buf.insert(buf.end(), p, p + s.size());
-  }
-  std::vector<std::byte> buf;
-};
-class Reader {
- public:
-  explicit Reader(const std::vector<std::byte>& b, std::int64_t rank) : b_(b), rank_(rank) {}
-  template <class T>
-  T get() {
-    if (pos_ + sizeof(T) > b_.size()) fail("executor: truncated setup blob from rank {}", rank_);
-    T v;
-    std::memcpy(&v, b_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return v;
-  }
-  bool done() const { return pos_ == b_.size(); }
-  std::string get_string() {
-    const auto n = get<std::uint32_t>();
-    if (pos_ + n > b_.size()) fail("executor: truncated setup blob from rank {}", rank_);
-    std::string s(reinterpret_cast<const char*>(b_.data() + pos_), n);
-    pos_ += n;
-    return s;
-  }
-
- private:
-  const std::vector<std::byte>& b_;
-  std::size_t pos_ = 0;
-  std::int64_t rank_;
-};
 
 using reshard::hash_mix;
 
@@ -865,7 +825,7 @@ std::string Executor<T>::agree_on_pairs(T& transport, const std::string& local_e
   for (const auto& p : pairs_)
     balance.add(p.send, p.send ? me_ : p.peer, p.send ? p.peer : me_,
                 {static_cast<std::uint64_t>(p.copies.size()), static_cast<std::uint64_t>(p.bytes), p.digest});
-  exec_detail::Writer w1;
+  BlobWriter w1;
   w1.put(exec_detail::kBlobMagic);
   w1.put<std::uint8_t>(local_error.empty() ? 1 : 0);
   w1.put_string(local_error);
@@ -884,7 +844,7 @@ std::string Executor<T>::agree_on_pairs(T& transport, const std::string& local_e
   std::int64_t failed_rank = -1;
   for (std::size_t r = 0; r < blobs1.size() && failed_rank < 0; ++r) {
     try {
-      exec_detail::Reader rd(blobs1[r], world[r]);
+      BlobReader rd(blobs1[r], world[r]);
       if (rd.get<std::uint32_t>() != exec_detail::kBlobMagic)
         fail_here(fmt::format("rank {} sent a setup blob of another format (a different executor?)", world[r]));
       const bool ok = rd.get<std::uint8_t>() != 0;
@@ -918,7 +878,7 @@ std::string Executor<T>::agree_on_pairs(T& transport, const std::string& local_e
     for (const auto& p : pairs_) {
       auto [it, fresh] = slot.emplace(p.peer, out.size());
       if (fresh) out.push_back(PeerBlob{p.peer, {}});
-      exec_detail::Writer w;
+      BlobWriter w;
       w.put<std::uint8_t>(p.send ? 1 : 0);
       w.put<std::uint64_t>(p.copies.size());
       w.put(p.bytes);
@@ -940,7 +900,7 @@ std::string Executor<T>::agree_on_pairs(T& transport, const std::string& local_e
     if (!step_error.empty()) throw Error(step_error);
     std::set<std::pair<std::int64_t, bool>> confirmed;
     for (const auto& v : views) {
-      exec_detail::Reader rd(v.bytes, v.peer);
+      BlobReader rd(v.bytes, v.peer);
       while (!rd.done()) {
         const bool sends = rd.get<std::uint8_t>() != 0;
         const auto count = rd.get<std::uint64_t>();
@@ -1007,7 +967,7 @@ bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadli
   } catch (const std::exception& e) {
     step_error = e.what();
   }
-  exec_detail::Writer w2;
+  BlobWriter w2;
   w2.put<std::uint8_t>(step_error.empty() ? 1 : 0);
   w2.put_string(step_error);
   w2.put(total_staged);
@@ -1016,7 +976,7 @@ bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadli
   if (!step_error.empty()) throw Error(step_error);
   std::vector<std::pair<std::int64_t, std::int64_t>> load(world.size());
   for (std::size_t r = 0; r < blobs2.size(); ++r) {
-    exec_detail::Reader rd(blobs2[r], world[r]);
+    BlobReader rd(blobs2[r], world[r]);
     const bool ok = rd.get<std::uint8_t>() != 0;
     const std::string msg = rd.get_string();
     if (!ok) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, world[r], msg));

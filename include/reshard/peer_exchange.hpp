@@ -18,13 +18,13 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <span>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "blob.hpp"
 #include "transport.hpp"
 
 namespace reshard {
@@ -56,20 +56,6 @@ struct PairBalance {
   }
 };
 
-namespace exchange_detail {
-inline void put_u64(std::vector<std::byte>& b, std::uint64_t v) {
-  const auto* p = reinterpret_cast<const std::byte*>(&v);
-  b.insert(b.end(), p, p + sizeof v);
-}
-inline std::uint64_t get_u64(std::span<const std::byte> b, std::size_t& pos, std::int64_t from) {
-  std::uint64_t v = 0;
-  if (pos + sizeof v > b.size()) throw TransportError(fmt::format("pairwise exchange: the blob list from rank {} is truncated", from));
-  std::memcpy(&v, b.data() + pos, sizeof v);
-  pos += sizeof v;
-  return v;
-}
-}  // namespace exchange_detail
-
 /// Sends each out[i] to its peer and returns what this rank received, by
 /// sender. With `symmetric` (the caller checked a PairBalance) and a T that
 /// exchanges natively, that is exactly one blob from each listed peer, in
@@ -90,27 +76,20 @@ std::vector<PeerBlob> exchange_with_peers(T& t, std::span<const PeerBlob> out, b
       return got;
     }
   }
-  std::vector<std::byte> mine;
-  exchange_detail::put_u64(mine, out.size());
+  BlobWriter mine;
+  mine.put<std::uint64_t>(out.size());
   for (const auto& o : out) {
-    exchange_detail::put_u64(mine, static_cast<std::uint64_t>(o.peer));
-    exchange_detail::put_u64(mine, o.bytes.size());
-    mine.insert(mine.end(), o.bytes.begin(), o.bytes.end());
+    mine.put<std::int64_t>(o.peer);
+    mine.put_bytes(o.bytes.data(), o.bytes.size());
   }
-  const auto all = t.all_gather(mine, deadline);
+  const auto all = t.all_gather(mine.buf, deadline);
   const auto world = t.world_ranks();
-  const std::int64_t me = t.rank();
   for (std::size_t r = 0; r < all.size() && r < world.size(); ++r) {
-    std::span<const std::byte> b = all[r];
-    std::size_t pos = 0;
-    const auto n = exchange_detail::get_u64(b, pos, world[r]);
-    for (std::uint64_t k = 0; k < n; ++k) {
-      const auto to = static_cast<std::int64_t>(exchange_detail::get_u64(b, pos, world[r]));
-      const auto len = exchange_detail::get_u64(b, pos, world[r]);
-      if (len > b.size() - pos) throw TransportError(fmt::format("pairwise exchange: the blob list from rank {} is truncated", world[r]));
-      if (to == me) got.push_back(PeerBlob{world[r], std::vector<std::byte>(b.begin() + static_cast<std::ptrdiff_t>(pos),
-                                                                            b.begin() + static_cast<std::ptrdiff_t>(pos + len))});
-      pos += static_cast<std::size_t>(len);
+    BlobReader rd(all[r], world[r], "pairwise exchange");
+    for (auto n = rd.get<std::uint64_t>(); n > 0; --n) {
+      const auto to = rd.get<std::int64_t>();
+      const auto bytes = rd.get_bytes();
+      if (to == t.rank()) got.push_back(PeerBlob{world[r], std::vector<std::byte>(bytes.begin(), bytes.end())});
     }
   }
   return got;

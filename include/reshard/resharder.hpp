@@ -213,7 +213,7 @@ struct Verdicts {
 };
 template <class T>
 Verdicts exchange_verdicts(T& t, const std::string& local_error, std::uint64_t version, Deadline deadline) {
-  exec_detail::Writer w;
+  BlobWriter w;
   w.put<std::uint8_t>(local_error.empty() ? 1 : 0);
   w.put(version);
   w.put_string(local_error);
@@ -228,7 +228,7 @@ Verdicts exchange_verdicts(T& t, const std::string& local_error, std::uint64_t v
   const auto world = t.world_ranks();
   for (std::size_t i = 0; i < blobs.size() && i < world.size(); ++i) {
     try {
-      exec_detail::Reader rd(blobs[i], world[i]);
+      BlobReader rd(blobs[i], world[i]);
       const bool ok = rd.get<std::uint8_t>() != 0;
       const auto their = rd.get<std::uint64_t>();
       const std::string msg = rd.get_string();

@@ -193,8 +193,8 @@ RankFigures measure_refit_on_rank(const Layout& src, const Layout& dst, T& t, co
 }
 
 namespace measured_detail {
-using exec_detail::Reader;
-using exec_detail::Writer;
+using Reader = BlobReader;
+using Writer = BlobWriter;
 template <class V>
   requires std::is_trivially_copyable_v<V>
 void put(Writer& w, const V& v) {

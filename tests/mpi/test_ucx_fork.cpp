@@ -266,7 +266,7 @@ std::vector<fork_world::Outcome> faulty_refit(Fault fault, UcxProtocol proto) {
     ResharderOptions ro;  // a killed peer: the default refit timeout (300 s); survivors must not need it
     if (fault == Fault::stop) ro.executor.timeout = 25s;
     Resharder<Layout, KillAfterFirstSend<UcxTransport>> rs(src, dst, bufs, t, ro);
-    refit_and_agree(rs, t);
+    rs.refit();
     std::string first;
     if (refit_test::count_wrong(dst, dm, r, 0, &first) != 0) {
       report("refit 0 wrong: " + first);
@@ -280,7 +280,7 @@ std::vector<fork_world::Outcome> faulty_refit(Fault fault, UcxProtocol proto) {
     if (r == 1 && fault == Fault::kill_during) t.arm();
     const auto t0 = Clock::now();
     try {
-      refit_and_agree(rs, t);
+      rs.refit();
       report(refit_test::count_wrong(dst, dm, r, 1, &first) == 0 ? "ok" : "wrong: " + first);
     } catch (const RefitNotCommitted& e) {
       report(fmt::format("failed after {:.3f} s: {}", std::chrono::duration<double>(Clock::now() - t0).count(), e.what()));
@@ -342,7 +342,7 @@ TEST_CASE("ucx: a refit over the caller-supplied bootstrap is validated element 
       refit_test::write_side(src, sm, true, static_cast<std::uint64_t>(k));
       refit_test::write_side(dst, dm, false, static_cast<std::uint64_t>(k));
       t.all_gather({}, in(10s));
-      const RefitReport rep = refit_and_agree(rs, t);
+      const RefitReport rep = rs.refit();
       EXPECT(rep.bytes_received == rep.plan_bytes_received);
       wrong += refit_test::count_wrong(dst, dm, r, static_cast<std::uint64_t>(k), &first);
     }

@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
             refit_test::write_side(c.dst, dm, false, k);
           }
           t.all_gather({}, Clock::now() + std::chrono::seconds(60));
-          const RefitReport rep = refit_and_agree(rs, t, std::chrono::seconds(60));
+          const RefitReport rep = rs.refit();
           moved += rep.bytes_received;
           std::string f;
           const auto w = refit_test::count_wrong(c.dst, dm, me, k, &f);
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
           }
         }
         // Gather the verdict.
-        ucx_detail::Writer w;
+        BlobWriter w;
         w.put(wrong);
         w.put(moved);
         w.put_string(first);
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
         std::int64_t total_wrong = 0, total_moved = 0;
         std::string any;
         for (std::size_t r = 0; r < blobs.size(); ++r) {
-          ucx_detail::Reader rd(blobs[r], static_cast<std::int64_t>(r), "verdict");
+          BlobReader rd(blobs[r], static_cast<std::int64_t>(r), "verdict");
           total_wrong += rd.get<std::int64_t>();
           total_moved += rd.get<std::int64_t>();
           auto s = rd.get_string();

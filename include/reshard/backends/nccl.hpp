@@ -63,6 +63,7 @@
 
 #include <fmt/format.h>
 
+#include "../blob.hpp"
 #include "../error.hpp"
 #include "../transport.hpp"
 #include "bootstrap.hpp"
@@ -101,26 +102,34 @@ struct OpRow {
 };
 
 inline std::vector<std::byte> encode_ops(std::span<const TransferOp> ops) {
-  std::vector<std::byte> b(8 + ops.size() * sizeof(OpRow));
-  const std::uint32_t magic = kMagic, n = static_cast<std::uint32_t>(ops.size());
-  std::memcpy(b.data(), &magic, 4);
-  std::memcpy(b.data() + 4, &n, 4);
-  for (std::size_t i = 0; i < ops.size(); ++i) {
-    OpRow r{static_cast<std::uint8_t>(ops[i].kind == OpKind::send ? 0 : 1), ops[i].peer, ops[i].tag, ops[i].bytes};
-    std::memcpy(b.data() + 8 + i * sizeof(OpRow), &r, sizeof(OpRow));
+  BlobWriter w;
+  w.put(kMagic);
+  w.put<std::uint64_t>(ops.size());
+  for (const auto& op : ops) {
+    w.put<std::uint8_t>(op.kind == OpKind::send ? 0 : 1);
+    w.put(op.peer);
+    w.put(op.tag);
+    w.put(op.bytes);
   }
-  return b;
+  return std::move(w.buf);
 }
 
-inline std::vector<OpRow> decode_ops(const std::vector<std::byte>& b, std::int64_t from) {
-  std::uint32_t magic = 0, n = 0;
-  if (b.size() < 8) throw TransportError(fmt::format("nccl transport: rank {} sent a truncated op table", from));
-  std::memcpy(&magic, b.data(), 4);
-  std::memcpy(&n, b.data() + 4, 4);
-  if (magic != kMagic) throw TransportError(fmt::format("nccl transport: rank {} sent an op table of another kind (a different program?)", from));
-  if (b.size() != 8 + std::size_t{n} * sizeof(OpRow)) throw TransportError(fmt::format("nccl transport: rank {} sent a truncated op table", from));
-  std::vector<OpRow> rows(n);
-  for (std::uint32_t i = 0; i < n; ++i) std::memcpy(&rows[i], b.data() + 8 + std::size_t{i} * sizeof(OpRow), sizeof(OpRow));
+inline std::vector<OpRow> decode_ops(std::span<const std::byte> b, std::int64_t from) {
+  BlobReader rd(b, from, "nccl op table");
+  if (rd.get<std::uint32_t>() != kMagic)
+    throw TransportError(fmt::format("nccl transport: rank {} sent an op table of another kind (a different program?)", from));
+  const auto n = rd.get<std::uint64_t>();
+  std::vector<OpRow> rows;
+  rows.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(n, b.size() / 25)));  // 25 bytes a row
+  for (std::uint64_t i = 0; i < n; ++i) {
+    OpRow r;
+    r.kind = rd.get<std::uint8_t>();
+    r.peer = rd.get<std::int64_t>();
+    r.tag = rd.get<std::uint64_t>();
+    r.bytes = rd.get<std::uint64_t>();
+    rows.push_back(r);
+  }
+  if (!rd.done()) throw TransportError(fmt::format("nccl transport: rank {} sent an op table with trailing bytes", from));
   return rows;
 }
 
@@ -317,7 +326,7 @@ class NcclTransport {
       if (all[i].empty()) throw TransportError(fmt::format("nccl transport: rank {} sent an empty op table", boot_.ranks[i]));
       if (all[i][0] == std::byte{0})
         throw TransportError(fmt::format("nccl transport: rank {}: rank {} failed to prepare its ops", me_, boot_.ranks[i]));
-      tables[i] = nccl_detail::decode_ops(std::vector<std::byte>(all[i].begin() + 1, all[i].end()), boot_.ranks[i]);
+      tables[i] = nccl_detail::decode_ops(std::span<const std::byte>(all[i]).subspan(1), boot_.ranks[i]);
     }
     const std::string mismatch = nccl_detail::check_op_tables(boot_.ranks, me_, tables);
     if (!mismatch.empty()) throw TransportError(mismatch);

@@ -73,6 +73,7 @@
 #include <fmt/ranges.h>
 #include <ucp/api/ucp.h>
 
+#include "../blob.hpp"
 #include "../error.hpp"
 #include "../transport.hpp"
 #include "bootstrap.hpp"
@@ -157,57 +158,6 @@ struct AmHeader {
   std::uint16_t type = 0;
   std::uint16_t reserved = 0;
   std::int64_t from = -1;  ///< sender's global rank
-};
-
-class Writer {
- public:
-  template <class T>
-  void put(const T& v) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    buf.insert(buf.end(), p, p + sizeof(T));
-  }
-  void put_bytes(const void* p, std::size_t n) {
-    put<std::uint64_t>(n);
-    const auto* b = static_cast<const std::byte*>(p);
-    buf.insert(buf.end(), b, b + n);
-  }
-  void put_string(std::string_view s) { put_bytes(s.data(), s.size()); }
-  std::vector<std::byte> buf;
-};
-
-class Reader {
- public:
-  Reader(std::span<const std::byte> b, std::int64_t from, const char* what) : b_(b), from_(from), what_(what) {}
-  template <class T>
-  T get() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, b_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return v;
-  }
-  std::span<const std::byte> get_bytes() {
-    const auto n = get<std::uint64_t>();
-    need(n);
-    auto s = b_.subspan(pos_, static_cast<std::size_t>(n));
-    pos_ += static_cast<std::size_t>(n);
-    return s;
-  }
-  std::string get_string() {
-    auto s = get_bytes();
-    return std::string(reinterpret_cast<const char*>(s.data()), s.size());
-  }
-
- private:
-  void need(std::uint64_t n) {
-    if (pos_ + n > b_.size())
-      throw TransportError(fmt::format("ucx transport: the {} blob from rank {} is truncated (another version?)", what_, from_));
-  }
-  std::span<const std::byte> b_;
-  std::size_t pos_ = 0;
-  std::int64_t from_;
-  const char* what_;
 };
 
 inline std::string status_text(ucs_status_t s) { return fmt::format("{} ({})", ucs_status_string(s), static_cast<int>(s)); }
@@ -469,7 +419,7 @@ inline UcxTransport::UcxTransport(Bootstrap bootstrap, UcxOptions opt) : boot_(s
   }
   // Exchange worker addresses (and each rank's status, so that a rank whose
   // UCX failed to start makes every rank fail, not hang).
-  ucx_detail::Writer w;
+  BlobWriter w;
   w.put(ucx_detail::kMagic);
   w.put<std::uint8_t>(error.empty() ? 1 : 0);
   w.put_string(error);
@@ -490,7 +440,7 @@ inline UcxTransport::UcxTransport(Bootstrap bootstrap, UcxOptions opt) : boot_(s
     if (!error.empty()) throw TransportError(error);
     addresses_.resize(blobs.size());
     for (std::size_t i = 0; i < blobs.size(); ++i) {
-      ucx_detail::Reader rd(blobs[i], boot_.ranks[i], "worker address");
+      BlobReader rd(blobs[i], boot_.ranks[i], "worker address");
       if (rd.get<std::uint32_t>() != ucx_detail::kMagic)
         throw TransportError(fmt::format("ucx transport: rank {}: rank {} sent a bootstrap blob of another kind (is it running the same program?)", me_, boot_.ranks[i]));
       const bool ok = rd.get<std::uint8_t>() != 0;
@@ -1086,7 +1036,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     const bool send = op.kind == OpKind::send;
     balance.add(send, send ? me_ : op.peer, send ? op.peer : me_, {op.tag, op.bytes});
   }
-  ucx_detail::Writer w;
+  BlobWriter w;
   w.put(ucx_detail::kMagic);
   w.put<std::uint8_t>(error.empty() ? 1 : 0);
   w.put_string(error);
@@ -1100,7 +1050,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
   }
   std::vector<std::uint64_t> sums(blobs.size(), 1);
   for (std::size_t r = 0; r < blobs.size(); ++r) {
-    ucx_detail::Reader rd(blobs[r], boot_.ranks[r], "prepare");
+    BlobReader rd(blobs[r], boot_.ranks[r], "prepare");
     std::string why;
     try {
       if (rd.get<std::uint32_t>() != ucx_detail::kMagic)
@@ -1135,7 +1085,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     }
     std::map<std::uint32_t, std::vector<std::byte>> packed;  // region -> packed remote key
     for (const auto& [peer, list] : by_peer) {
-      ucx_detail::Writer pw;
+      BlobWriter pw;
       const auto& regions = keyed[peer];
       pw.put<std::uint32_t>(static_cast<std::uint32_t>(regions.size()));
       for (auto id : regions) {
@@ -1191,7 +1141,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     for (std::size_t i = first; i < ops_.size(); ++i) talks[ops_[i].peer] = 1;
     for (const auto& g : got) {
       const std::size_t r = peer_index(g.peer);
-      ucx_detail::Reader rd(g.bytes, g.peer, "prepare");
+      BlobReader rd(g.bytes, g.peer, "prepare");
       const auto nk = rd.get<std::uint32_t>();
       for (std::uint32_t k = 0; k < nk; ++k) {
         const auto id = rd.get<std::uint32_t>();
@@ -1259,7 +1209,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     if (error.empty()) error = e.what();
   }
   // 4. Everyone learns whether everyone succeeded.
-  ucx_detail::Writer w2;
+  BlobWriter w2;
   w2.put<std::uint8_t>(error.empty() ? 1 : 0);
   w2.put_string(error);
   Blobs st;
@@ -1274,7 +1224,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     throw TransportError(error);
   }
   for (std::size_t r = 0; r < st.size(); ++r) {
-    ucx_detail::Reader rd(st[r], boot_.ranks[r], "prepare status");
+    BlobReader rd(st[r], boot_.ranks[r], "prepare status");
     const bool ok = rd.get<std::uint8_t>() != 0;
     const std::string msg = rd.get_string();
     if (!ok) {
@@ -1671,7 +1621,7 @@ inline UcxBandwidth UcxTransport::measure_bandwidth(std::int64_t from, std::int6
   } catch (const std::exception& e) {
     error = e.what();
   }
-  ucx_detail::Writer w;
+  BlobWriter w;
   w.put<std::uint8_t>(error.empty() ? 1 : 0);
   w.put_string(error);
   if (me_ == to && error.empty() && put) {
@@ -1690,7 +1640,7 @@ inline UcxBandwidth UcxTransport::measure_bandwidth(std::int64_t from, std::int6
   try {
     blobs = all_gather(w.buf, deadline);
     for (std::size_t r = 0; r < blobs.size(); ++r) {
-      ucx_detail::Reader rd(blobs[r], boot_.ranks[r], "probe");
+      BlobReader rd(blobs[r], boot_.ranks[r], "probe");
       if (!rd.get<std::uint8_t>())
         throw TransportError(fmt::format("ucx transport: rank {}: the bandwidth probe failed on rank {}: {}", me_, boot_.ranks[r], rd.get_string()));
     }
@@ -1726,7 +1676,7 @@ inline UcxBandwidth UcxTransport::measure_bandwidth(std::int64_t from, std::int6
       ucp_rkey_h rkey = nullptr;
       std::uint64_t raddr = 0;
       if (put) {
-        ucx_detail::Reader rd(blobs[ti], to, "probe");
+        BlobReader rd(blobs[ti], to, "probe");
         rd.get<std::uint8_t>();
         rd.get_string();
         raddr = rd.get<std::uint64_t>();
@@ -1797,7 +1747,7 @@ inline UcxBandwidth UcxTransport::measure_bandwidth(std::int64_t from, std::int6
   } catch (const std::exception& e) {
     error = e.what();
   }
-  ucx_detail::Writer w2;
+  BlobWriter w2;
   w2.put<std::uint8_t>(error.empty() ? 1 : 0);
   w2.put_string(error);
   w2.put(seconds);
@@ -1809,7 +1759,7 @@ inline UcxBandwidth UcxTransport::measure_bandwidth(std::int64_t from, std::int6
   }
   cleanup();
   for (std::size_t r = 0; r < blobs.size(); ++r) {
-    ucx_detail::Reader rd(blobs[r], boot_.ranks[r], "probe result");
+    BlobReader rd(blobs[r], boot_.ranks[r], "probe result");
     const bool ok = rd.get<std::uint8_t>() != 0;
     const std::string msg = rd.get_string();
     if (!ok) throw TransportError(fmt::format("ucx transport: rank {}: the bandwidth probe failed on rank {}: {}", me_, boot_.ranks[r], msg));
