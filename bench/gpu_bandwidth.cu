@@ -92,45 +92,31 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   const std::int64_t E = 2;  // bf16
   const std::int64_t n = static_cast<std::int64_t>(N) / E;
-  {  // 1. one dense box
-    Case c{"contiguous bf16 box (rank 1)", {}, false, 0};
-    const std::int64_t ext[1] = {n}, st[1] = {1};
-    c.batch.add(pack_copy(src, 0, 1, ext, st, 0, n, dst, E, E), E);
-    c.moved = 2 * n * E;
+  // A case of one bf16 box (extents `ext`, strides `st`, from element
+  // `offset`): packed from src into a dense stream in dst, or unpacked from a
+  // dense stream in src into the box in dst. Each element is read and written once.
+  auto one_box = [&](std::string name, bool unpack, std::int64_t offset, std::vector<std::int64_t> ext,
+                     std::vector<std::int64_t> st) {
+    const int rank = static_cast<int>(ext.size());
+    std::int64_t elements = 1;
+    for (auto e : ext) elements *= e;
+    Case c{std::move(name), {}, false, 0};
+    c.batch.add(unpack ? unpack_copy(dst, offset, rank, ext.data(), st.data(), 0, elements, src, E, E)
+                       : pack_copy(src, offset, rank, ext.data(), st.data(), 0, elements, dst, E, E),
+                E);
+    c.moved = 2 * elements * E;
     cases.push_back(std::move(c));
-  }
-  {  // 2. half the columns of a [rows, 32768] bf16 matrix (tp=2 column shard): 32 KiB rows at 64 KiB pitch
-    Case c{"column half of [R, 32768] bf16 (32 KiB rows)", {}, false, 0};
-    const std::int64_t cols = 32768, rows = n / cols;
-    const std::int64_t ext[2] = {rows, cols / 2}, st[2] = {cols, 1};
-    c.batch.add(pack_copy(src, 0, 2, ext, st, 0, rows * cols / 2, dst, E, E), E);
-    c.moved = 2 * rows * cols / 2 * E;
-    cases.push_back(std::move(c));
-  }
-  {  // 3. unpack into the same column half
-    Case c{"unpack into column half of [R, 32768] bf16", {}, false, 0};
-    const std::int64_t cols = 32768, rows = n / cols;
-    const std::int64_t ext[2] = {rows, cols / 2}, st[2] = {cols, 1};
-    c.batch.add(unpack_copy(dst, 0, 2, ext, st, 0, rows * cols / 2, src, E, E), E);
-    c.moved = 2 * rows * cols / 2 * E;
-    cases.push_back(std::move(c));
-  }
-  {  // 4. tp=8 shard of a [R, 4096] bf16 matrix: 1 KiB rows
-    Case c{"1/8 of the columns of [R, 4096] bf16 (1 KiB rows)", {}, false, 0};
-    const std::int64_t cols = 4096, rows = n / cols;
-    const std::int64_t ext[2] = {rows, cols / 8}, st[2] = {cols, 1};
-    c.batch.add(pack_copy(src, 512, 2, ext, st, 0, rows * cols / 8, dst, E, E), E);
-    c.moved = 2 * rows * cols / 8 * E;
-    cases.push_back(std::move(c));
-  }
-  {  // 5. rank 3: [A, B/2, C/2] of [A, B, C]
-    Case c{"rank-3 box [A, 512, 1024] of [A, 1024, 2048] bf16", {}, false, 0};
-    const std::int64_t B = 1024, C = 2048, A = n / (B * C);
-    const std::int64_t ext[3] = {A, B / 2, C / 2}, st[3] = {B * C, C, 1};
-    c.batch.add(pack_copy(src, 0, 3, ext, st, 0, A * B / 2 * C / 2, dst, E, E), E);
-    c.moved = 2 * A * B / 2 * C / 2 * E;
-    cases.push_back(std::move(c));
-  }
+  };
+  // 1. one dense box
+  one_box("contiguous bf16 box (rank 1)", false, 0, {n}, {1});
+  // 2. half the columns of a [rows, 32768] bf16 matrix (tp=2 column shard): 32 KiB rows at 64 KiB pitch;
+  // 3. unpacked into the same column half
+  one_box("column half of [R, 32768] bf16 (32 KiB rows)", false, 0, {n / 32768, 16384}, {32768, 1});
+  one_box("unpack into column half of [R, 32768] bf16", true, 0, {n / 32768, 16384}, {32768, 1});
+  // 4. tp=8 shard of a [R, 4096] bf16 matrix: 1 KiB rows
+  one_box("1/8 of the columns of [R, 4096] bf16 (1 KiB rows)", false, 512, {n / 4096, 512}, {4096, 1});
+  // 5. rank 3: [A, B/2, C/2] of [A, B, C]
+  one_box("rank-3 box [A, 512, 1024] of [A, 1024, 2048] bf16", false, 0, {n / (1024 * 2048), 512, 1024}, {1024 * 2048, 2048, 1});
   {  // 6. 4096 boxes of 32 x 1 KiB rows each (at 2 KiB pitch) in one launch
     Case c{"4096 boxes of 32 x 1 KiB rows in one launch", {}, false, 0};
     const std::int64_t ext[2] = {32, 512}, st[2] = {1024, 1};
@@ -142,13 +128,8 @@ int main(int argc, char** argv) {
     c.moved = 2 * at;
     cases.push_back(std::move(c));
   }
-  {  // 7. misaligned: an odd element offset forces the scalar path
-    Case c{"contiguous bf16, odd element offset (scalar path)", {}, false, 0};
-    const std::int64_t ext[1] = {n - 8}, st[1] = {1};
-    c.batch.add(pack_copy(src, 1, 1, ext, st, 0, n - 8, dst, E, E), E);
-    c.moved = 2 * (n - 8) * E;
-    cases.push_back(std::move(c));
-  }
+  // 7. misaligned: an odd element offset forces the scalar path
+  one_box("contiguous bf16, odd element offset (scalar path)", false, 1, {n - 8}, {1});
   {  // 8. f32 -> bf16 in flight
     Case c{"f32 -> bf16 cast, contiguous", {}, true, 0};
     const std::int64_t m = static_cast<std::int64_t>(N) / 4;

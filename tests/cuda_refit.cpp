@@ -35,10 +35,7 @@ using refit_test::cut;
 using refit_test::one_axis;
 using refit_test::tensor;
 
-struct DeviceOutcome {
-  std::int64_t wrong = 0, packed = 0, zero_copy = 0, local = 0, launches = 0;
-  std::string first_wrong;
-};
+using refit_test::DeviceOutcome;
 
 /// run_refits (refit_util.hpp) with every buffer copied into device memory
 /// and bound as MemoryKind::device.
@@ -89,14 +86,7 @@ DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits
         const RefitReport rep = r.refit();
         for (std::size_t b = 0; b < dp.size(); ++b)
           if (dp[b]) cuda::check_cuda(cudaMemcpy(dm.data[b].data(), dp[b], dm.data[b].size(), cudaMemcpyDeviceToHost), "cudaMemcpy down");
-        std::string first;
-        const auto wrong = count_wrong(dst, dm, t.rank(), static_cast<std::uint64_t>(k), &first);
-        std::lock_guard lk(m);
-        if (wrong && out.first_wrong.empty()) out.first_wrong = fmt::format("refit {}: {}", k, first);
-        out.wrong += wrong;
-        out.packed += rep.packed_bytes;
-        out.zero_copy += rep.zero_copy_bytes;
-        out.local += rep.local_bytes;
+        out.add(m, k, rep, dst, dm, t.rank());
       }
     }
     {

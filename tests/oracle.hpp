@@ -473,6 +473,25 @@ bool for_each_element(const reshard::Copy& c, F&& f) {
 }
 }  // namespace detail
 
+/// Destination tensor id -> source tensor id, by name (-1: not in the source).
+inline std::vector<int> source_of(const Layout& src, const Layout& dst) {
+  std::vector<int> src_of(dst.tensors.size(), -1);
+  for (std::size_t t = 0; t < dst.tensors.size(); ++t)
+    for (std::size_t u = 0; u < src.tensors.size(); ++u)
+      if (src.tensors[u].name == dst.tensors[t].name) src_of[t] = static_cast<int>(u);
+  return src_of;
+}
+
+/// The fault when a schedule's stats are not what its copies add up to:
+/// `bytes` and `local_bytes` as the oracle counted them.
+inline std::optional<std::string> stats_fault(const reshard::Schedule& s, std::int64_t bytes, std::int64_t local_bytes) {
+  if (s.stats.bytes == bytes && s.stats.local_bytes == local_bytes &&
+      s.stats.copies == static_cast<std::int64_t>(s.copies.size()))
+    return std::nullopt;
+  return fmt::format("stats say bytes {} local_bytes {} copies {}, the copies add up to {} {} {}", s.stats.bytes,
+                     s.stats.local_bytes, s.stats.copies, bytes, local_bytes, s.copies.size());
+}
+
 /// Completeness of a schedule's writes: the first destination slot holding
 /// an element that `written` (per (position, buffer), per slot: >= 0 once
 /// written) leaves unwritten, as a message; counts element slots into
@@ -522,10 +541,7 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
       return fault(fmt::format("destination buffer {} is named '{}', the layout says '{}'", b, s.dst_buffers[b],
                                dbufs[b].name));
   // Destination tensor id -> source tensor id, by name.
-  std::vector<int> src_of(dst.tensors.size(), -1);
-  for (std::size_t t = 0; t < dst.tensors.size(); ++t)
-    for (std::size_t u = 0; u < src.tensors.size(); ++u)
-      if (src.tensors[u].name == dst.tensors[t].name) src_of[t] = static_cast<int>(u);
+  const std::vector<int> src_of = source_of(src, dst);
   SlotWorld S(src), D(dst);
   // writer[dst position][buffer][slot] = copy index that wrote it, -1 = none.
   std::map<std::pair<std::int64_t, std::size_t>, std::vector<std::int32_t>> writer;
@@ -624,11 +640,7 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
   }
   // Completeness: every destination slot holding an element was written.
   if (auto m = unwritten_slot(dst, D, writer, opt.only_rank, res.dst_elements)) return fault(*m);
-  if (s.stats.bytes != bytes || s.stats.local_bytes != local_bytes ||
-      s.stats.copies != static_cast<std::int64_t>(s.copies.size()))
-    return fault(fmt::format("stats say bytes {} local_bytes {} copies {}, the copies add up to {} {} {}",
-                             s.stats.bytes, s.stats.local_bytes, s.stats.copies, bytes, local_bytes,
-                             s.copies.size()));
+  if (auto m = stats_fault(s, bytes, local_bytes)) return fault(*m);
   return res;
 }
 
@@ -653,10 +665,7 @@ inline Balance balance(const Layout& src, const Layout& dst, const reshard::Sche
   for (std::int64_t p = 0; p < np; ++p) b.ranks.push_back(rank_at(src.mesh, p));
   b.sent.assign(static_cast<std::size_t>(np), 0);
   b.fair.assign(static_cast<std::size_t>(np), 0);
-  std::vector<int> src_of(dst.tensors.size(), -1);
-  for (std::size_t t = 0; t < dst.tensors.size(); ++t)
-    for (std::size_t u = 0; u < src.tensors.size(); ++u)
-      if (src.tensors[u].name == dst.tensors[t].name) src_of[t] = static_cast<int>(u);
+  const std::vector<int> src_of = source_of(src, dst);
   // holders[src tensor][element] = source positions holding it.
   std::map<int, std::vector<std::vector<std::int32_t>>> holders;
   auto holders_of = [&](int st) -> const std::vector<std::vector<std::int32_t>>& {

@@ -88,6 +88,15 @@ inline TensorSpec& add_tensor(Layout& L, std::string name, std::vector<std::int6
   return L.tensors.back();
 }
 
+/// A validated layout on a mesh of `axes` holding one tensor "w".
+inline Layout one_tensor(std::vector<Axis> axes, std::vector<std::int64_t> shape, std::int64_t first_rank = 0,
+                         std::vector<DimSpec> dims = {}, DType dtype = DType::bf16) {
+  Layout L = mesh_layout(std::move(axes), first_rank);
+  add_tensor(L, "w", std::move(shape), std::move(dims), dtype);
+  L.validate();
+  return L;
+}
+
 inline void add_concat(Layout& L, std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
   L.buffers.push_back(concat_buffer(std::move(name), std::move(parts), dim, interleave));
 }

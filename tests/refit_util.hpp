@@ -19,6 +19,7 @@
 
 #include "oracle.hpp"
 #include "reshard_support/fault_injection.hpp"
+#include "reshard_support/verify.hpp"
 #include "reshard/backends/local.hpp"
 #include "reshard/json_io.hpp"
 #include "reshard/plan.hpp"
@@ -50,18 +51,12 @@ inline TensorSpec tensor(std::string name, std::vector<std::int64_t> shape, std:
   return tensor_spec(std::move(name), std::move(shape), dt, std::move(dims));
 }
 
-inline std::uint64_t name_hash(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-inline std::uint64_t tag(std::uint64_t name, std::int64_t index, std::uint64_t salt) {
-  std::uint64_t x = name ^ (static_cast<std::uint64_t>(index) * 0x9E3779B97F4A7C15ull) ^ (salt * 0xD6E8FEB86659FD93ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return x;
-}
+// The element tags hash as verify.hpp's do (a tag is data to move, not a
+// reference: where each element belongs comes from the oracle's slots).
+inline std::uint64_t name_hash(const std::string& s) { return tensor_key(s); }
+/// The tag of one element: its own hash (verify.hpp's element_tag hashes per
+/// block of 256 elements).
+inline std::uint64_t tag(std::uint64_t name, std::int64_t index, std::uint64_t salt) { return tag_block(name, index, salt); }
 
 /// One rank's buffers under one layout, with their oracle slots.
 struct SideMemory {
@@ -217,12 +212,38 @@ struct DenseWorld {
   }
 };
 
-struct Outcome {
+/// Destination elements found wrong, over ranks and refits.
+struct WrongElements {
+  std::int64_t wrong = 0;
+  std::string first_wrong;  ///< "refit k: " and the first wrong element seen
+  /// Adds the elements of one rank's destination memory `dm` that are wrong
+  /// after refit k (salt k); m guards the tally.
+  void count(std::mutex& m, int k, const Layout& dst, const SideMemory& dm, std::int64_t rank) {
+    std::string first;
+    const auto w = count_wrong(dst, dm, rank, static_cast<std::uint64_t>(k), &first);
+    std::lock_guard lk(m);
+    if (w && first_wrong.empty()) first_wrong = fmt::format("refit {}: {}", k, first);
+    wrong += w;
+  }
+};
+
+/// What refits through a device copy engine added up to over the ranks.
+struct DeviceOutcome : WrongElements {
+  std::int64_t packed = 0, zero_copy = 0, local = 0, launches = 0;
+  /// Adds one rank's refit k: its report and its wrong destination elements.
+  void add(std::mutex& m, int k, const RefitReport& rep, const Layout& dst, const SideMemory& dm, std::int64_t rank) {
+    count(m, k, dst, dm, rank);
+    std::lock_guard lk(m);
+    packed += rep.packed_bytes;
+    zero_copy += rep.zero_copy_bytes;
+    local += rep.local_bytes;
+  }
+};
+
+struct Outcome : WrongElements {
   std::vector<std::int64_t> ranks;
   std::vector<RefitReport> last;  ///< per rank, the last refit's report
   std::vector<std::int64_t> compiles;
-  std::int64_t wrong = 0;
-  std::string first_wrong;
   LocalTrafficStats traffic;  ///< what the transport itself moved, all refits
   std::int64_t plan_bytes = 0, plan_local_bytes = 0;
   std::int64_t sum(std::int64_t RefitReport::*f) const {
@@ -269,11 +290,7 @@ inline Outcome run_refits(const Layout& src, const Layout& dst, ResharderOptions
         write_side(dst, dmem[i], false, static_cast<std::uint64_t>(k));
       }
       out.last[i] = r.refit();
-      std::string first;
-      const auto wrong = count_wrong(dst, dmem[i], t.rank(), static_cast<std::uint64_t>(k), &first);
-      std::lock_guard lk(m);
-      if (wrong && out.first_wrong.empty()) out.first_wrong = fmt::format("refit {}: {}", k, first);
-      out.wrong += wrong;
+      out.count(m, k, dst, dmem[i], t.rank());
     }
     out.compiles[i] = r.executor().compiles();
   });

@@ -70,10 +70,7 @@ inline CheckResult check_staged(const Layout& src, const Layout& dst, const resh
     if (s.src_buffers[b] != sbufs[b].name) return fault(fmt::format("source buffer {} is misnamed", b));
   for (std::size_t b = 0; b < dbufs.size(); ++b)
     if (s.dst_buffers[b] != dbufs[b].name) return fault(fmt::format("destination buffer {} is misnamed", b));
-  std::vector<int> src_of(dst.tensors.size(), -1);
-  for (std::size_t t = 0; t < dst.tensors.size(); ++t)
-    for (std::size_t u = 0; u < src.tensors.size(); ++u)
-      if (src.tensors[u].name == dst.tensors[t].name) src_of[t] = static_cast<int>(u);
+  const std::vector<int> src_of = oracle::source_of(src, dst);
   SlotWorld S(src), D(dst);
   // Per (dst position, buffer): the stage each slot was written in (-1 = not yet).
   std::map<std::pair<std::int64_t, std::size_t>, std::vector<std::int32_t>> written;
@@ -185,10 +182,7 @@ inline CheckResult check_staged(const Layout& src, const Layout& dst, const resh
     (c.src_rank == c.dst_rank ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
   }
   if (auto m = oracle::unwritten_slot(dst, D, written, -1, res.dst_elements)) return fault(*m);
-  if (s.stats.bytes != bytes || s.stats.local_bytes != local_bytes ||
-      s.stats.copies != static_cast<std::int64_t>(s.copies.size()))
-    return fault(fmt::format("stats say bytes {} local {} copies {}; the copies add up to {} {} {}", s.stats.bytes,
-                             s.stats.local_bytes, s.stats.copies, bytes, local_bytes, s.copies.size()));
+  if (auto m = oracle::stats_fault(s, bytes, local_bytes)) return fault(*m);
   return res;
 }
 
@@ -202,10 +196,7 @@ inline std::map<std::int64_t, DomainTraffic> domain_traffic(const Layout& src, c
                                                             const reshard::RankPlacement& place) {
   std::map<std::int64_t, DomainTraffic> out;
   SlotWorld S(src), D(dst);
-  std::vector<int> src_of(dst.tensors.size(), -1);
-  for (std::size_t t = 0; t < dst.tensors.size(); ++t)
-    for (std::size_t u = 0; u < src.tensors.size(); ++u)
-      if (src.tensors[u].name == dst.tensors[t].name) src_of[t] = static_cast<int>(u);
+  const std::vector<int> src_of = oracle::source_of(src, dst);
   // Per domain: the set of (src tensor, index) its destination ranks need,
   // and the set its source GPUs hold.
   std::map<std::int64_t, std::set<std::pair<int, std::int64_t>>> need, have;

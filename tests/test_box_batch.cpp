@@ -429,9 +429,8 @@ std::vector<TensorSpec> model(std::int64_t tp, bool second) {
           tensor("emb", {300, 24}, {{}, cut(tp)}, DType::u8)};
 }
 
-struct EmuOutcome {
-  std::int64_t wrong = 0, launches = 0, packed = 0, zero_copy = 0, local = 0, device_regions = 0;
-  std::string first_wrong;
+struct EmuOutcome : refit_test::DeviceOutcome {
+  std::int64_t device_regions = 0;
 };
 
 EmuOutcome run_emulated(const Layout& src, const Layout& dst, int refits, ResharderOptions opt = {}) {
@@ -456,15 +455,7 @@ EmuOutcome run_emulated(const Layout& src, const Layout& dst, int refits, Reshar
         write_side(src, sm, true, static_cast<std::uint64_t>(k));
         write_side(dst, dm, false, static_cast<std::uint64_t>(k));
       }
-      const RefitReport rep = r.refit();
-      std::string first;
-      const auto wrong = count_wrong(dst, dm, t.rank(), static_cast<std::uint64_t>(k), &first);
-      std::lock_guard lk(m);
-      if (wrong && out.first_wrong.empty()) out.first_wrong = fmt::format("refit {}: {}", k, first);
-      out.wrong += wrong;
-      out.packed += rep.packed_bytes;
-      out.zero_copy += rep.zero_copy_bytes;
-      out.local += rep.local_bytes;
+      out.add(m, k, r.refit(), dst, dm, t.rank());
     }
     std::lock_guard lk(m);
     out.launches += engine->launches;

@@ -83,6 +83,16 @@ std::int64_t sum(const DirectRun& r, std::int64_t ExecutorStats::*f) {
   return s;
 }
 
+/// Posts `op` over a fresh host region of `region_bytes` (op.region is set to
+/// it) and waits for it until `timeout`.
+void post_one(LocalTransport& t, std::size_t region_bytes, TransferOp op,
+              std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  std::vector<char> m(region_bytes);
+  op.region = t.register_memory(m.data(), region_bytes, MemoryKind::host);
+  auto q = t.post(std::span(&op, 1));
+  t.wait(q, Clock::now() + timeout);
+}
+
 }  // namespace
 
 // --- the Transport concept ---------------------------------------------------
@@ -264,11 +274,7 @@ TEST_CASE("local transport: matching, deadlines, sizes, regions, bootstrap") {
           std::this_thread::sleep_for(std::chrono::milliseconds(400));
           return;
         }
-        std::vector<char> m(16);
-        auto r = t.register_memory(m.data(), 16, MemoryKind::host);
-        TransferOp op{OpKind::recv, 10, 3, r, 0, 16};
-        auto q = t.post(std::span(&op, 1));
-        t.wait(q, Clock::now() + std::chrono::milliseconds(100));
+        post_one(t, 16, {OpKind::recv, 10, 3, {}, 0, 16}, std::chrono::milliseconds(100));
       });
     });
     CHECK(e.find("timed out waiting for receive of 16 bytes from rank 10 at rank 20") != std::string::npos);
@@ -276,11 +282,7 @@ TEST_CASE("local transport: matching, deadlines, sizes, regions, bootstrap") {
   SUBCASE("sizes that differ fail both sides") {
     auto e = error_of([&] {
       world.run([&](LocalTransport& t) {
-        std::vector<char> m(64);
-        auto r = t.register_memory(m.data(), 64, MemoryKind::host);
-        TransferOp op = t.rank() == 10 ? TransferOp{OpKind::send, 20, 1, r, 0, 64} : TransferOp{OpKind::recv, 10, 1, r, 0, 32};
-        auto q = t.post(std::span(&op, 1));
-        t.wait(q, Clock::now() + std::chrono::seconds(10));
+        post_one(t, 64, t.rank() == 10 ? TransferOp{OpKind::send, 20, 1, {}, 0, 64} : TransferOp{OpKind::recv, 10, 1, {}, 0, 32});
       });
     });
     CHECK(e.find("size mismatch") != std::string::npos);
@@ -288,11 +290,7 @@ TEST_CASE("local transport: matching, deadlines, sizes, regions, bootstrap") {
   SUBCASE("an op outside its region is refused") {
     auto e = error_of([&] {
       world.run([&](LocalTransport& t) {
-        if (t.rank() != 10) return;
-        std::vector<char> m(64);
-        auto r = t.register_memory(m.data(), 64, MemoryKind::host);
-        TransferOp op{OpKind::send, 20, 1, r, 60, 8};
-        t.post(std::span(&op, 1));
+        if (t.rank() == 10) post_one(t, 64, {OpKind::send, 20, 1, {}, 60, 8});
       });
     });
     CHECK(e.find("covers bytes [60, 68) of a region of 64 bytes") != std::string::npos);

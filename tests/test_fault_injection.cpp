@@ -54,6 +54,16 @@ FaultRule rule(FaultKind k, Victim v, std::int64_t replay) {
   return FaultRule::when(k, [v, replay](const MessageInfo& m) { return m.from == 1 && m.to == 3 && m.replay == replay && is(v, m); });
 }
 
+/// Runs `refits` refits of the message-kinds pair with one fault rule and
+/// requires that the fault was injected, once.
+refit_test::FaultyOutcome run_with_fault(FaultRule r, ResharderOptions opt, int refits, bool same_values = false) {
+  FaultPlan plan;
+  plan.add(std::move(r));
+  auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, opt, refits, same_values);
+  REQUIRE(o.injected.size() == 1);
+  return o;
+}
+
 bool has(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
 
 /// The error names `tensor` as an entry of a tensor list, as the executor
@@ -116,10 +126,7 @@ TEST_CASE("integrity: every corruption is detected and named; no rank reports su
       const std::string kind_name = to_string(kind), victim_name = name_of(v);
       CAPTURE(kind_name);
       CAPTURE(victim_name);
-      FaultPlan plan;
-      plan.add(rule(kind, v, 1));
-      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3);
-      REQUIRE(o.injected.size() == 1);
+      const auto o = run_with_fault(rule(kind, v, 1), options(true), 3);
       CHECK(o.committed(0) == 4);  // the first refit was clean
       // b is replicated: rank 1 sends the same source range to ranks 2 and
       // 3, so a byte flipped in it while in flight may reach rank 2 as well.
@@ -148,10 +155,7 @@ TEST_CASE("integrity: every corruption is detected and named; no rank reports su
 }
 
 TEST_CASE("integrity: without checksums the same corruption goes through (the injection changes data)") {
-  FaultPlan plan;
-  plan.add(rule(FaultKind::corrupt_arrived, Victim::zero_copy, 0));
-  const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(false), 1);
-  REQUIRE(o.injected.size() == 1);
+  const auto o = run_with_fault(rule(FaultKind::corrupt_arrived, Victim::zero_copy, 0), options(false), 1);
   CHECK(o.committed(0) == 4);
   CHECK(o.at(3).wrong[0] == 1);  // one element of b is wrong on rank 3, undetected
   CHECK(o.at(2).wrong[0] == 0);
@@ -164,10 +168,7 @@ TEST_CASE("integrity: a dropped message fails the receiver at its deadline, nami
       const std::string victim_name = name_of(v);
       CAPTURE(victim_name);
       CAPTURE(checksum);
-      FaultPlan plan;
-      plan.add(rule(FaultKind::drop, v, 0));
-      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(checksum), 1);
-      REQUIRE(o.injected.size() == 1);
+      const auto o = run_with_fault(rule(FaultKind::drop, v, 0), options(checksum), 1);
       check_failed_everywhere(o, 0, tensor_of(v));
       const auto& e = o.at(3).errors[0];
       INFO(e);
@@ -184,23 +185,17 @@ TEST_CASE("integrity: a dropped message fails the receiver at its deadline, nami
 
 TEST_CASE("integrity: a delay past the timeout fails like a drop; a delay within it succeeds") {
   {
-    FaultPlan late;
     auto r = rule(FaultKind::delay, Victim::half_staged, 0);
     r.delay = 2000ms;
-    late.add(r);
-    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), late, options(true, 800ms), 1);
-    REQUIRE(o.injected.size() == 1);
+    const auto o = run_with_fault(r, options(true, 800ms), 1);
     check_failed_everywhere(o, 0, "w");
     CHECK(has(o.at(3).errors[0], "timed out"));
     CHECK(o.seconds < 5);
   }
   {
-    FaultPlan soon;
     auto r = rule(FaultKind::delay, Victim::half_staged, 0);
     r.delay = 150ms;
-    soon.add(r);
-    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), soon, options(true, 3000ms), 2);
-    REQUIRE(o.injected.size() == 1);
+    const auto o = run_with_fault(r, options(true, 3000ms), 2);
     CHECK(o.committed(0) == 4);
     CHECK(o.committed(1) == 4);
     for (const auto& rr : o.ranks) CHECK(rr.wrong == std::vector<std::int64_t>{0, 0});
@@ -212,29 +207,20 @@ TEST_CASE("integrity: a duplicated message is caught in the next refit") {
     for (Victim v : {Victim::zero_copy, Victim::half_staged, Victim::bucket}) {
       const std::string victim_name = name_of(v);
       CAPTURE(victim_name);
-      FaultPlan plan;
-      plan.add(rule(FaultKind::duplicate, v, 0));
-      const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3);
-      REQUIRE(o.injected.size() == 1);
+      const auto o = run_with_fault(rule(FaultKind::duplicate, v, 0), options(true), 3);
       CHECK(o.committed(0) == 4);
       check_failed_everywhere(o, 1, tensor_of(v));
       CHECK(has(o.at(3).errors[1], "checksum mismatch"));
     }
   }
   SUBCASE("control: the previous refit's version is refused") {
-    FaultPlan plan;
-    plan.add(rule(FaultKind::duplicate, Victim::control, 0));
-    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3);
-    REQUIRE(o.injected.size() == 1);
+    const auto o = run_with_fault(rule(FaultKind::duplicate, Victim::control, 0), options(true), 3);
     CHECK(o.committed(0) == 4);
     check_failed_everywhere(o, 1, "b");
     CHECK(has(o.at(3).errors[1], "rank 1 sent wave 0 of refit version 1 while this rank refits version 2: a stale or duplicated message"));
   }
   SUBCASE("data, unchanged weights: the displaced original is never received, so the refit is not committed") {
-    FaultPlan plan;
-    plan.add(rule(FaultKind::duplicate, Victim::zero_copy, 0));
-    const auto o = refit_test::run_with_faults(message_kinds_src(), message_kinds_dst(), plan, options(true), 3, /*same_values=*/true);
-    REQUIRE(o.injected.size() == 1);
+    const auto o = run_with_fault(rule(FaultKind::duplicate, Victim::zero_copy, 0), options(true), 3, /*same_values=*/true);
     CHECK(o.committed(0) == 4);
     check_failed_everywhere(o, 1, "b");
     const auto& e = o.at(1).errors[1];

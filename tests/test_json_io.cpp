@@ -458,21 +458,9 @@ TEST_CASE("write_schedule_json escapes names, keeps 64-bit integers and writes n
   Schedule s;
   s.src_buffers = {"plain", "quo\"te\\back\nline", "\xc3\xa9t\xc3\xa9"};
   s.dst_buffers = {"dst"};
-  Copy c;
-  c.src_rank = 3;
-  c.dst_rank = 9;
-  c.src_buffer = 1;
-  c.dst_buffer = 0;
-  c.element_bytes = 2;
-  c.src_offset = (std::int64_t{1} << 53) + 1;
-  c.dst_offset = 5;
-  c.rank = 2;
-  c.extent[0] = 3;
-  c.extent[1] = 4;
-  c.src_stride[0] = 10;
-  c.src_stride[1] = 1;
-  c.dst_stride[0] = 4;
-  c.dst_stride[1] = 1;
+  Copy c{.src_rank = 3, .dst_rank = 9, .src_buffer = 1, .dst_buffer = 0, .element_bytes = 2,
+         .src_offset = (std::int64_t{1} << 53) + 1, .dst_offset = 5, .rank = 2,
+         .extent = {3, 4}, .src_stride = {10, 1}, .dst_stride = {4, 1}};
   s.copies.push_back(c);
   c.src_buffer = 2;
   c.dst_rank = 3;  // local
@@ -504,14 +492,8 @@ TEST_CASE("write_schedule_json escapes names, keeps 64-bit integers and writes n
 }
 
 TEST_CASE("stats_json: the contract's three fields, and the extended ones for --stats") {
-  ScheduleStats st;
-  st.bytes = 10;
-  st.local_bytes = 4;
-  st.copies = 3;
-  st.max_send_bytes = 7;
-  st.max_recv_bytes = 8;
-  st.ranks = 12;
-  st.plan_seconds = 0.5;
+  const ScheduleStats st{.bytes = 10, .local_bytes = 4, .copies = 3, .max_send_bytes = 7, .max_recv_bytes = 8,
+                         .ranks = 12, .plan_seconds = 0.5};
   CHECK(stats_json(st, false) == json{{"bytes", 10}, {"local_bytes", 4}, {"copies", 3}});
   const json e = stats_json(st, true);
   CHECK(e.size() == 7);

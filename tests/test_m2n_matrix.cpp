@@ -146,6 +146,15 @@ void check_tiling(const Layout& dst, const Schedule& s) {
   }
 }
 
+/// Plans src -> dst without executing (the shapes are too large to allocate)
+/// and checks the schedule's structure and that its copies tile dst.
+Schedule plan_and_check_tiling(const Layout& src, const Layout& dst) {
+  Schedule s = plan(src, dst);
+  check_structure(src, dst, s);
+  check_tiling(dst, s);
+  return s;
+}
+
 }  // namespace
 
 TEST_CASE("M2N matrix: full replication") {
@@ -247,31 +256,19 @@ TEST_CASE("M2N matrix: disjoint and reversed meshes") {
 TEST_CASE("M2N matrix: shapes beyond 2^31 elements, planned without allocating") {
   SUBCASE("[65536, 65536] bf16, tp=8 rows -> tp=4 rows: one copy per peer pair") {
     const std::vector<std::int64_t> shape{65536, 65536};
-    const auto src = placed({{8}, {0}}, shape, 0);
-    const auto dst = placed({{4}, {0}}, shape, 8);
-    const auto s = plan(src, dst);
-    check_structure(src, dst, s);
-    check_tiling(dst, s);
+    const auto s = plan_and_check_tiling(placed({{8}, {0}}, shape, 0), placed({{4}, {0}}, shape, 8));
     CHECK(static_cast<std::int64_t>(s.copies.size()) == peer_pairs(s));
     CHECK(s.copies.size() == 8);
     CHECK(s.stats.bytes == std::int64_t{65536} * 65536 * 2);
   }
   SUBCASE("[65536, 65536] tp=4 -> one rank: copies of 2^30 elements into a 2^32-element buffer") {
     const std::vector<std::int64_t> shape{65536, 65536};
-    const auto src = placed({{4}, {0}}, shape, 0);
-    const auto dst = placed({{1}, {-1}}, shape, 4);
-    const auto s = plan(src, dst);
-    check_structure(src, dst, s);
-    check_tiling(dst, s);
+    const auto s = plan_and_check_tiling(placed({{4}, {0}}, shape, 0), placed({{1}, {-1}}, shape, 4));
     CHECK(s.copies.size() == 4);
   }
   SUBCASE("1-D of 2^32 + 3 elements, balanced over 3 -> 4") {
     const std::vector<std::int64_t> shape{(std::int64_t{1} << 32) + 3};
-    const auto src = placed({{3}, {0}}, shape, 0);
-    const auto dst = placed({{4}, {0}}, shape, 3);
-    const auto s = plan(src, dst);
-    check_structure(src, dst, s);
-    check_tiling(dst, s);
+    const auto s = plan_and_check_tiling(placed({{3}, {0}}, shape, 0), placed({{4}, {0}}, shape, 3));
     CHECK(static_cast<std::int64_t>(s.copies.size()) == peer_pairs(s));
   }
   SUBCASE("3-D [4096, 1024, 1024] cross-dim: dim 0 over 4 -> dim 2 over 2, on a 2-D source mesh") {

@@ -28,21 +28,15 @@ oracle::Balance check_balanced(const Layout& src, const Layout& dst, double limi
 /// A train-like mesh (dp outer, tp inner) holding one [rows, cols] tensor
 /// cut by tp along `dim`.
 Layout dp_tp(std::int64_t dp, std::int64_t tp, int dim, std::vector<std::int64_t> shape, std::int64_t first = 0) {
-  Layout L = mesh_layout({{"dp", dp}, {"tp", tp}}, first);
   std::vector<DimSpec> dims(shape.size());
   dims[static_cast<std::size_t>(dim)] = cut({AxisRef{1, 1, tp}});
-  add_tensor(L, "w", shape, dims);
-  L.validate();
-  return L;
+  return one_tensor({{"dp", dp}, {"tp", tp}}, shape, first, dims);
 }
 
 Layout tp_only(std::int64_t tp, int dim, std::vector<std::int64_t> shape, std::int64_t first) {
-  Layout L = mesh_layout({{"tp", tp}}, first);
   std::vector<DimSpec> dims(shape.size());
   dims[static_cast<std::size_t>(dim)] = cut({AxisRef{0, 1, tp}});
-  add_tensor(L, "w", shape, dims);
-  L.validate();
-  return L;
+  return one_tensor({{"tp", tp}}, shape, first, dims);
 }
 
 /// No copy can lose a dim: collapse() finds nothing to merge or drop.
@@ -70,21 +64,11 @@ TEST_CASE("balance: dp=4,tp=2 rows cut -> tp=8 columns cut, small pieces rotate 
 }
 
 TEST_CASE("balance: fully replicated dp=8 -> tp=4") {
-  Layout src = mesh_layout({{"dp", 8}});
-  add_tensor(src, "w", {1024, 256});
-  src.validate();
-  const auto dst = tp_only(4, 0, {1024, 256}, 8);
-  check_balanced(src, dst);
+  check_balanced(one_tensor({{"dp", 8}}, {1024, 256}), tp_only(4, 0, {1024, 256}, 8));
 }
 
 TEST_CASE("balance: replicated dp=4 -> replicated dp=4 (every receiver needs everything)") {
-  Layout src = mesh_layout({{"dp", 4}});
-  add_tensor(src, "w", {512, 512});
-  src.validate();
-  Layout dst = mesh_layout({{"dp", 4}}, 4);
-  add_tensor(dst, "w", {512, 512});
-  dst.validate();
-  check_balanced(src, dst);
+  check_balanced(one_tensor({{"dp", 4}}, {512, 512}), one_tensor({{"dp", 4}}, {512, 512}, 4));
 }
 
 TEST_CASE("balance: dp=2,tp=4 -> tp=2 same dim, and dp=3 replicas with uneven slabs") {

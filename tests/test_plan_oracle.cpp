@@ -440,28 +440,18 @@ TEST_CASE("source-only tensors are ignored; a destination tensor missing from th
 }
 
 TEST_CASE("a tensor whose shape or dtype differs between the sides is an error naming it") {
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "w", {4, 6});
-  src.validate();
-  Layout shape = mesh_layout({{"tp", 2}}, 2);
-  add_tensor(shape, "w", {6, 4});
-  shape.validate();
-  Layout dtype = mesh_layout({{"tp", 2}}, 2);
-  add_tensor(dtype, "w", {4, 6}, {}, DType::f32);
-  dtype.validate();
-  try {
-    plan(src, shape);
-    FAIL("no error for a shape mismatch");
-  } catch (const LayoutError& e) {
-    CHECK(e.context.tensor == "w");
-    CHECK(e.context.field == "shape");
-  }
-  try {
-    plan(src, dtype);
-    FAIL("no error for a dtype mismatch");
-  } catch (const LayoutError& e) {
-    CHECK(e.context.tensor == "w");
-    CHECK(e.context.field == "dtype");
+  const Layout src = one_tensor({{"tp", 2}}, {4, 6});
+  const std::pair<Layout, std::string> mismatches[] = {{one_tensor({{"tp", 2}}, {6, 4}, 2), "shape"},
+                                                       {one_tensor({{"tp", 2}}, {4, 6}, 2, {}, DType::f32), "dtype"}};
+  for (const auto& [dst, field] : mismatches) {
+    CAPTURE(field);
+    try {
+      plan(src, dst);
+      FAIL("no error for a mismatch");
+    } catch (const LayoutError& e) {
+      CHECK(e.context.tensor == "w");
+      CHECK(e.context.field == field);
+    }
   }
 }
 

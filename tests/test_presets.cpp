@@ -739,21 +739,30 @@ TEST_CASE("invalid specs give clear errors") {
     return error_of([&] { model_layouts(model(name), train, infer, false); });
   };
   // tiny-llama: 8 heads, 2 kv heads, intermediate 704; tiny-moe: 16 experts.
-  auto e = err("tiny-llama", "tp=3", "tp=1");
-  CHECK(contains(e, "tiny-llama.json: train spec 'tp=3': tp=3 does not divide num_attention_heads=8"));
-  CHECK(contains(err("tiny-llama", "tp=1", "tp=16"), "infer spec 'tp=16': tp=16 does not divide"));
-  CHECK(contains(err("tiny-llama", "tp=1,ep=2", "tp=1"), "ep=2 but the model has no experts"));
-  CHECK(contains(err("tiny-moe", "tp=1,dp=3,ep=3", "tp=1"), "ep=3 does not divide the 16 experts"));
-  CHECK(contains(err("tiny-moe", "tp=1,dp=2,ep=4", "tp=1"), "does not divide the 2 ranks of a stage"));
-  CHECK(contains(err("tiny-moe", "tp=2,dp=3,ep=3,etp=1", "tp=1"), "do not line up"));
-  CHECK(contains(err("tiny-moe", "tp=1", "tp=2,dp=2,ep=2"), "ep=2: vLLM's expert parallelism spans the dp*tp = 4"));
-  CHECK(contains(err("tiny-moe", "tp=1", "tp=1,cp=2"), "cp=2"));
-  CHECK(contains(err("tiny-moe", "tp=1", "tp=1,etp=1"), "etp is a training key"));
-  CHECK(contains(err("tiny-llama", "tp=1", "pp=2,pp_first=1"), "pp_first/pp_last are training keys"));
-  CHECK(contains(err("tiny-llama", "pp=4,pp_first=3", "tp=1"), "do not divide evenly"));
-  CHECK(contains(err("tiny-llama", "pp=8", "tp=1"), "4 layers cannot fill 8 pipeline stages"));
-  CHECK(contains(err("tiny-qwen3", "pp=3", "tp=1"), "tie_word_embeddings with pp=3"));
-  CHECK(contains(err("tiny-llama", "tp=1", "tp=1,bogus=2"), "unknown key 'bogus'"));
+  struct Case {
+    const char *model, *train, *infer, *phrase;
+  };
+  const Case cases[] = {
+      {"tiny-llama", "tp=3", "tp=1", "tiny-llama.json: train spec 'tp=3': tp=3 does not divide num_attention_heads=8"},
+      {"tiny-llama", "tp=1", "tp=16", "infer spec 'tp=16': tp=16 does not divide"},
+      {"tiny-llama", "tp=1,ep=2", "tp=1", "ep=2 but the model has no experts"},
+      {"tiny-moe", "tp=1,dp=3,ep=3", "tp=1", "ep=3 does not divide the 16 experts"},
+      {"tiny-moe", "tp=1,dp=2,ep=4", "tp=1", "does not divide the 2 ranks of a stage"},
+      {"tiny-moe", "tp=2,dp=3,ep=3,etp=1", "tp=1", "do not line up"},
+      {"tiny-moe", "tp=1", "tp=2,dp=2,ep=2", "ep=2: vLLM's expert parallelism spans the dp*tp = 4"},
+      {"tiny-moe", "tp=1", "tp=1,cp=2", "cp=2"},
+      {"tiny-moe", "tp=1", "tp=1,etp=1", "etp is a training key"},
+      {"tiny-llama", "tp=1", "pp=2,pp_first=1", "pp_first/pp_last are training keys"},
+      {"tiny-llama", "pp=4,pp_first=3", "tp=1", "do not divide evenly"},
+      {"tiny-llama", "pp=8", "tp=1", "4 layers cannot fill 8 pipeline stages"},
+      {"tiny-qwen3", "pp=3", "tp=1", "tie_word_embeddings with pp=3"},
+      {"tiny-llama", "tp=1", "tp=1,bogus=2", "unknown key 'bogus'"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.train);
+    CAPTURE(c.infer);
+    CHECK(contains(err(c.model, c.train, c.infer), c.phrase));
+  }
   const std::string bad = std::string(RESHARD_TEST_MODELS) + "/../models/unknown.json";
   CHECK(contains(error_of([&] { model_layouts(bad, "tp=1", "tp=1", false); }), "unknown.json"));
 }

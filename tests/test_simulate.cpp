@@ -46,13 +46,44 @@ struct World {
 
 constexpr double GB = 1e9;
 
+/// A packed flow of `bytes` from one rank to another in one stage.
+struct Flow {
+  std::int32_t stage;
+  std::int64_t src, dst;
+  double bytes;
+};
+
+/// Every stage of x has y's GPU pairs, with the same bytes, copies and forms.
+void check_same_traffic(const Traffic& x, const Traffic& y) {
+  REQUIRE(x.stages() == y.stages());
+  for (std::size_t s = 0; s < x.stages(); ++s) {
+    const auto a = x.pairs(s), b = y.pairs(s);
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      CHECK(a[i].src_gpu == b[i].src_gpu);
+      CHECK(a[i].dst_gpu == b[i].dst_gpu);
+      CHECK(a[i].bytes == b[i].bytes);
+      CHECK(a[i].copies == b[i].copies);
+      CHECK(a[i].forms.zero_copy == b[i].forms.zero_copy);
+      CHECK(a[i].forms.half == b[i].forms.half);
+      CHECK(a[i].forms.half_bytes == b[i].forms.half_bytes);
+      CHECK(a[i].forms.packed_bytes == b[i].forms.packed_bytes);
+    }
+  }
+}
+
+/// Simulates packed flows on w's placement.
+SimResult simulate_flows(const World& w, std::initializer_list<Flow> flows) {
+  Traffic tr(w.place);
+  for (const auto& f : flows) tr.add(f.stage, f.src, f.dst, f.bytes);
+  return simulate(tr);
+}
+
 }  // namespace
 
 TEST_CASE("one network flow: bytes over the NIC rate, plus latency") {
   World w(4, 1, 1);
-  Traffic tr(w.place);
-  tr.add(0, 0, 1, 1 * GB);
-  auto r = simulate(tr);
+  auto r = simulate_flows(w, {{0, 0, 1, 1 * GB}});
   CHECK(r.seconds == doctest::Approx(0.020));
   CHECK(r.stages.at(0).bound_port == Port::nic_out);
   CHECK(r.stages[0].bytes[static_cast<int>(LinkKind::network)] == 1 * GB);
@@ -62,9 +93,7 @@ TEST_CASE("one network flow: bytes over the NIC rate, plus latency") {
   w.topo.latency_us = 100;
   w.topo.stage_latency_us = 50;
   w.place = RankPlacement(w.topo, w.a, w.b);
-  Traffic t2(w.place);
-  t2.add(0, 0, 1, 1 * GB);
-  r = simulate(t2);
+  r = simulate_flows(w, {{0, 0, 1, 1 * GB}});
   const double msgs = std::ceil(1e9 / (128.0 * 1024 * 1024));  // 8
   CHECK(r.stages[0].messages == 8);
   CHECK(r.seconds == doctest::Approx(0.020 + msgs * 100e-6 + 50e-6));
@@ -216,10 +245,7 @@ TEST_CASE("a copy's shape: its form and the unit-stride runs of its staged sides
 
 TEST_CASE("two sources into one GPU share its NIC ingress") {
   World w(4, 1, 1);
-  Traffic tr(w.place);
-  tr.add(0, 0, 2, 1 * GB);
-  tr.add(0, 1, 2, 1 * GB);
-  const auto r = simulate(tr);
+  const auto r = simulate_flows(w, {{0, 0, 2, 1 * GB}, {0, 1, 2, 1 * GB}});
   CHECK(r.seconds == doctest::Approx(0.040));
   CHECK(r.stages[0].bound_gpu == 2);
   CHECK(r.stages[0].bound_port == Port::nic_in);
@@ -231,18 +257,11 @@ TEST_CASE("max-min fair: a short flow finishes, the others speed up") {
   // GPU 1's egress (B, C) are shared: all run at 25 GB/s until B ends at
   // 40 ms; then A and C run alone at 50 GB/s for their last 1 GB: 60 ms.
   World w(4, 1, 1);
-  Traffic tr(w.place);
-  tr.add(0, 0, 2, 2 * GB);
-  tr.add(0, 1, 2, 1 * GB);
-  tr.add(0, 1, 3, 2 * GB);
-  const auto r = simulate(tr);
+  const auto r = simulate_flows(w, {{0, 0, 2, 2 * GB}, {0, 1, 2, 1 * GB}, {0, 1, 3, 2 * GB}});
   CHECK(r.seconds == doctest::Approx(0.060));
   CHECK(r.stages[0].events == 2);
   // A and D: 0->1 4 GB alone on its ports, E: 2->3 1 GB: 80 ms (the longest).
-  Traffic t2(w.place);
-  t2.add(0, 0, 1, 4 * GB);
-  t2.add(0, 2, 3, 1 * GB);
-  CHECK(simulate(t2).seconds == doctest::Approx(0.080));
+  CHECK(simulate_flows(w, {{0, 0, 1, 4 * GB}, {0, 2, 3, 1 * GB}}).seconds == doctest::Approx(0.080));
 }
 
 TEST_CASE("ports shared at both ends of a flow") {
@@ -250,11 +269,7 @@ TEST_CASE("ports shared at both ends of a flow") {
   // 4 GB, GPU 2 ingress (F2,F3) 4 GB: bound 80 ms. Max-min: all 25 GB/s;
   // F2 ends at 40 ms (1 GB); F1 and F3 have 2 GB left at 50 GB/s: +40 ms = 80 ms.
   World w(4, 1, 1);
-  Traffic tr(w.place);
-  tr.add(0, 0, 1, 3 * GB);
-  tr.add(0, 0, 2, 1 * GB);
-  tr.add(0, 3, 2, 3 * GB);
-  const auto r = simulate(tr);
+  const auto r = simulate_flows(w, {{0, 0, 1, 3 * GB}, {0, 0, 2, 1 * GB}, {0, 3, 2, 3 * GB}});
   CHECK(r.stages[0].bound_seconds == doctest::Approx(0.080));
   CHECK(r.seconds == doctest::Approx(0.080));
   // Now F1 3 GB and F2 3 GB share GPU 0 egress (120 ms at 25 each), F3 1 GB
@@ -262,30 +277,23 @@ TEST_CASE("ports shared at both ends of a flow") {
   // min(25 at egress, 25 at ingress) = 25, F3 = 25, F1 = 25; F3 ends at
   // 40 ms; F2 still limited to 25 by GPU 0 egress (F1 also 25): 3 GB at
   // 25 GB/s = 120 ms. Bound: egress 6 GB = 120 ms.
-  Traffic t2(w.place);
-  t2.add(0, 0, 1, 3 * GB);
-  t2.add(0, 0, 2, 3 * GB);
-  t2.add(0, 3, 2, 1 * GB);
-  CHECK(simulate(t2).seconds == doctest::Approx(0.120));
+  CHECK(simulate_flows(w, {{0, 0, 1, 3 * GB}, {0, 0, 2, 3 * GB}, {0, 3, 2, 1 * GB}}).seconds == doctest::Approx(0.120));
 }
 
 TEST_CASE("NVLink inside a domain, the NIC between domains, local copies at the copy rate") {
   World w(8, 2, 4);  // domains {0-3}, {4-7}
-  Traffic tr(w.place);
-  tr.add(0, 0, 1, 4.5 * GB);  // NVLink, 450 GB/s: 10 ms
-  tr.add(0, 2, 5, 0.5 * GB);  // network: 10 ms
-  tr.add(0, 6, 6, 1 * GB);    // local: free (memcpy_gbps 0)
-  auto r = simulate(tr);
+  auto r = simulate_flows(w, {
+      {0, 0, 1, 4.5 * GB},  // NVLink, 450 GB/s: 10 ms
+      {0, 2, 5, 0.5 * GB},  // network: 10 ms
+      {0, 6, 6, 1 * GB},    // local: free (memcpy_gbps 0)
+  });
   CHECK(r.stages[0].bytes[static_cast<int>(LinkKind::nvlink)] == 4.5 * GB);
   CHECK(r.stages[0].bytes[static_cast<int>(LinkKind::network)] == 0.5 * GB);
   CHECK(r.stages[0].bytes[static_cast<int>(LinkKind::local)] == 1 * GB);
   CHECK(r.seconds == doctest::Approx(0.010));
   w.topo.memcpy_gbps = 8 * 50;  // 50 GB/s: the local copy takes 20 ms
   w.place = RankPlacement(w.topo, w.a, w.b);
-  Traffic t2(w.place);
-  t2.add(0, 0, 1, 4.5 * GB);
-  t2.add(0, 6, 6, 1 * GB);
-  r = simulate(t2);
+  r = simulate_flows(w, {{0, 0, 1, 4.5 * GB}, {0, 6, 6, 1 * GB}});
   CHECK(r.seconds == doctest::Approx(0.020));
   CHECK(r.stages[0].bound_port == Port::memcpy);
 }
@@ -294,10 +302,10 @@ TEST_CASE("stages run one after another") {
   World w(8, 2, 4);
   w.topo.stage_latency_us = 100;
   w.place = RankPlacement(w.topo, w.a, w.b);
-  Traffic tr(w.place);
-  tr.add(0, 0, 4, 1 * GB);    // 20 ms over the network
-  tr.add(1, 4, 5, 4.5 * GB);  // 10 ms over NVLink, after stage 0
-  const auto r = simulate(tr);
+  const auto r = simulate_flows(w, {
+      {0, 0, 4, 1 * GB},    // 20 ms over the network
+      {1, 4, 5, 4.5 * GB},  // 10 ms over NVLink, after stage 0
+  });
   REQUIRE(r.stages.size() == 2);
   CHECK(r.stages[0].seconds == doctest::Approx(0.020 + 100e-6));
   CHECK(r.stages[1].seconds == doctest::Approx(0.010 + 100e-6));
@@ -590,44 +598,12 @@ TEST_CASE("Traffic::merge sums the pairs of two halves") {
     whole.add(stage, s, d, bytes);
   }
   a.merge(b);
-  REQUIRE(a.stages() == whole.stages());
-  for (std::size_t s = 0; s < a.stages(); ++s) {
-    const auto x = a.pairs(s), y = whole.pairs(s);
-    REQUIRE(x.size() == y.size());
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      CHECK(x[i].src_gpu == y[i].src_gpu);
-      CHECK(x[i].dst_gpu == y[i].dst_gpu);
-      CHECK(x[i].bytes == y[i].bytes);
-      CHECK(x[i].copies == y[i].copies);
-    }
-  }
+  check_same_traffic(a, whole);
 }
 
 // ---------------------------------------------------------------------------
 // The streamed traffic (stream_traffic.hpp) equals the traffic of the
 // materialized plan, with and without the near sender choice.
-
-namespace {
-
-void check_same_traffic(const Traffic& x, const Traffic& y) {
-  REQUIRE(x.stages() == y.stages());
-  for (std::size_t s = 0; s < x.stages(); ++s) {
-    const auto a = x.pairs(s), b = y.pairs(s);
-    REQUIRE(a.size() == b.size());
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      CHECK(a[i].src_gpu == b[i].src_gpu);
-      CHECK(a[i].dst_gpu == b[i].dst_gpu);
-      CHECK(a[i].bytes == b[i].bytes);
-      CHECK(a[i].copies == b[i].copies);
-      CHECK(a[i].forms.zero_copy == b[i].forms.zero_copy);
-      CHECK(a[i].forms.half == b[i].forms.half);
-      CHECK(a[i].forms.half_bytes == b[i].forms.half_bytes);
-      CHECK(a[i].forms.packed_bytes == b[i].forms.packed_bytes);
-    }
-  }
-}
-
-}  // namespace
 
 TEST_CASE("streamed traffic equals the traffic of plan() and of plan() + prefer_near()") {
   std::vector<Topology> topos(3);

@@ -75,6 +75,13 @@ struct StagedCase {
   int pipeline;
   StagedSchedule h;
   std::string label() const { return fmt::format("{} pipeline {} stages {}", topo->name, pipeline, h.stages); }
+  /// Whether a copy reads a destination that an earlier stage wrote (fans it
+  /// out); network_only: a copy between two ranks.
+  bool fans_out(bool network_only = false) const {
+    for (std::size_t i = 0; i < h.schedule.copies.size(); ++i)
+      if (h.reads_dst(i) && !(network_only && h.schedule.copies[i].is_local())) return true;
+    return false;
+  }
 };
 StagedCase staged_case(std::uint64_t seed, int pipeline) {
   auto pair = testgen::random_layout_pair(seed + 900);
@@ -94,14 +101,13 @@ std::int64_t remote_bytes(const StagedSchedule& h) {
 }  // namespace
 
 TEST_CASE("hierarchical plans run stage by stage and write every destination element") {
-  int runs = 0, with_fan_out = 0;
-  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+  constexpr int kRuns = 60;
+  int with_fan_out = 0;
+  for (std::uint64_t seed = 1; seed <= kRuns; ++seed) {
     const auto sc = staged_case(seed, 1 + static_cast<int>(seed % 3));
     const auto& pair = sc.pair;
     const StagedSchedule& h = sc.h;
-    bool fans = false;
-    for (std::size_t i = 0; i < h.schedule.copies.size(); ++i) fans |= h.reads_dst(i);
-    with_fan_out += fans;
+    with_fan_out += sc.fans_out();
     ExecutorOptions opt;
     opt.staging_budget = seed % 2 ? std::int64_t{256} << 20 : 4096;  // one wave, or many
     opt.zero_copy_min = seed % 3 ? 64 * 1024 : 1;
@@ -110,9 +116,8 @@ TEST_CASE("hierarchical plans run stage by stage and write every destination ele
     CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
     CHECK(r.sent == r.planned);
     CHECK(r.sent == 2 * remote_bytes(h));
-    ++runs;
   }
-  MESSAGE("staged runs: " << runs << ", with fan-out copies: " << with_fan_out);
+  MESSAGE("staged runs: " << kRuns << ", with fan-out copies: " << with_fan_out);
   CHECK(with_fan_out > 10);
 }
 
@@ -320,6 +325,18 @@ FaultRule corrupt_into_owner(const FanOutFault& f, std::uint64_t channel, std::i
 
 bool contains(const std::vector<std::string>& v, const std::string& s) { return std::find(v.begin(), v.end(), s) != v.end(); }
 
+/// On this rank refit 1 committed, exact, and refit 2 failed with an error
+/// that says `what`, leaving the last good version at 1.
+void check_second_refit_failed(const StagedRank& r, const std::string& what) {
+  REQUIRE(r.errors.size() == 2);  // version 1 commits, version 2 fails on every rank, none goes on
+  CHECK(r.errors[0].empty());
+  CHECK(r.wrong[0] == 0);
+  CAPTURE(r.errors[1]);
+  CHECK(r.errors[1].find(what) != std::string::npos);
+  CHECK(r.last_good == 1);
+  REQUIRE(r.failure.has_value());
+}
+
 }  // namespace
 
 TEST_CASE("Resharder runs staged schedules: every element over each version, single- and double-buffered") {
@@ -328,9 +345,7 @@ TEST_CASE("Resharder runs staged schedules: every element over each version, sin
     const auto sc = staged_case(seed, 1 + static_cast<int>(seed % 3));
     const auto& pair = sc.pair;
     const StagedSchedule& h = sc.h;
-    bool fans = false;
-    for (std::size_t i = 0; i < h.schedule.copies.size(); ++i) fans |= h.reads_dst(i) && !h.schedule.copies[i].is_local();
-    with_fan_out += fans;
+    with_fan_out += sc.fans_out(/*network_only=*/true);
     for (bool double_buffered : {false, true}) {
       ResharderOptions opt = staged_options(double_buffered, seed % 4 == 0);
       opt.executor.staging_budget = seed % 2 ? std::int64_t{256} << 20 : 4096;  // one wave, or many
@@ -386,14 +401,8 @@ TEST_CASE("a failed staged refit is not committed: the destination is stale and 
     CHECK_FALSE(plan.injected().empty());
     for (const auto& r : out) {
       CAPTURE(r.rank);
-      REQUIRE(r.errors.size() == 2);  // version 1 commits, version 2 fails on every rank, none goes on
-      CHECK(r.errors[0].empty());
-      CHECK(r.wrong[0] == 0);
-      CAPTURE(r.errors[1]);
-      CHECK(r.errors[1].find("refit version 2 not committed, destination not updated (stale)") != std::string::npos);
+      check_second_refit_failed(r, "refit version 2 not committed, destination not updated (stale)");
       CHECK(r.state == RefitState::stale);
-      CHECK(r.last_good == 1);
-      REQUIRE(r.failure.has_value());
       CHECK(r.failure->version == 2);
       CHECK(r.failure->destination_touched);
       // Every tensor not at version 2 here is named stale (the stages after
@@ -424,16 +433,10 @@ TEST_CASE("double-buffered staged refits: a failed refit keeps the served set cu
     CHECK_FALSE(plan.injected().empty());
     for (const auto& r : out) {
       CAPTURE(r.rank);
-      REQUIRE(r.errors.size() == 2);
-      CHECK(r.errors[0].empty());
-      CHECK(r.wrong[0] == 0);
-      CAPTURE(r.errors[1]);
-      CHECK(r.errors[1].find("refit version 2 not committed; the served destination keeps version 1") != std::string::npos);
+      check_second_refit_failed(r, "refit version 2 not committed; the served destination keeps version 1");
       CHECK(r.state == RefitState::current);
-      CHECK(r.last_good == 1);
       CHECK(r.serving == 1);
       CHECK(r.served_wrong == 0);  // the back set, all of version 1
-      REQUIRE(r.failure.has_value());
       CHECK_FALSE(r.failure->destination_touched);
       CHECK(r.stale.empty());
     }

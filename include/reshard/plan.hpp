@@ -32,6 +32,7 @@
 #include "copy_log.hpp"
 #include "flat_index.hpp"
 #include "layout.hpp"
+#include "multi_index.hpp"
 #include "schedule.hpp"
 #include "storage.hpp"
 
@@ -1175,13 +1176,7 @@ class Planner {
         }
         r = collapse_dims(r, ext, sst, dst);
         emit_box(cp, so, doff, r, ext, sst, dst, *c.out);
-        int d = n - 1;
-        for (; d >= 0; --d) {
-          const auto ud = static_cast<std::size_t>(d);
-          if (++idx[ud] < groups[ud].size()) break;
-          idx[ud] = 0;
-        }
-        if (d < 0) break;
+        if (!next_index(idx, n, [&](std::size_t d) { return groups[d].size(); })) break;
       }
     }
   }

@@ -23,6 +23,7 @@
 
 #include "executor.hpp"
 #include "layout.hpp"
+#include "multi_index.hpp"
 #include "quantize.hpp"
 #include "schedule.hpp"
 #include "storage.hpp"
@@ -91,13 +92,7 @@ void for_each_whole_tile(const Layout& L, std::int64_t pos, int t, const QuantSp
       extent[ud] = std::min(ts.shape[ud], origin[ud] + q.tile(d, n)) - origin[ud];
     }
     f(origin, extent);
-    int d = n - 1;
-    for (; d >= 0; --d) {
-      const auto ud = static_cast<std::size_t>(d);
-      if (++i[ud] < starts[ud].size()) break;
-      i[ud] = 0;
-    }
-    if (d < 0) break;
+    if (!next_index(i, n, [&](std::size_t d) { return starts[d].size(); })) break;
   }
 }
 
@@ -112,13 +107,7 @@ void for_each_tile_row(const std::vector<std::int64_t>& shape, const std::array<
     std::int64_t g = 0;
     for (int d = 0; d < n; ++d) g = g * shape[static_cast<std::size_t>(d)] + origin[static_cast<std::size_t>(d)] + j[static_cast<std::size_t>(d)];
     f(g, extent[static_cast<std::size_t>(n - 1)]);
-    int d = n - 2;
-    for (; d >= 0; --d) {
-      const auto ud = static_cast<std::size_t>(d);
-      if (++j[ud] < extent[ud]) break;
-      j[ud] = 0;
-    }
-    if (d < 0) break;
+    if (!next_index(j, n - 1, [&](std::size_t d) { return extent[d]; })) break;  // the rows: all dims but the last
   }
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "layout.hpp"
+#include "multi_index.hpp"
 #include "storage.hpp"
 
 namespace reshard {
@@ -137,13 +138,7 @@ void for_each_slot_run(const Layout& L, std::int64_t pos, int buf, F&& f) {
           }
           k = end;
         }
-        int d = n - 2;
-        for (; d >= 0; --d) {
-          const auto u = static_cast<std::size_t>(d);
-          if (++j[u] < hb.hi[u]) break;
-          j[u] = hb.lo[u];
-        }
-        if (d < 0) break;
+        if (!next_index(j, n - 1, [&](std::size_t d) { return hb.lo[d]; }, [&](std::size_t d) { return hb.hi[d]; })) break;
       }
     }
   }

@@ -43,6 +43,7 @@
 #include <nlohmann/json.hpp>
 
 #include "error.hpp"
+#include "json_text.hpp"
 #include "layout.hpp"
 #include "message_rule.hpp"
 
@@ -299,13 +300,7 @@ inline Topology load_topology(const std::string& name_or_file) {
     fail("topology '{}': neither a preset ({}) nor a readable file", name_or_file,
          fmt::join(topology_preset_names(), ", "));
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw LayoutError(ErrorContext{name_or_file, "", ""}, fmt::format("not valid JSON: {}", e.what()));
-  }
-  return parse_topology(j, name_or_file);
+  return parse_topology(parse_json_text(text, name_or_file), name_or_file);
 }
 
 /// Where every global rank of a refit runs: GPU, node, NVLink domain.

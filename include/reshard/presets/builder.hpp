@@ -50,6 +50,35 @@ class LayoutBuilder {
     return d;
   }
 
+  /// A linear weight [out, in] cut over `tp`: column parallel cuts the
+  /// output dim, row parallel the input dim.
+  static std::vector<DimSpec> column_parallel(AxisRef tp) { return {even({tp}), DimSpec{}}; }
+  static std::vector<DimSpec> row_parallel(AxisRef tp) { return {DimSpec{}, even({tp})}; }
+
+  /// Adds a tensor that Megatron and vLLM place alike: the embedding and the
+  /// output layer cut by vocabulary rows over tp (padded to `vocab_pad`) on
+  /// the first and the last stage, the final norm whole on the last, and the
+  /// column- and row-parallel linear layers on their layer's `stage`. False,
+  /// nothing added, for a role each framework places its own way.
+  bool add_alike(const TensorInfo& t, AxisRef tp, std::int64_t vocab_pad, std::int64_t stage, std::int64_t last_stage) {
+    switch (t.role) {
+      case Role::embedding: add(t, {even({tp}, vocab_pad), DimSpec{}}, 0); return true;
+      case Role::lm_head: add(t, {even({tp}, vocab_pad), DimSpec{}}, last_stage); return true;
+      case Role::final_norm: add(t, {}, last_stage); return true;
+      case Role::q_b:
+      case Role::kv_b:
+      case Role::gate:
+      case Role::up:
+      case Role::shared_gate:
+      case Role::shared_up:
+      case Role::mtp_eh_proj: add(t, column_parallel(tp), stage); return true;
+      case Role::o:
+      case Role::down:
+      case Role::shared_down: add(t, row_parallel(tp), stage); return true;
+      default: return false;
+    }
+  }
+
   /// Adds a manifest tensor with its dimspecs (empty = replicated) and the
   /// pipeline stage (coordinate on axis `stage_axis`) it lives on.
   void add(const TensorInfo& t, std::vector<DimSpec> dims, std::int64_t stage) {
@@ -176,6 +205,26 @@ inline std::vector<std::int64_t> stage_of_layers(const std::vector<std::int64_t>
   while (static_cast<std::int64_t>(stage.size()) < total_layers)
     stage.push_back(static_cast<std::int64_t>(counts.size()) - 1);
   return stage;
+}
+
+/// The pipeline stage of each layer (MTP layers included) from the layers
+/// per stage that `stage_layers()` gives, its errors told at `where`. A tied
+/// embedding needs pp = 1: the embedding sits on the first stage and the
+/// output layer on the last, and a layout gives a tensor one stage.
+template <class StageLayers>
+std::vector<std::int64_t> layer_stages(const ModelConfig& c, std::int64_t pp, const std::string& where,
+                                       StageLayers&& stage_layers) {
+  if (c.tied && pp > 1)
+    fail("{}: tie_word_embeddings with pp={} would need the embedding on the first and the last stage; a layout "
+         "gives a tensor one stage",
+         where, pp);
+  std::vector<std::int64_t> counts;
+  try {
+    counts = stage_layers();
+  } catch (const Error& e) {
+    fail("{}: {}", where, e.what());
+  }
+  return stage_of_layers(counts, c.total_layers());
 }
 
 /// "CONFIG: train spec 'tp=3': " prefix for preset errors.

@@ -192,17 +192,7 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
   }
   if (c.mtp_layers > 0 && c.hidden % tp != 0)
     fail("{}: tp={} does not divide hidden_size={} (MTP eh_proj)", where, tp, c.hidden);
-  if (c.tied && pp > 1)
-    fail("{}: tie_word_embeddings with pp={} would need the embedding on the first and the last stage; a layout "
-         "gives a tensor one stage",
-         where, pp);
-  std::vector<std::int64_t> counts;
-  try {
-    counts = megatron_stage_layers(c.layers, pp, s.pp_first, s.pp_last);
-  } catch (const Error& e) {
-    fail("{}: {}", where, e.what());
-  }
-  const auto stage = detail::stage_of_layers(counts, c.total_layers());
+  const auto stage = detail::layer_stages(c, pp, where, [&] { return megatron_stage_layers(c.layers, pp, s.pp_first, s.pp_last); });
 
   detail::LayoutBuilder b(fmt::format("megatron layout ({})", to_string(s)),
                           {{"pp", pp}, {"dp", s.dp}, {"cp", s.cp}, {"tp", tp}}, first_rank);
@@ -210,8 +200,6 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
   using LB = detail::LayoutBuilder;
   const AxisRef TP = b.whole("tp");
   const std::int64_t vocab_pad = megatron_padded_vocab(c.vocab, tp);
-  auto column = [&] { return std::vector<DimSpec>{LB::even({TP}), DimSpec{}}; };
-  auto row = [&] { return std::vector<DimSpec>{DimSpec{}, LB::even({TP})}; };
 
   // linear_qkv pieces when tp % ng == 0 (see the header comment).
   std::vector<std::int64_t> q_sizes, k_sizes, v_sizes;
@@ -247,29 +235,17 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
 
   for (const auto& t : m.tensors) {
     const std::int64_t st = t.layer < 0 ? 0 : stage[static_cast<std::size_t>(t.layer)];
+    if (b.add_alike(t, TP, vocab_pad, st, pp - 1)) continue;
     switch (t.role) {
-      case Role::embedding: b.add(t, {LB::even({TP}, vocab_pad), DimSpec{}}, 0); break;
-      case Role::lm_head: b.add(t, {LB::even({TP}, vocab_pad), DimSpec{}}, pp - 1); break;
-      case Role::final_norm: b.add(t, {}, pp - 1); break;
       case Role::q:
-        if (c.mla || q_sizes.empty()) b.add(t, column(), st);
+        if (c.mla || q_sizes.empty()) b.add(t, LB::column_parallel(TP), st);
         else b.add(t, {LB::sizes({TP}, q_sizes), DimSpec{}}, st);
         break;
       case Role::k:
       case Role::v:
-        if (q_sizes.empty()) b.add(t, column(), st);
+        if (q_sizes.empty()) b.add(t, LB::column_parallel(TP), st);
         else b.add(t, {LB::sizes({TP}, t.role == Role::k ? k_sizes : v_sizes), DimSpec{}}, st);
         break;
-      case Role::q_b:
-      case Role::kv_b:
-      case Role::gate:
-      case Role::up:
-      case Role::shared_gate:
-      case Role::shared_up:
-      case Role::mtp_eh_proj: b.add(t, column(), st); break;
-      case Role::o:
-      case Role::down:
-      case Role::shared_down: b.add(t, row(), st); break;
       case Role::expert_gate:
       case Role::expert_up:
         if (t.stacked) b.add(t, {LB::even(xm.ep_axes), LB::even(xm.etp_axes), DimSpec{}}, st);

@@ -33,6 +33,7 @@
 
 #include "../dtype.hpp"
 #include "../error.hpp"
+#include "../json_text.hpp"
 
 namespace reshard::presets {
 
@@ -351,14 +352,7 @@ inline ModelConfig parse_model_config(const nlohmann::json& j, const std::string
 
 /// Reads a config.json file.
 inline ModelConfig read_model_config(const std::string& path) {
-  const std::string text = detail::read_text_file(path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw LayoutError(ErrorContext{path, "", ""}, fmt::format("invalid JSON: {}", e.what()));
-  }
-  return parse_model_config(j, path);
+  return parse_model_config(parse_json_text(detail::read_text_file(path), path), path);
 }
 
 /// Every checkpoint tensor of the model; with `group_experts`, each MoE

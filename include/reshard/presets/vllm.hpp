@@ -117,17 +117,7 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
   if (vocab_pad % tp != 0)
     fail("{}: tp={} does not divide the padded vocabulary {} (vocab_size {} rounded up to 64)", where, tp, vocab_pad,
          c.vocab);
-  if (c.tied && pp > 1)
-    fail("{}: tie_word_embeddings with pp={} would need the embedding on the first and the last stage; a layout "
-         "gives a tensor one stage",
-         where, pp);
-  std::vector<std::int64_t> counts;
-  try {
-    counts = vllm_stage_layers(c.layers, pp);
-  } catch (const Error& e) {
-    fail("{}: {}", where, e.what());
-  }
-  const auto stage = detail::stage_of_layers(counts, c.total_layers());
+  const auto stage = detail::layer_stages(c, pp, where, [&] { return vllm_stage_layers(c.layers, pp); });
 
   detail::LayoutBuilder b(fmt::format("vllm layout ({})", to_string(s)), {{"dp", dp}, {"pp", pp}, {"tp", tp}},
                           first_rank);
@@ -135,8 +125,6 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
   using LB = detail::LayoutBuilder;
   const AxisRef TP = b.whole("tp");
   const std::vector<AxisRef> moe_ranks = {b.whole("dp"), TP};  // flattened dp x tp, dp major
-  auto column = [&] { return std::vector<DimSpec>{LB::even({TP}), DimSpec{}}; };
-  auto row = [&] { return std::vector<DimSpec>{DimSpec{}, LB::even({TP})}; };
   const AxisRef KV = tp > ng ? AxisRef{TP.axis, tp / ng, ng} : TP;
   auto expert_dim = [&](std::int64_t e, std::int64_t extent) {
     if (!use_ep) return LB::even(moe_ranks);
@@ -160,22 +148,11 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
   for (const auto& t : m.tensors) {
     if (t.layer >= c.layers) continue;  // MTP: not part of vLLM's main model
     const std::int64_t st = t.layer < 0 ? 0 : stage[static_cast<std::size_t>(t.layer)];
+    if (b.add_alike(t, TP, vocab_pad, st, pp - 1)) continue;
     switch (t.role) {
-      case Role::embedding: b.add(t, {LB::even({TP}, vocab_pad), DimSpec{}}, 0); break;
-      case Role::lm_head: b.add(t, {LB::even({TP}, vocab_pad), DimSpec{}}, pp - 1); break;
-      case Role::final_norm: b.add(t, {}, pp - 1); break;
+      case Role::q: b.add(t, LB::column_parallel(TP), st); break;
       case Role::k:
       case Role::v: b.add(t, {LB::even({KV}), DimSpec{}}, st); break;
-      case Role::q:
-      case Role::q_b:
-      case Role::kv_b:
-      case Role::gate:
-      case Role::up:
-      case Role::shared_gate:
-      case Role::shared_up: b.add(t, column(), st); break;
-      case Role::o:
-      case Role::down:
-      case Role::shared_down: b.add(t, row(), st); break;
       case Role::expert_gate:
       case Role::expert_up:
         if (!t.stacked) b.add(t, {expert_dim(t.expert, t.shape[0]), DimSpec{}}, st);
