@@ -6,7 +6,8 @@
 //   delta-kernels-bench [--density 0.025] [--repeats 3]
 //
 // Each repeat prints memcpy GB/s, diff GB/s (of weight bytes; it also reads
-// the shadow) and scatter GB/s (of destination bytes). Built against another
+// the shadow) with the kernel the sender picks (AVX-512 where the CPU has
+// it) and with the portable one, and scatter GB/s (of destination bytes). Built against another
 // commit's include/ (g++ -O3 -std=c++20 -I<that>/include ... -lfmt) it gives
 // an A/B of the kernels on the same machine.
 #include <chrono>
