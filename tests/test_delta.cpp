@@ -250,6 +250,92 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
   CHECK(delta::expected_wire_fraction(2, 1.0) == doctest::Approx((4.0 + 131072) / 131072));
 }
 
+TEST_CASE("kernels: every diff-and-compact variant agrees with a scalar loop and writes no output past its bound") {
+  // The reference: an element changed iff any of its bytes differs.
+  auto reference = [](std::size_t E, const std::vector<std::byte>& cur, const std::vector<std::byte>& base, std::int64_t n) {
+    std::vector<std::int64_t> pos;
+    for (std::int64_t j = 0; j < n; ++j) {
+      bool differs = false;
+      for (std::size_t b = 0; b < E; ++b) differs |= cur[static_cast<std::size_t>(j) * E + b] != base[static_cast<std::size_t>(j) * E + b];
+      if (differs) pos.push_back(j);
+    }
+    return pos;
+  };
+  using Kernel = std::function<std::int64_t(const std::byte*, std::byte*, std::int64_t, std::uint16_t*, std::byte*)>;
+  std::vector<std::pair<std::string, std::pair<std::size_t, Kernel>>> kernels = {
+      {"portable 2", {2, [](auto... a) { return delta::diff_compact<2>(a...); }}},
+      {"portable 4", {4, [](auto... a) { return delta::diff_compact<4>(a...); }}},
+      {"dispatched 2", {2, [](auto... a) { return delta::diff_compact_bytes(2, a...); }}},
+      {"dispatched 4", {4, [](auto... a) { return delta::diff_compact_bytes(4, a...); }}},
+  };
+#ifdef RESHARD_DELTA_AVX512_DISPATCH
+  if (delta::detail::cpu_has_avx512_compress()) {
+    kernels.push_back({"avx512 2", {2, [](auto... a) { return delta::diff_compact_avx512<2>(a...); }}});
+    kernels.push_back({"avx512 4", {4, [](auto... a) { return delta::diff_compact_avx512<4>(a...); }}});
+  } else {
+    MESSAGE("this CPU lacks AVX-512 BW/VL/VBMI2: the AVX-512 diff kernel is not exercised");
+  }
+#endif
+  std::mt19937_64 g(11);
+  const std::byte guard{0xA5};
+  for (const auto& [name, kernel] : kernels) {
+    const auto [E, run] = kernel;
+    // Lengths around the vector (16/32 lanes) and group (64/128 lanes) edges, and a whole chunk.
+    for (std::int64_t n : {std::int64_t{1}, std::int64_t{15}, std::int64_t{31}, std::int64_t{33}, std::int64_t{127}, std::int64_t{129},
+                           std::int64_t{1000}, delta::kChunk}) {
+      for (double p : {0.0, 0.001, 0.03, 0.5, 1.0}) {
+        CAPTURE(name);
+        CAPTURE(n);
+        CAPTURE(p);
+        std::vector<std::byte> base(static_cast<std::size_t>(n) * E), cur;
+        for (auto& x : base) x = static_cast<std::byte>(g());
+        cur = base;
+        for (std::int64_t j = 0; j < n; ++j)
+          if (static_cast<double>(g() >> 11) * 0x1.0p-53 < p) cur[static_cast<std::size_t>(j) * E + g() % E] ^= static_cast<std::byte>(1u << (g() % 8));
+        if (n == delta::kChunk && p == 0.001) cur[static_cast<std::size_t>(n - 1) * E] ^= std::byte{0x80};  // the last position, 65535
+        const std::vector<std::int64_t> want = reference(E, cur, base, n);
+        // Outputs with guard bytes after them: a kernel may write k entries, no more.
+        std::vector<std::uint16_t> idx(static_cast<std::size_t>(n) + 64, 0xA5A5);
+        std::vector<std::byte> vals(static_cast<std::size_t>(n + 64) * E, guard), shadow = base;
+        const std::int64_t k = run(cur.data(), shadow.data(), n, idx.data(), vals.data());
+        REQUIRE(k == static_cast<std::int64_t>(want.size()));
+        CHECK(std::memcmp(shadow.data(), cur.data(), cur.size()) == 0);
+        bool positions = true, values = true, guards = true;
+        for (std::int64_t j = 0; j < k; ++j) {
+          positions &= idx[static_cast<std::size_t>(j)] == want[static_cast<std::size_t>(j)];
+          values &= std::memcmp(vals.data() + j * static_cast<std::int64_t>(E), cur.data() + want[static_cast<std::size_t>(j)] * static_cast<std::int64_t>(E), E) == 0;
+        }
+        // The portable kernel may use up to n entries as scratch (it writes a dirty block's first four
+        // changes unconditionally); the AVX-512 one writes exactly k.
+        const auto from = static_cast<std::size_t>(name.rfind("avx512", 0) == 0 ? k : n);
+        for (std::size_t j = from; j < idx.size(); ++j) guards &= idx[j] == 0xA5A5;
+        for (std::size_t j = from * E; j < vals.size(); ++j) guards &= vals[j] == guard;
+        CHECK(positions);
+        CHECK(values);
+        CHECK(guards);
+      }
+    }
+  }
+}
+
+TEST_CASE("kernels: the streaming copy of a prime copies every byte at any alignment and length, and nothing else") {
+  std::mt19937_64 g(13);
+  std::vector<std::byte> from(5000);
+  for (auto& x : from) x = static_cast<std::byte>(g());
+  for (std::size_t at : {0u, 1u, 7u, 15u, 16u, 33u})
+    for (std::size_t from_at : {0u, 3u})
+      for (std::size_t n : {0u, 1u, 15u, 63u, 64u, 65u, 200u, 4000u}) {
+        CAPTURE(at);
+        CAPTURE(from_at);
+        CAPTURE(n);
+        std::vector<std::byte> to(4100 + 64, std::byte{0x5A});
+        delta::copy_streaming(to.data() + at, from.data() + from_at, n);
+        bool ok = true;
+        for (std::size_t j = 0; j < to.size(); ++j) ok &= to[j] == (j >= at && j < at + n ? from[from_at + j - at] : std::byte{0x5A});
+        CHECK(ok);
+      }
+}
+
 TEST_CASE("delta refits are bit-exact over every message kind, densities 0..100%, single and double-buffered") {
   const Layout& src = refit_test::message_kinds_src();
   const Layout& dst = refit_test::message_kinds_dst();
