@@ -6,7 +6,7 @@
 // rank in UCX's prepare).
 //
 // The optional Transport member `exchange` is specified in transport.hpp
-// ("Pairwise exchange").
+// ("pairwise exchange", under Members).
 //
 // Callers make sure the lists are symmetric before they rely on it:
 // PairBalance, summed over every rank through the all_gather a setup does
