@@ -73,7 +73,13 @@ TEST_CASE("the op table survives the bootstrap encoding") {
   CHECK(rows[0].tag == 0x10001);
   CHECK(rows[1].kind == 1);
   CHECK(rows[1].bytes == 32);
-  CHECK(error_of([] { nccl_detail::decode_ops(std::vector<std::byte>(5), 4); }).find("rank 4 sent a truncated op table") != std::string::npos);
+  CHECK(error_of([] { nccl_detail::decode_ops(std::vector<std::byte>(5), 4); }).find("rank 4 sent an op table of another kind") != std::string::npos);
+  auto short_table = nccl_detail::encode_ops(ops);
+  short_table.pop_back();
+  CHECK(error_of([&] { nccl_detail::decode_ops(short_table, 4); }).find("op table blob from rank 4 is truncated") != std::string::npos);
+  auto long_table = nccl_detail::encode_ops(ops);
+  long_table.push_back(std::byte{0});
+  CHECK(error_of([&] { nccl_detail::decode_ops(long_table, 4); }).find("rank 4 sent an op table with trailing bytes") != std::string::npos);
 }
 
 TEST_CASE("all_gather blobs: data comes back unframed; a rank that gave up is found with its reason") {
