@@ -1142,7 +1142,16 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
       throw;
     }
     if (packer.joinable()) packer.join();
-    if (packer_error) fail_run(fmt::format("rank {}: delta refit version {}: priming the shadows failed", me_, version));
+    if (packer_error) {
+      std::string why = "an unknown exception";
+      try {
+        std::rethrow_exception(packer_error);
+      } catch (const std::exception& e) {
+        why = e.what();
+      } catch (...) {
+      }
+      fail_run(fmt::format("rank {}: delta refit version {}: priming the shadows failed: {}", me_, version, why));
+    }
     return st;
   };
   if (!base_valid_) {
