@@ -296,6 +296,16 @@ class UcxTransport {
   /// Starts queued protocol steps (puts, flushes, signals); no worker progress.
   void pump();
   void handle_am(const ucx_detail::AmHeader& h, const std::byte* data, std::size_t len);
+  /// Sends p's header and payload as one eager active message on `ep`
+  /// (delivered whole to on_am, whatever its size); p as for launch().
+  void send_am(Pending* p, ucp_ep_h ep) {
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = &UcxTransport::on_send_done;
+    prm.user_data = p;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    launch(p, [&] { return ucp_am_send_nbx(ep, ucx_detail::kAmId, &p->header, sizeof(p->header), p->payload.data(), p->payload.size(), &prm); });
+  }
   /// Starts an operation: p is owned by UCX until its callback, or finished here.
   template <class Start>
   void launch(Pending* p, Start&& start);
@@ -952,13 +962,8 @@ inline Blobs UcxTransport::exchange(std::span<const PeerBlob> out, Deadline dead
       delete p;
       throw;
     }
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    prm.cb.send = &UcxTransport::on_send_done;
-    prm.user_data = p;
-    prm.flags = UCP_AM_SEND_FLAG_EAGER;  // delivered whole to on_am, whatever its size
     ++exchange_sends_left_;
-    launch(p, [&] { return ucp_am_send_nbx(ep, ucx_detail::kAmId, &p->header, sizeof(p->header), p->payload.data(), p->payload.size(), &prm); });
+    send_am(p, ep);
   }
   auto unheard = [&] {
     std::vector<std::int64_t> m;
@@ -1381,13 +1386,8 @@ inline void UcxTransport::send_signal(std::size_t peer, ucx_detail::AmType type,
     delete p;
     return;
   }
-  ucp_request_param_t prm{};
-  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  prm.cb.send = &UcxTransport::on_send_done;
-  prm.user_data = p;
-  prm.flags = UCP_AM_SEND_FLAG_EAGER;
   traffic_.signals_sent += static_cast<std::int64_t>(ops.size());
-  launch(p, [&] { return ucp_am_send_nbx(ep, ucx_detail::kAmId, &p->header, sizeof(p->header), p->payload.data(), p->payload.size(), &prm); });
+  send_am(p, ep);
 }
 
 inline bool UcxTransport::progress() {
@@ -1572,12 +1572,7 @@ inline void UcxTransport::abort(std::string_view why) noexcept {
       p->header.type = static_cast<std::uint16_t>(ucx_detail::AmType::abort);
       p->header.from = me_;
       p->payload.assign(reinterpret_cast<const std::byte*>(text.data()), reinterpret_cast<const std::byte*>(text.data()) + text.size());
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-      prm.cb.send = &UcxTransport::on_send_done;
-      prm.user_data = p;
-      prm.flags = UCP_AM_SEND_FLAG_EAGER;
-      launch(p, [&] { return ucp_am_send_nbx(ep, ucx_detail::kAmId, &p->header, sizeof(p->header), p->payload.data(), p->payload.size(), &prm); });
+      send_am(p, ep);
     }
     // Give the messages a moment to leave (bounded; peers may be dead).
     const auto until = Clock::now() + opt_.abort_linger;
@@ -1721,13 +1716,8 @@ inline UcxBandwidth UcxTransport::measure_bandwidth(std::int64_t from, std::int6
         p->header.from = me_;
         p->payload.resize(sizeof(double));
         std::memcpy(p->payload.data(), &seconds, sizeof(double));
-        ucp_request_param_t prm{};
-        prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-        prm.cb.send = &UcxTransport::on_send_done;
-        prm.user_data = p;
-        prm.flags = UCP_AM_SEND_FLAG_EAGER;
         ucp_ep_h ctl = ensure_ep(ti);
-        launch(p, [&] { return ucp_am_send_nbx(ctl, ucx_detail::kAmId, &p->header, sizeof(p->header), p->payload.data(), p->payload.size(), &prm); });
+        send_am(p, ctl);
       }
     } else if (me_ == to) {
       if (put) {
