@@ -12,7 +12,10 @@
 // nvcc (whose front end crashes on some of this TU's host code).
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <cstring>
 #include <memory>
+#include <thread>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -37,9 +40,16 @@ using refit_test::tensor;
 
 using refit_test::DeviceOutcome;
 
+/// A host function on a stream: the trainer's step, late.
+void CUDART_CB late_step(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }
+
 /// run_refits (refit_util.hpp) with every buffer copied into device memory
-/// and bound as MemoryKind::device.
-DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits, ResharderOptions opt = {}) {
+/// and bound as MemoryKind::device. With `streams`, the caller's contract
+/// (StreamOrder): each version's sources are written on a trainer stream
+/// after a 20 ms host function, the refit gets the trainer's event and
+/// returns without waiting for its copies, and the destination is read
+/// back on an inference stream that waits for RefitReport::done.
+DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits, ResharderOptions opt = {}, bool streams = false) {
   DeviceOutcome out;
   const auto ranks = world_of(src, dst);
   std::mutex m;
@@ -74,20 +84,60 @@ DeviceOutcome run_device_refits(const Layout& src, const Layout& dst, int refits
     auto engine = make_copy_engine();
     ResharderOptions o = opt;
     o.executor.device = engine;
+    cudaStream_t trainer = nullptr, inference = nullptr;
+    cudaEvent_t step_done = nullptr;
+    std::vector<std::byte*> pinned;
+    if (streams) {
+      cuda::check_cuda(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), "cudaStreamCreate");
+      cuda::check_cuda(cudaStreamCreateWithFlags(&inference, cudaStreamNonBlocking), "cudaStreamCreate");
+      cuda::check_cuda(cudaEventCreateWithFlags(&step_done, cudaEventDisableTiming), "cudaEventCreate");
+    }
     {
       Resharder<Layout, cuda::LocalDeviceTransport> r(src, dst, bufs, t, o);
       for (int k = 0; k < refits; ++k) {
+        StreamOrder order;
         if (k > 0) {
           write_side(src, sm, true, static_cast<std::uint64_t>(k));
           write_side(dst, dm, false, static_cast<std::uint64_t>(k));
-          upload(sm, sp);
           upload(dm, dp);
+          if (!streams) {
+            upload(sm, sp);
+          } else {
+            // From pinned memory: a pageable copy would make the host wait for the stream.
+            cuda::check_cuda(cudaStreamSynchronize(trainer), "cudaStreamSynchronize");  // the last version's pinned copies are done
+            for (auto* p : pinned) cudaFreeHost(p);
+            pinned.assign(sp.size(), nullptr);
+            cuda::check_cuda(cudaLaunchHostFunc(trainer, late_step, nullptr), "cudaLaunchHostFunc");
+            for (std::size_t b = 0; b < sp.size(); ++b)
+              if (sp[b]) {
+                cuda::check_cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned[b]), sm.data[b].size()), "cudaMallocHost");
+                std::memcpy(pinned[b], sm.data[b].data(), sm.data[b].size());
+                cuda::check_cuda(cudaMemcpyAsync(sp[b], pinned[b], sm.data[b].size(), cudaMemcpyHostToDevice, trainer),
+                                 "cudaMemcpyAsync of the sources on the trainer stream");
+              }
+            cuda::check_cuda(cudaEventRecord(step_done, trainer), "cudaEventRecord");
+            order.sources_final = step_done;
+            order.wait = false;
+          }
         }
-        const RefitReport rep = r.refit();
+        const RefitReport rep = r.refit(order);
+        if (streams) {
+          REQUIRE(rep.done != nullptr);
+          cuda::check_cuda(cudaStreamWaitEvent(inference, static_cast<cudaEvent_t>(rep.done), 0), "cudaStreamWaitEvent");
+        }
         for (std::size_t b = 0; b < dp.size(); ++b)
-          if (dp[b]) cuda::check_cuda(cudaMemcpy(dm.data[b].data(), dp[b], dm.data[b].size(), cudaMemcpyDeviceToHost), "cudaMemcpy down");
+          if (dp[b])
+            cuda::check_cuda(cudaMemcpyAsync(dm.data[b].data(), dp[b], dm.data[b].size(), cudaMemcpyDeviceToHost, inference), "cudaMemcpyAsync down");
+        cuda::check_cuda(cudaStreamSynchronize(inference), "cudaStreamSynchronize");
         out.add(m, k, rep, dst, dm, t.rank());
       }
+    }
+    if (streams) {
+      cudaStreamSynchronize(trainer);
+      for (auto* p : pinned) cudaFreeHost(p);
+      cudaEventDestroy(step_done);
+      cudaStreamDestroy(trainer);
+      cudaStreamDestroy(inference);
     }
     {
       std::lock_guard lk(m);
@@ -123,6 +173,22 @@ TEST_CASE("device refit tp=2 -> tp=4 (disaggregated): packed, zero-copy and half
   CHECK(o.packed > 0);
   CHECK(o.zero_copy > 0);  // big: contiguous row blocks of 128 KiB
   CHECK(o.launches > 0);
+}
+
+TEST_CASE("device refit, stream order: the trainer's event, no wait for the copies, the inference stream waits for `done`" *
+          doctest::test_suite("gpu")) {
+  auto dst_t = model(true);
+  for (auto& t : dst_t)
+    for (auto& d : t.dims)
+      if (!d.axes.empty()) d.axes[0].size = 4;
+  const Layout src = one_axis("tp", 2, 0, model(true)), dst = one_axis("tp", 4, 0, dst_t);  // colocated: local copies too
+  ResharderOptions opt;
+  opt.executor.staging_budget = 8192;
+  const auto o = run_device_refits(src, dst, 4, opt, true);
+  INFO(o.first_wrong);
+  CHECK(o.wrong == 0);
+  CHECK(o.packed > 0);
+  CHECK(o.local > 0);
 }
 
 TEST_CASE("device refit, colocated: local copies run as one kernel batch" * doctest::test_suite("gpu")) {

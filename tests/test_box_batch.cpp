@@ -370,53 +370,21 @@ TEST_CASE("bad batches are clear errors") {
 // A DeviceCopyEngine whose "kernel" is the CUDA kernel's body run on the host
 // (emulate_box_copies), over a transport that takes MemoryKind::device
 // regions as host memory: full refits then run the executor's device code
-// (device staging, one batch per message group, batched local copies)
+// (device staging, batches uploaded at setup, one pack per wave, batched
+// local copies, stream order)
 // exactly as on a GPU, and every destination element is checked.
 
 #include <atomic>
 #include <map>
 #include <mutex>
 
+#include "host_stream.hpp"
 #include "refit_util.hpp"
 
 namespace {
 
-class EmulatedEngine final : public DeviceCopyEngine {
- public:
-  std::byte* allocate_staging(std::size_t bytes) override {
-    std::lock_guard lk(m_);
-    auto p = std::make_unique<std::byte[]>(bytes);
-    std::byte* raw = p.get();
-    blocks_.emplace(raw, std::move(p));
-    return raw;
-  }
-  void free_staging(std::byte* p) noexcept override {
-    std::lock_guard lk(m_);
-    blocks_.erase(p);
-  }
-  void copy(BoxBatch& batch) override {
-    const BatchLaunch l = batch.finish();
-    emulate_box_copies(batch.boxes(), l);
-    ++launches;
-  }
-  std::atomic<std::int64_t> launches{0};
-
- private:
-  std::mutex m_;
-  std::map<std::byte*, std::unique_ptr<std::byte[]>> blocks_;
-};
-
-/// LocalTransport that accepts "device" regions (host memory here).
-class HostAsDevice : public ForwardingTransport<LocalTransport> {
- public:
-  explicit HostAsDevice(LocalTransport t) : ForwardingTransport(t) {}
-  std::string_view name() const { return "host-as-device"; }
-  RegionHandle register_memory(void* p, std::size_t n, MemoryKind kind) {
-    if (kind == MemoryKind::device) ++device_regions;
-    return inner().register_memory(p, n, MemoryKind::host);
-  }
-  int device_regions = 0;
-};
+using EmulatedEngine = reshard::test::HostStreamEngine;
+using reshard::test::HostAsDevice;
 
 using refit_test::cut;
 using refit_test::one_axis;

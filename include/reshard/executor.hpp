@@ -160,6 +160,13 @@ struct ExecutorStats {
   std::int64_t staging_bytes = 0;       ///< staging memory allocated
   std::int64_t peak_staging_bytes = 0;  ///< most staging in use at once (waves in flight), measured
   double seconds = 0;
+  /// Device buffers: the copy stream's event after the refit's last copy
+  /// (see StreamOrder::wait); valid until the engine's next refit. nullptr
+  /// on host memory.
+  DeviceEvent done = nullptr;
+  /// Device buffers: times the host waited for the copy stream inside the
+  /// run (a host-driven transport: once per wave with packed sends).
+  std::int64_t host_waits = 0;
 };
 
 namespace exec_detail {
@@ -419,6 +426,11 @@ inline std::uint64_t copy_digest(std::uint64_t h, const Copy& c) {
 
 constexpr std::uint32_t kBlobMagic = 0x52534832;  // "RSH2"
 constexpr std::uint32_t kControlMagic = 0x5253434B;  // "RSCK"
+// The device engine's event slots an executor records (one run at a time per engine).
+constexpr int kStartSlot = 0;     // the copy stream after the caller's events
+constexpr int kPackSlot = 1;      // after a wave's pack
+constexpr int kTransferSlot = 2;  // + wave % 2: the transport's stream after a wave's batch
+constexpr int kDoneSlot = 4;      // after the run's last copy
 /// Control message: magic, count, version (8), wave, count CRCs, own CRC.
 inline std::uint64_t control_bytes(std::size_t count) { return 4 + 4 + 8 + 4 + 4 * static_cast<std::uint64_t>(count) + 4; }
 
@@ -449,7 +461,9 @@ class Executor {
   /// aborting the transport) on any failure. `version` names this refit (all
   /// ranks pass the same; with checksums it travels with every pair's
   /// control message and is checked); run() uses runs() + 1.
-  ExecutorStats run(std::uint64_t version);
+  /// With device buffers, `order` says what the run waits for on the
+  /// device and whether it returns before its copies end (StreamOrder).
+  ExecutorStats run(std::uint64_t version, const StreamOrder& order = {});
   ExecutorStats run() { return run(static_cast<std::uint64_t>(runs_) + 1); }
 
   /// Names for error messages, by destination-layout tensor id (a Copy's
@@ -530,6 +544,7 @@ class Executor {
     std::vector<std::size_t> staged;  ///< messages to pack before / unpack after
     std::vector<std::size_t> all{};   ///< every data message, in op order
     std::ptrdiff_t control = -1;      ///< receive: index into Wave::controls
+    std::ptrdiff_t unpack_batch = -1;  ///< device, host-driven transport: the group's uploaded unpack batch
   };
   /// One checksum control message: a peer pair's data messages in one wave.
   struct Control {
@@ -543,6 +558,10 @@ class Executor {
     Group control_sends;
     std::vector<Control> controls;
     std::int64_t staging = 0;
+    /// Device buffers: the uploaded batch that packs every send group, and
+    /// (a transport with a device stream) the one that unpacks every receive.
+    std::ptrdiff_t pack_batch = -1, unpack_batch = -1;
+    std::int64_t packed_bytes = 0, unpacked_bytes = 0;
   };
   struct LocalCopy {
     const BoundBuffer* src = nullptr;
@@ -569,9 +588,16 @@ class Executor {
   void plan_pair_messages(Pair& p) const;
   void compile_waves(bool reuse, std::int64_t slot_capacity);
   void pack(const Message& m, std::byte* out) const;
-  /// Device buffers: packs (or unpacks) the staged messages in one batch.
-  void device_copy(const std::vector<std::size_t>& staged, bool packing, ExecutorStats& st);
-  void device_local(ExecutorStats& st);
+  /// Device buffers: the copies that pack (or unpack) staged messages.
+  cuda::BoxBatch device_batch(const std::vector<std::size_t>& staged, bool packing) const;
+  /// Device buffers: builds and uploads every batch a run enqueues (setup).
+  void upload_device_batches();
+  /// A transport whose batches run on a device stream (transport.hpp).
+  static constexpr bool kStreamTransport = DeviceStreamTransport<T>;
+  DeviceStream transport_stream() {
+    if constexpr (kStreamTransport) return t_->device_stream();
+    return nullptr;
+  }
   void unpack(const Message& m, const std::byte* in) const;
   /// Walks a message's pieces in message order: f(element bytes, part, box,
   /// first element within the part, element count, byte offset in the message).
@@ -579,6 +605,8 @@ class Executor {
   void for_each_range(const Message& m, F&& f) const;
   void start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                   std::vector<std::size_t>& recv_groups);
+  /// Device buffers: enqueues wave w's pack and orders the transport after it.
+  void device_pack(std::size_t w, ExecutorStats& st);
   /// Byte range of a direct (zero-copy) message in its buffer.
   const std::byte* direct_range(const Message& m) const;
   /// Sender: CRCs of a wave's messages into its control messages.
@@ -614,6 +642,11 @@ class Executor {
   std::unique_ptr<std::byte[]> staging_;
   bool device_ = false;                  ///< buffers and staging in GPU memory (opt_.device moves them)
   std::byte* device_staging_ = nullptr;  ///< from opt_.device
+  std::vector<std::size_t> uploads_;     ///< batches uploaded to opt_.device
+  std::ptrdiff_t local_batch_ = -1;      ///< device: the uploaded local copies
+  std::int64_t local_bytes_ = 0;
+  bool copies_pending_ = false;          ///< device: copies enqueued since the host last waited
+  std::array<DeviceEvent, 2> transfer_{};  ///< device stream: the transport's stream after wave w (w % 2)
   std::size_t staging_size_ = 0;
   RegionHandle staging_region_;
   std::int64_t plan_sent_ = 0, plan_recv_ = 0, plan_local_ = 0;
@@ -641,6 +674,16 @@ void Executor<T>::release() {
     if (r.valid()) t_->deregister_memory(r);
   if (staging_region_.valid()) t_->deregister_memory(staging_region_);
   if (integrity_region_.valid()) t_->deregister_memory(integrity_region_);
+  if (opt_.device && (device_staging_ || !uploads_.empty())) {
+    try {
+      opt_.device->synchronize();  // nothing enqueued may still read the descriptors or the staging
+    } catch (const std::exception&) {
+      // A failed device (sticky CUDA error): nothing runs on it any more.
+    }
+    for (std::size_t id : uploads_) opt_.device->release(id);
+  }
+  uploads_.clear();
+  local_batch_ = -1;
   if (device_staging_ && opt_.device) opt_.device->free_staging(device_staging_);
   device_staging_ = nullptr;
   src_regions_.clear();
@@ -1190,6 +1233,7 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
   }
   crc_.assign(messages_.size(), 0);
   arrived_.assign(messages_.size(), 0);
+  if (device_) upload_device_batches();
   if (!opt_.checksum) return;
   // One control message per peer pair and wave, after the pair's data
   // messages in posting order on both sides (tag: the bit, then the wave).
@@ -1271,7 +1315,7 @@ void Executor<T>::unpack(const Message& m, const std::byte* in) const {
 }
 
 template <class T>
-void Executor<T>::device_copy(const std::vector<std::size_t>& staged, bool packing, ExecutorStats& st) {
+cuda::BoxBatch Executor<T>::device_batch(const std::vector<std::size_t>& staged, bool packing) const {
   cuda::BoxBatch batch;
   for (std::size_t k : staged) {
     const Message& m = messages_[k];
@@ -1282,28 +1326,75 @@ void Executor<T>::device_copy(const std::vector<std::size_t>& staged, bool packi
                         : cuda::unpack_copy(box.base, box.offset, part.rank, part.extent.data(), box.stride, first, count, stream + at, e, e),
                 e);
     });
-    (packing ? st.packed_bytes : st.unpacked_bytes) += pairs_[m.pair].messages[m.msg].bytes;
   }
-  opt_.device->copy(batch);  // returns when done: the transport may read the staging now
+  return batch;
 }
 
 template <class T>
-void Executor<T>::device_local(ExecutorStats& st) {
-  cuda::BoxBatch batch;
+void Executor<T>::upload_device_batches() {
+  DeviceCopyEngine& eng = *opt_.device;
+  auto upload = [&](cuda::BoxBatch&& b) -> std::ptrdiff_t {
+    if (b.empty()) return -1;
+    uploads_.push_back(eng.upload(b));
+    return static_cast<std::ptrdiff_t>(uploads_.back());
+  };
+  auto bytes_of = [&](const std::vector<std::size_t>& staged) {
+    std::int64_t n = 0;
+    for (std::size_t k : staged) n += pairs_[messages_[k].pair].messages[messages_[k].msg].bytes;
+    return n;
+  };
+  for (Wave& wv : waves_) {
+    // One pack batch per wave across all peers; unpacks per receive group
+    // (a host-driven transport hands them over one by one) or, on a device
+    // stream, one per wave.
+    std::vector<std::size_t> packs, unpacks;
+    for (const Group& g : wv.sends) packs.insert(packs.end(), g.staged.begin(), g.staged.end());
+    wv.pack_batch = upload(device_batch(packs, true));
+    wv.packed_bytes = bytes_of(packs);
+    for (Group& g : wv.recvs) {
+      unpacks.insert(unpacks.end(), g.staged.begin(), g.staged.end());
+      if (!kStreamTransport) g.unpack_batch = upload(device_batch(g.staged, false));
+    }
+    if (kStreamTransport) wv.unpack_batch = upload(device_batch(unpacks, false));
+    wv.unpacked_bytes = bytes_of(unpacks);
+  }
+  cuda::BoxBatch local;
+  local_bytes_ = 0;
   for (const LocalCopy& lc : local_)
     for (const Part& part : lc.parts) {
-      batch.add(cuda::box_copy(lc.src->data, part.offset[0], part.stride[0].data(), lc.dst->data, part.offset[1], part.stride[1].data(),
+      local.add(cuda::box_copy(lc.src->data, part.offset[0], part.stride[0].data(), lc.dst->data, part.offset[1], part.stride[1].data(),
                                part.rank, part.extent.data(), lc.element_bytes, lc.element_bytes),
                 lc.element_bytes);
-      st.local_bytes += part.count * lc.element_bytes;
+      local_bytes_ += part.count * lc.element_bytes;
     }
-  opt_.device->copy(batch);
+  local_batch_ = upload(std::move(local));
+}
+
+template <class T>
+void Executor<T>::device_pack(std::size_t w, ExecutorStats& st) {
+  DeviceCopyEngine& eng = *opt_.device;
+  const Wave& wv = waves_[w];
+  if (wv.pack_batch >= 0) eng.enqueue(static_cast<std::size_t>(wv.pack_batch));
+  st.packed_bytes += wv.packed_bytes;
+  copies_pending_ = copies_pending_ || wv.pack_batch >= 0;
+  if constexpr (kStreamTransport) {
+    // The wave's batch runs on the transport's stream after the pack (and
+    // after the unpacks of the wave whose staging it reuses), host untouched.
+    eng.stream_wait(eng.record(exec_detail::kPackSlot), transport_stream());
+  } else if (wv.pack_batch >= 0 || (copies_pending_ && wv.staging > 0)) {
+    // A host-driven transport reads packed bytes in post(), and its receives
+    // may reuse staging that earlier unpacks still read: one host wait.
+    eng.synchronize();
+    copies_pending_ = false;
+    ++st.host_waits;
+  }
 }
 
 template <class T>
 void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                              std::vector<std::size_t>& recv_groups) {
   Wave& wv = waves_[w];
+  if (device_) device_pack(w, st);
   for (std::size_t g = 0; g < wv.recvs.size(); ++g) {
     recvs.push_back(t_->post(wv.recvs[g].ops));
     recv_groups.push_back(g);
@@ -1328,9 +1419,8 @@ void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<reque
     st.messages_sent += static_cast<std::int64_t>(wv.direct_sends.ops.size());
   }
   for (const auto& g : wv.sends) {
-    if (device_) device_copy(g.staged, true, st);
     for (std::size_t k : g.staged) {
-      if (device_) break;
+      if (device_) break;  // packed by device_pack()
       const Message& m = messages_[k];
       pack(m, staging_.get() + m.staging_offset);
       const std::int64_t n = pairs_[m.pair].messages[m.msg].bytes;
@@ -1539,7 +1629,11 @@ void Executor<T>::finish_wave(std::size_t w, ExecutorStats& st, std::vector<requ
     const std::string integrity = opt_.checksum ? check_group(w, g, st, bad) : std::string();
     for (std::size_t k : g.all)
       if (!bad.count(k)) arrived_[k] = 1;
-    if (device_) device_copy(g.staged, false, st);
+    if (device_ && !kStreamTransport) {  // (on a device stream the wave's unpack is already enqueued)
+      if (g.unpack_batch >= 0) opt_.device->enqueue(static_cast<std::size_t>(g.unpack_batch));
+      copies_pending_ = copies_pending_ || g.unpack_batch >= 0;
+      for (std::size_t k : g.staged) st.unpacked_bytes += pairs_[messages_[k].pair].messages[messages_[k].msg].bytes;
+    }
     for (std::size_t k : g.staged) {
       if (device_) break;
       if (bad.count(k)) continue;
@@ -1566,7 +1660,7 @@ void Executor<T>::finish_wave(std::size_t w, ExecutorStats& st, std::vector<requ
 }
 
 template <class T>
-ExecutorStats Executor<T>::run(std::uint64_t version) {
+ExecutorStats Executor<T>::run(std::uint64_t version, const StreamOrder& order) {
   if (!ready_) fail("executor: run() before a successful setup()");
   if (broken_) fail("rank {}: executor: an earlier run failed; the peers' state is unknown, set up again", me_);
   ExecutorStats st;
@@ -1577,26 +1671,65 @@ ExecutorStats Executor<T>::run(std::uint64_t version) {
   st.staging_bytes = static_cast<std::int64_t>(staging_size_);
   const auto t0 = Clock::now();
   const Deadline deadline = t0 + opt_.timeout;
+  DeviceCopyEngine* eng = device_ ? opt_.device.get() : nullptr;
+  // A transport on a device stream: requests are waited for at the end.
+  constexpr bool deferred = kStreamTransport;
   try {
+    if (eng) {
+      // Nothing touches the sources or the destination before the caller's
+      // events: the copy stream waits on the device; the transport (which
+      // reads and writes them directly, zero-copy) on its stream, or, driven
+      // by the host, the host once.
+      for (DeviceEvent e : {order.sources_final, order.destination_free}) eng->stream_wait(e);
+      if (order.sources_final || order.destination_free) {
+        if constexpr (deferred) {
+          eng->stream_wait(eng->record(exec_detail::kStartSlot), transport_stream());
+        } else {
+          for (DeviceEvent e : {order.sources_final, order.destination_free}) eng->host_wait(e);
+          ++st.host_waits;
+        }
+      }
+    }
     // Per wave in flight: its send and receive requests.
     struct InFlight {
+      std::size_t wave = 0;
       std::vector<request> sends, recvs;
       std::vector<std::size_t> recv_groups;
     };
     std::array<InFlight, 2> fl;
+    std::vector<InFlight> later;  // deferred: every wave's requests, waited for at the end
     std::int64_t live = 0;
     auto start = [&](std::size_t w) {
       live += waves_[w].staging;
       st.peak_staging_bytes = std::max(st.peak_staging_bytes, live);
       auto& f = fl[w % 2];
+      f.wave = w;
       start_wave(w, st, f.sends, f.recvs, f.recv_groups);
       // The wave is one batch: a batching transport (NCCL) launches it now,
       // so it moves while the next wave is packed (transport.hpp, "Batches").
       flush_batch(*t_, deadline);
+      if constexpr (deferred)
+        if (eng) transfer_[w % 2] = eng->record(exec_detail::kTransferSlot + static_cast<int>(w % 2), transport_stream());
+    };
+    auto finish = [&](std::size_t w) {
+      auto& f = fl[w % 2];
+      if (deferred && eng) {
+        // The copy stream unpacks after the wave's batch; nobody waits here.
+        eng->stream_wait(transfer_[w % 2]);
+        const Wave& wv = waves_[w];
+        if (wv.unpack_batch >= 0) eng->enqueue(static_cast<std::size_t>(wv.unpack_batch));
+        st.unpacked_bytes += wv.unpacked_bytes;
+        later.push_back(std::move(f));
+        f = InFlight{};
+        return;
+      }
+      finish_wave(w, st, f.sends, f.recvs, f.recv_groups, deadline);
     };
     auto local = [&] {
-      if (device_) {
-        device_local(st);
+      if (eng) {
+        if (local_batch_ >= 0) eng->enqueue(static_cast<std::size_t>(local_batch_));
+        st.local_bytes += local_bytes_;
+        copies_pending_ = copies_pending_ || local_batch_ >= 0;
         local_done_ = true;
         return;
       }
@@ -1616,10 +1749,22 @@ ExecutorStats Executor<T>::run(std::uint64_t version) {
     for (std::size_t w = 0; w < W; ++w) {
       if (opt_.pipeline > 1 && w + 1 < W) start(w + 1);
       if (w == 0) local();
-      auto& f = fl[w % 2];
-      finish_wave(w, st, f.sends, f.recvs, f.recv_groups, deadline);
+      finish(w);
       live -= waves_[w].staging;
       if (opt_.pipeline == 1 && w + 1 < W) start(w + 1);
+    }
+    // Deferred: the one host wait for the transport, wave by wave (so a
+    // failure names the wave and peers it was waiting for).
+    for (auto& f : later) finish_wave(f.wave, st, f.sends, f.recvs, f.recv_groups, deadline);
+    if (eng) {
+      // Direct receives landed by the transport's stream; the caller's
+      // `done` covers them and every copy.
+      if constexpr (deferred) eng->stream_wait(eng->record(exec_detail::kTransferSlot, transport_stream()));
+      st.done = eng->record(exec_detail::kDoneSlot);
+      if (order.wait) {
+        eng->synchronize();
+        copies_pending_ = false;
+      }
     }
   } catch (const std::exception& e) {
     broken_ = true;

@@ -55,6 +55,22 @@
 // (the back set's on channel | 0x8000); each gets half the staging budget, so
 // the staging held stays within it.
 //
+// Streams (device buffers, ExecutorOptions::device). refit(order) takes a
+// StreamOrder: `sources_final`, an event the trainer records after its
+// optimizer step (the refit's copies and, on a device-stream transport such
+// as NCCL, its sends wait for it on the device; a host-driven transport's
+// host waits for it once before reading sources directly), and
+// `destination_free`, an event after the last work that reads the set this
+// refit writes. Double-buffered, that is the set served before the last
+// swap: inference kernels enqueued before the swap may still read it, so
+// record the event on the inference stream after them and pass it; the
+// refit never writes that set before the event. With `order.wait = false`
+// refit() returns once the version is committed (every rank's transport
+// finished) while the last unpacks may still run: RefitReport::done is the
+// copy stream's event after them, and the inference stream must wait for it
+// (cudaStreamWaitEvent) before reading the new version. The event is valid
+// until the next refit. With the defaults refit() returns after every copy.
+//
 // Staged schedules (ResharderOptions::staged, e.g. plan_hierarchical()): a
 // StagedExecutor runs the stages in order (stage k on channel + k) instead of
 // the plain Executor, under the same versioned commit; after a failure the
@@ -175,6 +191,10 @@ struct RefitReport {
   int serving_set = 0;           ///< double-buffered: the set now served (0 = dst, 1 = dst_back)
   std::int64_t checksummed_bytes = 0;
   double checksum_seconds = 0;
+  /// Device buffers: the event after this refit's last copy (StreamOrder);
+  /// the inference stream waits for it before reading what was written.
+  DeviceEvent done = nullptr;
+  std::int64_t host_waits = 0;  ///< device buffers: host waits for the copy stream inside the refit
 };
 
 /// What an executor's run moved, as a report (the fields an executor knows:
@@ -185,6 +205,8 @@ RefitReport refit_report(const ExecutorStats& st, const Ex& ex) {
   RefitReport r;
   r.checksummed_bytes = st.checksummed_bytes;
   r.checksum_seconds = st.checksum_seconds;
+  r.done = st.done;
+  r.host_waits = st.host_waits;
   r.bytes_sent = st.bytes_sent;
   r.bytes_received = st.bytes_received;
   r.local_bytes = st.local_bytes;
@@ -361,9 +383,12 @@ class Resharder {
   /// (the last one attempted + 1). Collective. Returns once the version is
   /// complete on every rank; else throws RefitNotCommitted (see last_failure()).
   RefitReport refit() { return refit(attempted_ + 1); }
+  /// With device buffers, the same ordered with the caller's streams (see
+  /// "Streams" above and StreamOrder).
+  RefitReport refit(const StreamOrder& order) { return refit(attempted_ + 1, order); }
   /// The same with a caller's version (every rank the same; above every
   /// version attempted before).
-  RefitReport refit(std::uint64_t version) {
+  RefitReport refit(std::uint64_t version, const StreamOrder& order = {}) {
     if (!ready_) fail("Resharder::refit on rank {}: setup() has not completed (bind the buffers and set up first)", me_);
     if (broken_)
       fail("rank {}: Resharder::refit: an earlier run failed (refit version {} was not committed); the peers' state is unknown, set up "
@@ -376,9 +401,9 @@ class Resharder {
     }
     attempted_ = version;
     const int target = opt_.double_buffered ? 1 - serving_ : 0;
-    if (opt_.delta.enabled) return run_and_commit(*delta_[static_cast<std::size_t>(target)], version, target);
-    if (opt_.staged) return run_and_commit(*staged_[static_cast<std::size_t>(target)], version, target);
-    return run_and_commit(target == 0 ? *executor_ : *back_executor_, version, target);
+    if (opt_.delta.enabled) return run_and_commit(*delta_[static_cast<std::size_t>(target)], version, target, order);
+    if (opt_.staged) return run_and_commit(*staged_[static_cast<std::size_t>(target)], version, target, order);
+    return run_and_commit(target == 0 ? *executor_ : *back_executor_, version, target, order);
   }
 
   /// The served destination: current (complete at last_good_version()),
@@ -432,7 +457,7 @@ class Resharder {
   /// `target`) and the commit: every rank's verdict, then publish or record
   /// the failure.
   template <class Ex>
-  RefitReport run_and_commit(Ex& ex, std::uint64_t version, int target) {
+  RefitReport run_and_commit(Ex& ex, std::uint64_t version, int target, const StreamOrder& order) {
     if (!opt_.double_buffered) state_ = RefitState::stale;  // written into from here on
     ExecutorStats st;
     std::string local_error;
@@ -442,7 +467,10 @@ class Resharder {
     const Deadline verdict_deadline = Clock::now() + 2 * opt_.executor.timeout;
     try {
       if (quant_) quant_->before_run();
-      st = ex.run(version);
+      if constexpr (requires { ex.run(version, order); })
+        st = ex.run(version, order);
+      else
+        st = ex.run(version);  // (delta refits: host memory only, nothing to order)
       if (quant_) quant_->after_run();
     } catch (const std::exception& e) {
       local_error = e.what();

@@ -113,7 +113,10 @@ class StagedExecutor {
 
   /// Runs every stage once (all ranks pass the same version); the stats are
   /// summed over the stages (seconds: the whole run).
-  ExecutorStats run(std::uint64_t version) {
+  /// With device buffers, stage 0 waits for the caller's events and every
+  /// stage but the last returns after its copies (the next stage may read
+  /// what they wrote); the last follows `order.wait`.
+  ExecutorStats run(std::uint64_t version, const StreamOrder& order = {}) {
     if (stages_.empty()) fail("staged executor: run() before setup()");
     ExecutorStats total;
     if (failed_stage_ >= 0)
@@ -122,7 +125,10 @@ class StagedExecutor {
     for (auto& ex : stages_) {
       ExecutorStats st;
       try {
-        st = ex->run(version);
+        StreamOrder o = order;
+        if (&ex != stages_.data()) o.sources_final = o.destination_free = nullptr;
+        if (&ex != &stages_.back()) o.wait = true;
+        st = ex->run(version, o);
       } catch (...) {
         failed_stage_ = static_cast<int>(&ex - stages_.data());
         throw;
@@ -138,6 +144,8 @@ class StagedExecutor {
       total.waves += st.waves;
       total.checksummed_bytes += st.checksummed_bytes;
       total.checksum_seconds += st.checksum_seconds;
+      total.host_waits += st.host_waits;
+      total.done = st.done;
       total.staging_bytes += st.staging_bytes;  // every stage's staging is allocated at once
       total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);  // the stages run one after another
     }

@@ -123,6 +123,21 @@
 // deadlocks the same way: A and B each wait for receives whose sends neither
 // started). post() itself must never block on a peer.
 //
+// Device streams
+// --------------
+// `void* device_stream()` is optional too (concept DeviceStreamTransport).
+// A transport has it when the work of a flushed batch runs on a device
+// stream (NCCL: a cudaStream_t) rather than on the host. What it promises:
+// a batch flushed after work was enqueued on that stream runs after that
+// work, and its requests complete when the stream has executed it. With
+// device buffers the executor then orders everything on the device: before
+// a wave's flush it makes the stream wait for the wave's pack (an event of
+// the copy stream), and the copy stream waits for the stream (an event
+// recorded just after the flush) before unpacking; it waits for the
+// requests on the host only once, at the end of a refit. A transport
+// without it is host-driven: its post() may read the bytes at once, so the
+// executor waits on the host for each wave's pack before posting it.
+//
 // Matching and ordering
 // ---------------------
 // A send to peer P with tag t matches the receive of tag t that P posted
@@ -344,12 +359,22 @@ void flush_batch(T& t, Deadline deadline) {
   if constexpr (FlushingTransport<T>) t.flush(deadline);
 }
 
+/// A transport whose flushed batches run on a device stream (see "Device
+/// streams"): `void* device_stream()` returns it (a cudaStream_t with CUDA).
+template <class T>
+concept DeviceStreamTransport = requires(T& t) {
+  { t.device_stream() } -> std::same_as<void*>;
+};
+
 namespace detail {
 template <class T>
 concept has_request = requires { typename T::request; };
 /// T has a member named `flush` (of any signature, not overloaded).
 template <class T>
 concept names_flush = requires { &T::flush; };
+/// T has a member named `device_stream`.
+template <class T>
+concept names_device_stream = requires { &T::device_stream; };
 }  // namespace detail
 
 /// One static_assert per missing member, in words; true when T models
@@ -408,6 +433,9 @@ consteval bool check_transport() {
   static_assert(FlushingTransport<T> || !detail::names_flush<T>,
                 "reshard: a Transport's `flush` must be `void flush(Deadline)` (start everything posted as one batch); "
                 "with another signature the executor would not call it");
+  static_assert(DeviceStreamTransport<T> || !detail::names_device_stream<T>,
+                "reshard: a Transport's `device_stream` must be `void* device_stream()` (the stream its flushed batches run on); "
+                "with another signature the executor would order it from the host");
   return Transport<T>;
 }
 
@@ -445,6 +473,12 @@ class ForwardingTransport {
   void abort(std::string_view why) noexcept { inner().abort(why); }
   /// Forwards the batch boundary (a no-op over a transport without flush).
   void flush(Deadline d) { flush_batch(inner(), d); }
+  /// Forwards the device stream where the inner transport runs on one.
+  void* device_stream()
+    requires DeviceStreamTransport<Inner>
+  {
+    return inner().device_stream();
+  }
 
  protected:
   Inner& inner() {

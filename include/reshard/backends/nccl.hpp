@@ -430,6 +430,10 @@ class NcclTransport {
     abort_comm();
   }
 
+  /// The stream every flushed group runs on (transport.hpp, "Device
+  /// streams"): the executor orders its copy stream against it with events.
+  void* device_stream() { return stream_; }
+
   // --- beyond the concept ---
   cudaStream_t stream() const { return stream_; }
   ncclComm_t comm() const { return comm_; }

@@ -1,12 +1,14 @@
 #pragma once
 // reshard::cuda::CudaCopyEngine: the executor's DeviceCopyEngine on one GPU
 // (device_engine.hpp). Staging from cudaMalloc (or cudaMallocManaged, for
-// transports whose copies run on the CPU, such as the in-process one), box
-// copies by the batched kernels on the engine's stream, synchronized before
-// copy() returns. Compile with nvcc.
+// transports whose copies run on the CPU, such as the in-process one); the
+// descriptors of every batch uploaded once at setup; box copies by the
+// batched kernels on the engine's stream, ordered with events, with no host
+// synchronization except synchronize() and host_wait(). Compile with nvcc.
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <vector>
 
 #include "copy_kernels.cuh"
 #include "device_engine.hpp"
@@ -29,10 +31,14 @@ class CudaCopyEngine final : public DeviceCopyEngine {
       check_cuda(cudaStreamCreateWithFlags(&opt_.stream, cudaStreamNonBlocking), "cudaStreamCreate");
       own_stream_ = true;
     }
-    copier_ = std::make_unique<BoxCopier>(opt_.stream);
   }
   ~CudaCopyEngine() override {
-    copier_.reset();
+    (void)cudaSetDevice(opt_.device);
+    (void)cudaStreamSynchronize(opt_.stream);
+    for (auto& b : batches_)
+      if (b.descriptors) (void)cudaFree(b.descriptors);
+    for (cudaEvent_t e : events_)
+      if (e) (void)cudaEventDestroy(e);
     if (own_stream_) (void)cudaStreamDestroy(opt_.stream);
   }
   CudaCopyEngine(const CudaCopyEngine&) = delete;
@@ -51,14 +57,64 @@ class CudaCopyEngine final : public DeviceCopyEngine {
     (void)cudaStreamSynchronize(opt_.stream);
     (void)cudaFree(p);
   }
-  void copy(BoxBatch& batch) override {
-    if (batch.empty()) return;
+
+  /// Setup time: the descriptors go to device memory once (a synchronous
+  /// copy: setup is not on the refit's path).
+  std::size_t upload(BoxBatch& batch) override {
     check_cuda(cudaSetDevice(opt_.device), "cudaSetDevice");
-    const BatchLaunch l = copier_->run(batch);
-    copier_->synchronize();
-    ++launches_;
-    bytes_ += l.elements * l.in_bytes;
+    Uploaded u;
+    u.launch = batch.finish();
+    const auto boxes = batch.boxes();
+    if (!boxes.empty()) {
+      check_cuda(cudaMalloc(reinterpret_cast<void**>(&u.descriptors), boxes.size_bytes()), "cudaMalloc of box descriptors");
+      const cudaError_t e = cudaMemcpy(u.descriptors, boxes.data(), boxes.size_bytes(), cudaMemcpyHostToDevice);
+      if (e != cudaSuccess) {
+        (void)cudaFree(u.descriptors);
+        check_cuda(e, "uploading box descriptors");
+      }
+    }
+    for (std::size_t id = 0; id < batches_.size(); ++id)
+      if (!batches_[id].live) {
+        batches_[id] = u;
+        batches_[id].live = true;
+        return id;
+      }
+    u.live = true;
+    batches_.push_back(u);
+    return batches_.size() - 1;
   }
+  void release(std::size_t id) noexcept override {
+    if (id >= batches_.size() || !batches_[id].live) return;
+    if (batches_[id].descriptors) (void)cudaFree(batches_[id].descriptors);  // cudaFree waits for work that reads it
+    batches_[id] = Uploaded{};
+  }
+  void enqueue(std::size_t id) override {
+    if (id >= batches_.size() || !batches_[id].live) fail("CudaCopyEngine: enqueue of batch {}, which is not uploaded", id);
+    const Uploaded& u = batches_[id];
+    if (!u.descriptors) return;
+    check_cuda(cudaSetDevice(opt_.device), "cudaSetDevice");
+    launch_box_copies(u.descriptors, u.launch, opt_.stream);
+    ++launches_;
+    bytes_ += u.launch.elements * u.launch.in_bytes;
+  }
+
+  DeviceEvent record(int slot, DeviceStream stream = nullptr) override {
+    if (slot < 0) fail("CudaCopyEngine: event slot {} is negative", slot);
+    if (static_cast<std::size_t>(slot) >= events_.size()) events_.resize(static_cast<std::size_t>(slot) + 1, nullptr);
+    cudaEvent_t& e = events_[static_cast<std::size_t>(slot)];
+    if (!e) check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(e, stream ? static_cast<cudaStream_t>(stream) : opt_.stream), "cudaEventRecord");
+    return e;
+  }
+  void stream_wait(DeviceEvent e, DeviceStream stream = nullptr) override {
+    if (!e) return;
+    check_cuda(cudaStreamWaitEvent(stream ? static_cast<cudaStream_t>(stream) : opt_.stream, static_cast<cudaEvent_t>(e), 0),
+               "cudaStreamWaitEvent");
+  }
+  void host_wait(DeviceEvent e) override {
+    if (e) check_cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "cudaEventSynchronize");
+  }
+  void synchronize() override { check_cuda(cudaStreamSynchronize(opt_.stream), "cudaStreamSynchronize of the copy stream"); }
 
   cudaStream_t stream() const { return opt_.stream; }
   int device() const { return opt_.device; }
@@ -66,9 +122,15 @@ class CudaCopyEngine final : public DeviceCopyEngine {
   std::int64_t bytes() const { return bytes_; }
 
  private:
+  struct Uploaded {
+    BoxCopy* descriptors = nullptr;
+    BatchLaunch launch{};
+    bool live = false;
+  };
   CudaCopyEngineOptions opt_;
   bool own_stream_ = false;
-  std::unique_ptr<BoxCopier> copier_;
+  std::vector<Uploaded> batches_;
+  std::vector<cudaEvent_t> events_;
   std::int64_t launches_ = 0, bytes_ = 0;
 };
 

@@ -1,0 +1,234 @@
+// Stream order of the device path, on the CPU (host_stream.hpp): copies run
+// asynchronously on an emulated copy stream, each launch after a random
+// delay, and the transport is either host-driven (the in-process one) or
+// runs its batches on a device stream of its own (NCCL-like). Every
+// destination element is checked against the oracle's tags, so a read of
+// staging before its pack ran, an unpack not ordered after its transfer, a
+// refit that reads sources before the trainer's event or overwrites a set
+// the inference side still reads, shows up as wrong elements.
+#include <doctest/doctest.h>
+
+#include <mutex>
+
+#include "host_stream.hpp"
+#include "refit_util.hpp"
+#include "reshard/resharder.hpp"
+
+using namespace reshard;
+using reshard::test::DeviceStreamLocalTransport;
+using reshard::test::HostAsDevice;
+using reshard::test::HostEvent;
+using reshard::test::HostStream;
+using reshard::test::HostStreamEngine;
+using refit_test::cut;
+using refit_test::one_axis;
+using refit_test::tensor;
+
+namespace {
+
+std::vector<TensorSpec> model(std::int64_t tp, bool second) {
+  return {tensor("w", {64, 96}, {second ? DimSpec{} : cut(tp), second ? cut(tp) : DimSpec{}}, DType::f32),
+          tensor("b", {1000}, {cut(tp)}, DType::bf16), tensor("e", {12, 10, 8}, {{}, {}, cut(tp)}, DType::bf16),
+          tensor("big", {512, 256}, {cut(tp), {}}, DType::f32), tensor("emb", {300, 24}, {{}, cut(tp)}, DType::u8)};
+}
+
+constexpr auto kDelay = std::chrono::microseconds(400);
+
+struct Scenario {
+  bool stream_transport = false;
+  bool trainer_event = false;  // the sources are written on a "trainer stream" just before the refit
+  bool wait = true;            // StreamOrder::wait
+  bool double_buffered = false;
+  int refits = 3;
+  ResharderOptions opt{};
+};
+
+struct Result : refit_test::WrongElements {
+  std::int64_t host_waits = 0, waves = 0, packed = 0, unpacked = 0, launches = 0;
+  std::int64_t torn_reads = 0;  // double-buffered: elements a slow reader saw change under it
+};
+
+/// One rank's refits. `T` is the transport the Resharder drives.
+template <class T>
+void run_rank(T& t, const Layout& src, const Layout& dst, const Scenario& sc, Result& out, std::mutex& m) {
+  using namespace refit_test;
+  SideMemory sm = make_side(src, t.rank(), true, 0), dm = make_side(dst, t.rank(), false, 0), dm2 = make_side(dst, t.rank(), false, 0);
+  LocalBuffers bufs;
+  bufs.src = views(src, sm);
+  bufs.dst = views(dst, dm);
+  if (sc.double_buffered) bufs.dst_back = views(dst, dm2);
+  for (auto* side : {&bufs.src, &bufs.dst, &bufs.dst_back})
+    for (auto& [name, v] : *side) v.memory = MemoryKind::device;
+  auto engine = std::make_shared<HostStreamEngine>(kDelay, static_cast<std::uint64_t>(t.rank()) + 11);
+  ResharderOptions o = sc.opt;
+  o.executor.device = engine;
+  o.double_buffered = sc.double_buffered;
+  HostStream trainer, inference;
+  Resharder<Layout, T> r(src, dst, bufs, t, o);
+  std::vector<std::byte> snapshot;  // double-buffered: what the slow reader copied
+  std::int64_t torn = 0;
+  for (int k = 1; k <= sc.refits; ++k) {
+    StreamOrder order;
+    order.wait = sc.wait;
+    if (sc.trainer_event) {
+      // The optimizer writes version k on the trainer stream, late; the refit
+      // is called at once and must not read the sources before the event.
+      trainer.enqueue([&, k] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        write_side(src, sm, true, static_cast<std::uint64_t>(k));
+      });
+      order.sources_final = engine->adopt(trainer.record());
+    } else {
+      write_side(src, sm, true, static_cast<std::uint64_t>(k));
+    }
+    std::shared_ptr<HostEvent> reader_done;
+    if (sc.double_buffered && k >= 3) {
+      // The inference stream still reads the set this refit overwrites (the
+      // set served before the last swap), slowly: the refit must wait.
+      SideMemory& target = r.serving_set() == 0 ? dm2 : dm;
+      inference.enqueue([&target, &snapshot, &torn] {
+        std::vector<std::byte> before;
+        for (auto& b : target.data) before.insert(before.end(), b.begin(), b.end());
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        std::vector<std::byte> after;
+        for (auto& b : target.data) after.insert(after.end(), b.begin(), b.end());
+        for (std::size_t i = 0; i < before.size(); ++i) torn += before[i] != after[i];
+        snapshot = std::move(after);
+      });
+      order.destination_free = engine->adopt(inference.record());
+    }
+    const RefitReport rep = r.refit(order);
+    if (!sc.wait) {
+      REQUIRE(rep.done != nullptr);
+      engine->host_wait(rep.done);  // the inference side's wait, here on the host
+    }
+    inference.drain();
+    const SideMemory& served = r.serving_set() == 0 ? dm : dm2;
+    out.count(m, k, dst, served, t.rank());
+    std::lock_guard lk(m);
+    out.host_waits += rep.host_waits;
+    out.waves += rep.waves;
+    out.packed += rep.packed_bytes;
+    out.unpacked += rep.unpacked_bytes;
+  }
+  std::lock_guard lk(m);
+  out.launches += engine->launches;
+  out.torn_reads += torn;
+}
+
+Result run(const Layout& src, const Layout& dst, const Scenario& sc) {
+  Result out;
+  std::mutex m;
+  LocalWorld world(refit_test::world_of(src, dst));
+  world.run([&](LocalTransport& lt) {
+    if (sc.stream_transport) {
+      DeviceStreamLocalTransport t(lt, kDelay, static_cast<std::uint64_t>(lt.rank()) + 3);
+      run_rank(t, src, dst, sc, out, m);
+    } else {
+      HostAsDevice t(lt);
+      run_rank(t, src, dst, sc, out, m);
+    }
+  });
+  return out;
+}
+
+const Layout& tp2() {
+  static const Layout L = one_axis("tp", 2, 0, model(2, false));
+  return L;
+}
+const Layout& tp4_apart() {
+  static const Layout L = one_axis("tp", 4, 2, model(4, true));
+  return L;
+}
+const Layout& tp2_colocated() {
+  static const Layout L = one_axis("tp", 2, 0, model(2, true));
+  return L;
+}
+
+}  // namespace
+
+static_assert(DeviceStreamTransport<DeviceStreamLocalTransport>);
+static_assert(!DeviceStreamTransport<HostAsDevice>);
+static_assert(DeviceStreamTransport<ForwardingTransport<DeviceStreamLocalTransport*>>);
+
+TEST_CASE("stream order, host-driven transport: every element right, at most one host wait per wave") {
+  for (int pipeline : {1, 2}) {
+    for (std::int64_t budget : {std::int64_t{1} << 30, std::int64_t{4096}}) {
+      Scenario sc;
+      sc.opt.executor.pipeline = pipeline;
+      sc.opt.executor.staging_budget = budget;
+      for (const Layout* dst : {&tp4_apart(), &tp2_colocated()}) {
+        CAPTURE(pipeline);
+        CAPTURE(budget);
+        const Result r = run(tp2(), *dst, sc);
+        INFO(r.first_wrong);
+        CHECK(r.wrong == 0);
+        CHECK(r.packed > 0);
+        CHECK(r.launches > 0);
+        CHECK(r.host_waits <= r.waves);  // one per wave at most (the pack), never one per peer group
+      }
+    }
+  }
+}
+
+TEST_CASE("stream order, transport on a device stream: every element right, no host wait inside a refit") {
+  for (int pipeline : {1, 2}) {
+    for (std::int64_t budget : {std::int64_t{1} << 30, std::int64_t{4096}}) {
+      Scenario sc;
+      sc.stream_transport = true;
+      sc.opt.executor.pipeline = pipeline;
+      sc.opt.executor.staging_budget = budget;
+      for (const Layout* dst : {&tp4_apart(), &tp2_colocated()}) {
+        CAPTURE(pipeline);
+        CAPTURE(budget);
+        const Result r = run(tp2(), *dst, sc);
+        INFO(r.first_wrong);
+        CHECK(r.wrong == 0);
+        CHECK(r.packed > 0);
+        CHECK(r.unpacked > 0);
+        CHECK(r.host_waits == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("stream order: the refit waits for the trainer's event before reading the sources") {
+  for (bool stream : {false, true}) {
+    CAPTURE(stream);
+    Scenario sc;
+    sc.stream_transport = stream;
+    sc.trainer_event = true;
+    sc.opt.executor.staging_budget = 4096;
+    const Result r = run(tp2(), tp4_apart(), sc);
+    INFO(r.first_wrong);
+    CHECK(r.wrong == 0);
+  }
+}
+
+TEST_CASE("stream order: wait = false returns before the copies end; `done` marks their end") {
+  for (bool stream : {false, true}) {
+    CAPTURE(stream);
+    Scenario sc;
+    sc.stream_transport = stream;
+    sc.wait = false;
+    sc.trainer_event = true;
+    const Result r = run(tp2(), tp2_colocated(), sc);
+    INFO(r.first_wrong);
+    CHECK(r.wrong == 0);
+  }
+}
+
+TEST_CASE("stream order, double-buffered: a refit never writes the set a reader enqueued before the swap still reads") {
+  for (bool stream : {false, true}) {
+    CAPTURE(stream);
+    Scenario sc;
+    sc.stream_transport = stream;
+    sc.double_buffered = true;
+    sc.wait = false;
+    sc.refits = 4;
+    const Result r = run(tp2(), tp4_apart(), sc);
+    INFO(r.first_wrong);
+    CHECK(r.wrong == 0);
+    CHECK(r.torn_reads == 0);
+  }
+}
