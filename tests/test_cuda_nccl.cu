@@ -62,6 +62,32 @@ TEST_CASE("prepare's order check: both sides must list the same messages in the 
   CHECK(nccl_detail::check_op_tables(world, 0, stranger).find("rank 9, which is not in the world") != std::string::npos);
 }
 
+TEST_CASE("prepare's pairwise check: this rank's ops against the rows each peer sent it") {
+  auto op = [](OpKind k, std::int64_t peer, std::uint64_t tag, std::uint64_t bytes) { return TransferOp{k, peer, tag, {}, 0, bytes}; };
+  auto rows_from = [](std::int64_t peer, std::vector<TransferOp> ops) { return PeerBlob{peer, nccl_detail::encode_ops(ops)}; };
+  // Rank 0 sends tags 1, 2 to rank 1 and receives tag 7 from rank 2.
+  const std::vector<TransferOp> mine{op(OpKind::send, 1, 1, 100), op(OpKind::send, 1, 2, 50), op(OpKind::recv, 2, 7, 8)};
+  const std::vector<PeerBlob> good{rows_from(1, {op(OpKind::recv, 0, 1, 100), op(OpKind::recv, 0, 2, 50)}),
+                                   rows_from(2, {op(OpKind::send, 0, 7, 8)})};
+  CHECK(nccl_detail::check_peer_tables(0, mine, good).empty());
+  auto swapped = good;
+  swapped[0] = rows_from(1, {op(OpKind::recv, 0, 2, 50), op(OpKind::recv, 0, 1, 100)});
+  CHECK(nccl_detail::check_peer_tables(0, mine, swapped).find("message 0 differs") != std::string::npos);
+  // Rank 2 addressed nothing to rank 0 (the all_gather fallback leaves it out).
+  const std::vector<PeerBlob> silent{good[0]};
+  CHECK(nccl_detail::check_peer_tables(0, mine, silent).find("rank 2 posts 0 sends (0 bytes) to rank 0, but rank 0 posts 1 receives") !=
+        std::string::npos);
+  // Rank 3, which rank 0 does not list, sends it rows: named too.
+  auto stranger = good;
+  stranger.push_back(rows_from(3, {op(OpKind::send, 0, 9, 4)}));
+  CHECK(nccl_detail::check_peer_tables(0, mine, stranger).find("rank 3 posts 1 sends (4 bytes) to rank 0, but rank 0 posts 0 receives") !=
+        std::string::npos);
+  // A truncated table is named by its sender.
+  auto cut_short = good;
+  cut_short[1].bytes.resize(cut_short[1].bytes.size() - 3);
+  CHECK(error_of([&] { (void)nccl_detail::check_peer_tables(0, mine, cut_short); }).find("rank 2") != std::string::npos);
+}
+
 TEST_CASE("the op table survives the bootstrap encoding") {
   std::vector<TransferOp> ops(2);
   ops[0] = TransferOp{OpKind::send, 3, 0x10001, RegionHandle{0}, 0, 96};

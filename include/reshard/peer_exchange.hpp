@@ -56,6 +56,41 @@ struct PairBalance {
   }
 };
 
+/// Step one of a pairwise setup (a transport's prepare): every rank's status
+/// (ok, or its error) and its PairBalance sum through one fixed-size
+/// all_gather. Every rank reads the same blobs, so all throw alike: this
+/// rank's own `error` first, else the first rank that failed ("{who}: prepare
+/// failed on rank R: ..."). Returns whether the job's pairs balance (then
+/// exchange_with_peers may go pairwise).
+template <class T>
+bool gather_setup_status(T& t, std::uint32_t magic, const std::string& who, const std::string& error, std::uint64_t balance,
+                         Deadline deadline) {
+  BlobWriter w;
+  w.put(magic);
+  w.put<std::uint8_t>(error.empty() ? 1 : 0);
+  w.put_string(error);
+  w.put(balance);
+  const auto blobs = t.all_gather(w.buf, deadline);
+  const auto world = t.world_ranks();
+  std::vector<std::uint64_t> sums(blobs.size(), 1);
+  for (std::size_t r = 0; r < blobs.size() && r < world.size(); ++r) {
+    BlobReader rd(blobs[r], world[r], "prepare");
+    std::string why;
+    try {
+      if (rd.get<std::uint32_t>() != magic)
+        why = fmt::format("{}: rank {} sent a prepare blob of another kind", who, world[r]);
+      else if (rd.get<std::uint8_t>() == 0)
+        why = fmt::format("{}: prepare failed on rank {}: {}", who, world[r], rd.get_string());
+      else
+        (void)rd.get_string(), sums[r] = rd.get<std::uint64_t>();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (!why.empty()) throw TransportError(error.empty() ? why : error);
+  }
+  return PairBalance::balanced(sums);
+}
+
 /// Sends each out[i] to its peer and returns what this rank received, by
 /// sender. With `symmetric` (the caller checked a PairBalance) and a T that
 /// exchanges natively, that is exactly one blob from each listed peer, in

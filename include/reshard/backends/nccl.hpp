@@ -65,6 +65,7 @@
 
 #include "../blob.hpp"
 #include "../error.hpp"
+#include "../peer_exchange.hpp"
 #include "../transport.hpp"
 #include "bootstrap.hpp"
 
@@ -86,6 +87,7 @@ struct NcclOptions {
 /// Traffic this endpoint started since construction.
 struct NcclTrafficStats {
   std::int64_t bytes_sent = 0, bytes_received = 0, messages_sent = 0, messages_received = 0, groups = 0;
+  std::int64_t setup_bytes_sent = 0, setup_bytes_received = 0;  ///< exchange() in setup (op tables)
 };
 
 namespace nccl_detail {
@@ -182,6 +184,31 @@ inline std::string check_op_tables(std::span<const std::int64_t> world, std::int
     }
   }
   return {};
+}
+
+/// check_op_tables over what a pairwise prepare gives one rank: its own ops
+/// and, from each peer it heard from, that peer's rows with this rank (a
+/// listed peer that sent nothing lists no ops with it).
+inline std::string check_peer_tables(std::int64_t me, std::span<const TransferOp> ops, const std::vector<PeerBlob>& got) {
+  std::vector<std::int64_t> world{me};
+  std::vector<std::vector<OpRow>> tables(1);
+  for (const auto& op : ops) {
+    tables[0].push_back(OpRow{static_cast<std::uint8_t>(op.kind == OpKind::send ? 0 : 1), op.peer, op.tag, op.bytes});
+    if (std::find(world.begin(), world.end(), op.peer) == world.end()) world.push_back(op.peer);
+  }
+  tables.resize(world.size());
+  for (const auto& g : got) {
+    std::vector<OpRow> rows = decode_ops(g.bytes, g.peer);
+    auto at = std::find(world.begin(), world.end(), g.peer);
+    if (at == world.end()) {
+      world.push_back(g.peer);
+      tables.emplace_back();
+      at = world.end() - 1;
+    }
+    auto& t = tables[static_cast<std::size_t>(at - world.begin())];
+    t.insert(t.end(), rows.begin(), rows.end());
+  }
+  return check_op_tables(world, me, tables);
 }
 
 /// Header byte of every blob NcclTransport::all_gather exchanges: data, or
@@ -308,28 +335,59 @@ class NcclTransport {
   }
 
   /// Checks the ops against the registered regions, then (collective) that
-  /// every peer lists the matching ops in the same order.
+  /// every peer lists the matching ops in the same order. In O(peers): one
+  /// fixed-size status per rank, then each peer gets only this rank's ops
+  /// with it (exchange(), pairwise over NCCL itself), unless the pairs do
+  /// not balance, where every rank's rows go through one all_gather so the
+  /// mismatch can be named.
   void prepare(std::span<const TransferOp> ops, Deadline deadline) {
     std::string error;
+    PairBalance balance;
+    std::map<std::int64_t, std::vector<TransferOp>> by_peer;
     try {
-      for (const auto& op : ops) check_op(op);
+      for (const auto& op : ops) {
+        check_op(op);
+        const bool send = op.kind == OpKind::send;
+        balance.add(send, send ? me_ : op.peer, send ? op.peer : me_, {op.tag, op.bytes});
+        by_peer[op.peer].push_back(op);
+      }
     } catch (const std::exception& e) {
       error = e.what();
     }
-    auto blob = nccl_detail::encode_ops(error.empty() ? ops : std::span<const TransferOp>{});
-    const std::uint8_t ok = error.empty() ? 1 : 0;
-    blob.insert(blob.begin(), static_cast<std::byte>(ok));
-    const Blobs all = all_gather(blob, deadline);
-    if (!error.empty()) throw TransportError(error);
-    std::vector<std::vector<nccl_detail::OpRow>> tables(all.size());
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      if (all[i].empty()) throw TransportError(fmt::format("nccl transport: rank {} sent an empty op table", boot_.ranks[i]));
-      if (all[i][0] == std::byte{0})
-        throw TransportError(fmt::format("nccl transport: rank {}: rank {} failed to prepare its ops", me_, boot_.ranks[i]));
-      tables[i] = nccl_detail::decode_ops(std::span<const std::byte>(all[i]).subspan(1), boot_.ranks[i]);
-    }
-    const std::string mismatch = nccl_detail::check_op_tables(boot_.ranks, me_, tables);
+    const bool balanced = gather_setup_status(*this, nccl_detail::kMagic, fmt::format("nccl transport: rank {}", me_), error,
+                                              balance.sum, deadline);
+    std::vector<PeerBlob> out;
+    for (const auto& [peer, rows] : by_peer) out.push_back(PeerBlob{peer, nccl_detail::encode_ops(rows)});
+    const auto got = exchange_with_peers(*this, out, balanced, deadline);
+    const std::string mismatch = nccl_detail::check_peer_tables(me_, ops, got);
     if (!mismatch.empty()) throw TransportError(mismatch);
+  }
+
+  /// The pairwise exchange (transport.hpp) over NCCL itself: one group of
+  /// 8-byte sizes, then one of the blobs, each through a device buffer
+  /// (NCCL moves device memory only). Counted in setup_bytes_*, not in the
+  /// data traffic.
+  std::vector<std::vector<std::byte>> exchange(std::span<const PeerBlob> out, Deadline deadline) {
+    check_usable();
+    const std::size_t n = out.size();
+    for (const auto& o : out)
+      if (o.peer == me_) throw TransportError(fmt::format("nccl transport: rank {}: exchange lists this rank itself", me_));
+    std::vector<std::uint64_t> sizes(2 * n, 0);  // [0, n): ours, [n, 2n): theirs
+    for (std::size_t i = 0; i < n; ++i) sizes[i] = out[i].bytes.size();
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> send_at(n), recv_at(n);  // (offset, bytes)
+    for (std::size_t i = 0; i < n; ++i) send_at[i] = {8 * i, 8}, recv_at[i] = {8 * (n + i), 8};
+    exchange_round(std::as_writable_bytes(std::span(sizes)), out, send_at, recv_at, deadline);
+    std::uint64_t total = 0;
+    for (std::size_t i = 0; i < n; ++i) send_at[i] = {total, sizes[i]}, total += sizes[i];
+    for (std::size_t i = 0; i < n; ++i) recv_at[i] = {total, sizes[n + i]}, total += sizes[n + i];
+    std::vector<std::byte> buf(total);
+    for (std::size_t i = 0; i < n; ++i)
+      if (sizes[i]) std::memcpy(buf.data() + send_at[i].first, out[i].bytes.data(), sizes[i]);
+    exchange_round(buf, out, send_at, recv_at, deadline);
+    std::vector<std::vector<std::byte>> got(n);
+    for (std::size_t i = 0; i < n; ++i) got[i].assign(buf.begin() + static_cast<std::ptrdiff_t>(recv_at[i].first),
+                                                      buf.begin() + static_cast<std::ptrdiff_t>(recv_at[i].first + recv_at[i].second));
+    return got;
   }
 
   request post(std::span<const TransferOp> ops) {
@@ -428,6 +486,48 @@ class NcclTransport {
     }
     aborted_ = true;
     abort_comm();
+  }
+
+  /// One round of exchange(): `bytes` goes to the device, each peer i gets
+  /// send_at[i] of it and fills recv_at[i], and it comes back. Every op is
+  /// one group, waited for with the deadline like any other.
+  void exchange_round(std::span<std::byte> bytes, std::span<const PeerBlob> out,
+                      std::span<const std::pair<std::uint64_t, std::uint64_t>> send_at,
+                      std::span<const std::pair<std::uint64_t, std::uint64_t>> recv_at, Deadline deadline) {
+    if (bytes.empty()) return;
+    select_device();
+    std::byte* dev = nullptr;
+    cudaError_t ce = cudaMalloc(reinterpret_cast<void**>(&dev), bytes.size());
+    if (ce != cudaSuccess) fail_comm(fmt::format("cudaMalloc of {} exchange bytes failed: {}", bytes.size(), nccl_detail::cuda_text(ce)));
+    RegionHandle region;
+    const NcclTrafficStats before = traffic_;
+    auto cleanup = [&] {
+      if (region.valid()) deregister_memory(region);
+      (void)cudaFree(dev);  // waits for the device to be done with it
+      const std::int64_t sent = traffic_.bytes_sent - before.bytes_sent, received = traffic_.bytes_received - before.bytes_received;
+      traffic_ = before;  // setup is not data traffic
+      traffic_.setup_bytes_sent = before.setup_bytes_sent + sent;
+      traffic_.setup_bytes_received = before.setup_bytes_received + received;
+    };
+    try {
+      ce = cudaMemcpy(dev, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+      if (ce != cudaSuccess) fail_comm(fmt::format("copying exchange bytes to the device failed: {}", nccl_detail::cuda_text(ce)));
+      region = register_memory(dev, bytes.size(), MemoryKind::device);
+      std::vector<TransferOp> ops;
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        ops.push_back(TransferOp{OpKind::recv, out[i].peer, 0, region, recv_at[i].first, recv_at[i].second});
+        ops.push_back(TransferOp{OpKind::send, out[i].peer, 0, region, send_at[i].first, send_at[i].second});
+      }
+      request r = post(ops);
+      flush(deadline);
+      wait(r, deadline);
+      ce = cudaMemcpy(bytes.data(), dev, bytes.size(), cudaMemcpyDeviceToHost);
+      if (ce != cudaSuccess) fail_comm(fmt::format("copying exchange bytes from the device failed: {}", nccl_detail::cuda_text(ce)));
+    } catch (...) {
+      cleanup();
+      throw;
+    }
+    cleanup();
   }
 
   /// The stream every flushed group runs on (transport.hpp, "Device

@@ -1041,36 +1041,12 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
     const bool send = op.kind == OpKind::send;
     balance.add(send, send ? me_ : op.peer, send ? op.peer : me_, {op.tag, op.bytes});
   }
-  BlobWriter w;
-  w.put(ucx_detail::kMagic);
-  w.put<std::uint8_t>(error.empty() ? 1 : 0);
-  w.put_string(error);
-  w.put(balance.sum);
-  Blobs blobs;
+  bool balanced = false;
   try {
-    blobs = all_gather(w.buf, deadline);
+    balanced = gather_setup_status(*this, ucx_detail::kMagic, fmt::format("ucx transport: rank {}", me_), error, balance.sum, deadline);
   } catch (...) {
     drop_new();
     throw;
-  }
-  std::vector<std::uint64_t> sums(blobs.size(), 1);
-  for (std::size_t r = 0; r < blobs.size(); ++r) {
-    BlobReader rd(blobs[r], boot_.ranks[r], "prepare");
-    std::string why;
-    try {
-      if (rd.get<std::uint32_t>() != ucx_detail::kMagic)
-        why = fmt::format("ucx transport: rank {}: rank {} sent a prepare blob of another kind", me_, boot_.ranks[r]);
-      else if (rd.get<std::uint8_t>() == 0)
-        why = fmt::format("ucx transport: rank {}: prepare failed on rank {}: {}", me_, boot_.ranks[r], rd.get_string());
-      else
-        (void)rd.get_string(), sums[r] = rd.get<std::uint64_t>();
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
-    if (!why.empty()) {  // every rank reads the same blobs: all leave here
-      drop_new();
-      throw TransportError(error.empty() ? why : error);
-    }
   }
 
   // 2. Each peer gets this rank's ops with it (and, for puts, the keys of
@@ -1127,7 +1103,7 @@ inline void UcxTransport::prepare(std::span<const TransferOp> ops, Deadline dead
   }
   std::vector<PeerBlob> got;
   try {
-    got = exchange_with_peers(*this, out, PairBalance::balanced(sums), deadline);
+    got = exchange_with_peers(*this, out, balanced, deadline);
   } catch (...) {
     drop_new();
     throw;
