@@ -76,13 +76,14 @@ void add_stream(Batch& b, std::mt19937& g, std::int64_t E, std::int64_t elements
       i += static_cast<std::int64_t>(g() % 2000);
     }
   } else {
-    // Changes 255 and more apart, and one at 255 and 254 exactly (the escape's edge).
-    for (std::int64_t i = 255; i < elements; i += 255 + static_cast<std::int64_t>(g() % 700)) change(i);
+    // Gaps of 255 and 254 exactly (the escape's edge: 255 escapes), then
+    // changes 255 and more apart.
     if (elements > 600) {
       change(0);
-      change(255 + 1);  // gap 255 after 0: escaped
-      change(256 + 255);  // gap 254 after 256: not escaped
+      change(256);  // gap 255 after 0: escaped
+      change(511);  // gap 254 after 256: not escaped
     }
+    for (std::int64_t i = 1200; i < elements; i += 255 + static_cast<std::int64_t>(g() % 700)) change(i);
   }
   for (std::int64_t c0 = 0; c0 < elements; c0 += delta::kChunk)
     b.chunks.push_back({at + static_cast<std::size_t>(c0 * E), std::min(delta::kChunk, elements - c0), E});
@@ -368,6 +369,8 @@ TEST_CASE("device scatter reports malformed payloads and scatters nothing the wa
     std::uint32_t entry;
     std::memcpy(&entry, e.table.data() + 8, 4);
     REQUIRE(static_cast<ChunkMode>(entry >> 24) == ChunkMode::mask);
+    std::memcpy(&entry, e.table.data() + 4, 4);
+    REQUIRE(static_cast<ChunkMode>(entry >> 24) == ChunkMode::gap);  // chunks 0 and 1: gap lists (their lengths below)
     std::int64_t at = 0;
     for (int c = 0; c < 2; ++c) {
       std::uint32_t en;
