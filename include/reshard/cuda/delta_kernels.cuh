@@ -302,9 +302,15 @@ __device__ inline void scatter_chunk(const ScatterChunk& c, int chunk, const Chu
 
 }  // namespace delta_detail
 
+// The kernels are templates on their thread count (which the segments
+// assume: kThreads) so that this header can be included by several
+// translation units: a plain __global__ function would be defined in each.
+
 /// Diff step 1: per chunk, the segments' sums, the chunk's k / escapes / mode and its body bytes.
-__global__ void __launch_bounds__(delta_detail::kThreads)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     delta_count_kernel(const DiffChunk* chunks, int nchunks, delta_detail::WarpSum* warp_sums, delta_detail::ChunkSum* chunk_sums, std::int64_t* sizes) {
+  static_assert(Threads == delta_detail::kThreads, "the kernel's thread arithmetic");
   using namespace delta_detail;
   __shared__ WarpSum sums[kWarps];
   const int w = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -330,9 +336,11 @@ __global__ void __launch_bounds__(delta_detail::kThreads)
 }
 
 /// Diff step 3: table entries, bodies (where they fit) and the shadow.
-__global__ void __launch_bounds__(delta_detail::kThreads)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     delta_write_kernel(const DiffChunk* chunks, int nchunks, const delta_detail::WarpSum* warp_sums, const delta_detail::ChunkSum* chunk_sums,
                        const std::int64_t* ends, unsigned char* table, unsigned char* bodies, std::int64_t capacity) {
+  static_assert(Threads == delta_detail::kThreads, "the kernel's thread arithmetic");
   using namespace delta_detail;
   const int w = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   for (int c = static_cast<int>(blockIdx.x); c < nchunks; c += static_cast<int>(gridDim.x)) {
@@ -351,7 +359,9 @@ __global__ void __launch_bounds__(delta_detail::kThreads)
 }
 
 /// Diff step 2 (one thread block of 1024 threads): ends[i] = sizes[0] + ... + sizes[i].
-__global__ void __launch_bounds__(1024) delta_inclusive_sum_kernel(const std::int64_t* sizes, std::int64_t* ends, int n) {
+template <int Threads>
+__global__ void __launch_bounds__(Threads) delta_inclusive_sum_kernel(const std::int64_t* sizes, std::int64_t* ends, int n) {
+  static_assert(Threads == 1024, "the kernel's thread arithmetic");
   __shared__ std::int64_t warp_total[32];
   const int tid = static_cast<int>(threadIdx.x), w = tid / 32, lane = tid % 32;
   std::int64_t carry = 0;
@@ -381,8 +391,10 @@ __global__ void __launch_bounds__(1024) delta_inclusive_sum_kernel(const std::in
 
 /// Scatter step 1 (one thread): the host decoder's walk over the table,
 /// checking each entry; body offsets, and the positions of the gap chunks.
+template <int Threads>
 __global__ void delta_layout_kernel(const ScatterChunk* chunks, int nchunks, const unsigned char* table, const unsigned char* bodies, std::int64_t limit,
                                     delta_detail::ChunkLayout* layout, std::uint16_t* gap_idx, unsigned long long* status) {
+  static_assert(Threads == 1, "the kernel's thread arithmetic");
   using namespace delta_detail;
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   std::int64_t at = 0, idx_at = 0;
@@ -423,9 +435,11 @@ __global__ void delta_layout_kernel(const ScatterChunk* chunks, int nchunks, con
 }
 
 /// Scatter step 2: one thread block per chunk, unless the walk found a fault.
-__global__ void __launch_bounds__(delta_detail::kThreads)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     delta_scatter_kernel(const ScatterChunk* chunks, int nchunks, const delta_detail::ChunkLayout* layout, const unsigned char* bodies,
                          const std::uint16_t* gap_idx, unsigned long long* status) {
+  static_assert(Threads == delta_detail::kThreads, "the kernel's thread arithmetic");
   using namespace delta_detail;
   __shared__ int warp_count[kWarps];
   __shared__ unsigned long long walked;
@@ -503,11 +517,11 @@ class DeltaDiffer {
     ChunkSum* chunk_sums = chunk_sums_.reserve(chunks.size(), s);
     std::int64_t* sizes = sizes_.reserve(chunks.size(), s);
     std::int64_t* ends = ends_.reserve(chunks.size(), s);
-    delta_count_kernel<<<grid_for(chunks.size()), kThreads, 0, s>>>(d, n, warp_sums, chunk_sums, sizes);
+    delta_count_kernel<kThreads><<<grid_for(chunks.size()), kThreads, 0, s>>>(d, n, warp_sums, chunk_sums, sizes);
     check_cuda(cudaGetLastError(), "launching the delta count kernel");
-    delta_inclusive_sum_kernel<<<1, 1024, 0, s>>>(sizes, ends, n);
+    delta_inclusive_sum_kernel<1024><<<1, 1024, 0, s>>>(sizes, ends, n);
     check_cuda(cudaGetLastError(), "launching the body offset scan");
-    delta_write_kernel<<<grid_for(chunks.size()), kThreads, 0, s>>>(d, n, warp_sums, chunk_sums, ends, reinterpret_cast<unsigned char*>(table),
+    delta_write_kernel<kThreads><<<grid_for(chunks.size()), kThreads, 0, s>>>(d, n, warp_sums, chunk_sums, ends, reinterpret_cast<unsigned char*>(table),
                                                                     reinterpret_cast<unsigned char*>(bodies), capacity);
     check_cuda(cudaGetLastError(), "launching the delta write kernel");
     total_ = ends + (n - 1);
@@ -545,10 +559,10 @@ class DeltaScatterer {
     ChunkLayout* layout = layout_.reserve(chunks.size(), s);
     // Each gap position takes at least one body byte.
     std::uint16_t* gap_idx = gap_idx_.reserve(static_cast<std::size_t>(std::max<std::int64_t>(body_bytes, 1)), s);
-    delta_layout_kernel<<<1, 1, 0, s>>>(d, n, reinterpret_cast<const unsigned char*>(table), reinterpret_cast<const unsigned char*>(bodies), body_bytes,
+    delta_layout_kernel<1><<<1, 1, 0, s>>>(d, n, reinterpret_cast<const unsigned char*>(table), reinterpret_cast<const unsigned char*>(bodies), body_bytes,
                                         layout, gap_idx, status);
     check_cuda(cudaGetLastError(), "launching the delta layout kernel");
-    delta_scatter_kernel<<<grid_for(chunks.size()), kThreads, 0, s>>>(d, n, layout, reinterpret_cast<const unsigned char*>(bodies), gap_idx, status);
+    delta_scatter_kernel<kThreads><<<grid_for(chunks.size()), kThreads, 0, s>>>(d, n, layout, reinterpret_cast<const unsigned char*>(bodies), gap_idx, status);
     check_cuda(cudaGetLastError(), "launching the delta scatter kernel");
   }
   /// Device address of the last run's status word: 0, or reason << 32 | (chunk + 1).

@@ -148,18 +148,21 @@ __device__ inline void quantize_tile_any(const QuantTile& t, int lane, std::uint
 
 }  // namespace quant_detail
 
-/// block: thread block b quantizes tiles b, b + gridDim.x, ...
-__global__ void __launch_bounds__(quant_detail::kThreads) quantize_block_tiles_kernel(const QuantTile* tiles, std::int64_t n) {
-  __shared__ std::uint32_t warp_max[quant_detail::kThreads / 32];
-  for (std::int64_t i = blockIdx.x; i < n; i += gridDim.x)
-    quant_detail::quantize_tile_any<QuantScheme::block, quant_detail::kThreads>(tiles[i], static_cast<int>(threadIdx.x), warp_max);
-}
-
-/// mx: warp w of thread block b quantizes tiles 8b + w, then 8 gridDim.x further, ...
-__global__ void __launch_bounds__(quant_detail::kThreads) quantize_mx_tiles_kernel(const QuantTile* tiles, std::int64_t n) {
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * quant_detail::kMxTilesPerBlock;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * quant_detail::kMxTilesPerBlock + threadIdx.x / 32; i < n; i += stride)
-    quant_detail::quantize_tile_any<QuantScheme::mx, 32>(tiles[i], static_cast<int>(threadIdx.x % 32), nullptr);
+/// block: thread block b quantizes tiles b, b + gridDim.x, ...; mx: warp w
+/// of thread block b quantizes tiles 8b + w, then 8 gridDim.x further, ...
+/// (A template, as every kernel of a header: a plain __global__ function
+/// would be defined again in each translation unit that includes it.)
+template <QuantScheme S>
+__global__ void __launch_bounds__(quant_detail::kThreads) quantize_tiles_kernel(const QuantTile* tiles, std::int64_t n) {
+  using namespace quant_detail;
+  if constexpr (S == QuantScheme::block) {
+    __shared__ std::uint32_t warp_max[kThreads / 32];
+    for (std::int64_t i = blockIdx.x; i < n; i += gridDim.x) quantize_tile_any<S, kThreads>(tiles[i], static_cast<int>(threadIdx.x), warp_max);
+  } else {
+    const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kMxTilesPerBlock;
+    for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kMxTilesPerBlock + threadIdx.x / 32; i < n; i += stride)
+      quantize_tile_any<S, 32>(tiles[i], static_cast<int>(threadIdx.x % 32), nullptr);
+  }
 }
 
 /// Launches the quantizing of n tiles whose descriptors are in device memory.
@@ -169,10 +172,10 @@ inline void launch_quantize_tiles(QuantScheme scheme, const QuantTile* device_ti
   const dim3 block(quant_detail::kThreads);
   if (scheme == QuantScheme::block) {
     const dim3 grid(static_cast<unsigned>(std::min(kMaxGrid, n)));
-    quantize_block_tiles_kernel<<<grid, block, 0, stream>>>(device_tiles, n);
+    quantize_tiles_kernel<QuantScheme::block><<<grid, block, 0, stream>>>(device_tiles, n);
   } else {
     const dim3 grid(static_cast<unsigned>(std::min(kMaxGrid, (n + quant_detail::kMxTilesPerBlock - 1) / quant_detail::kMxTilesPerBlock)));
-    quantize_mx_tiles_kernel<<<grid, block, 0, stream>>>(device_tiles, n);
+    quantize_tiles_kernel<QuantScheme::mx><<<grid, block, 0, stream>>>(device_tiles, n);
   }
   check_cuda(cudaGetLastError(), "launching the quantize kernel");
 }
