@@ -14,6 +14,10 @@
 #                         rule instead of hanging in NCCL
 #   6. compute-sanitizer memcheck and racecheck of the device refit (where
 #                         compute-sanitizer is installed)
+#   7. test_cuda_quantize the FP8 quantize kernels against the host kernel, bit
+#                         for bit (block 128x128 and MXFP8; bf16, f16, f32)
+#   8. test_cuda_delta    the delta diff / scatter kernels against the host's
+#                         encode and decode (densities 0 to 100%, malformed payloads)
 # and writes everything to OUTDIR/gpu_check.txt (build log: OUTDIR/build.log).
 #
 #   bash bench/gpu_check.sh OUTDIR          (ARCH=90 by default; BUILD=dir to reuse a build)
@@ -74,7 +78,7 @@ if ! cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITE
   echo "CONFIGURE FAILED" >> "$R"; tail -40 "$OUTDIR/build.log" >> "$R"; exit 1
 fi
 grep -E "reshard: (CUDA|NCCL|nvcc)" "$OUTDIR/build.log" >> "$R"
-targets="test_cuda_kernels gpu-bandwidth test_cuda_refit test_cuda_nccl"
+targets="test_cuda_kernels gpu-bandwidth test_cuda_refit test_cuda_nccl test_cuda_quantize test_cuda_delta"
 [ $TOOLS = ON ] && targets="$targets reshard-refit reshard-refit-nccl"
 if ! cmake --build "$BUILD" -j"$JOBS" --target $targets >> "$OUTDIR/build.log" 2>&1; then
   echo "BUILD FAILED" >> "$R"; grep -E "error" -A3 "$OUTDIR/build.log" | head -60 >> "$R"; exit 1
@@ -124,6 +128,18 @@ if command -v compute-sanitizer > /dev/null; then
   run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$BUILD/bin/test_cuda_refit" --gpu
 else
   echo "## compute-sanitizer: SKIPPED (not installed)" >> "$R"
+fi
+
+# The FP8 quantize and delta kernels (issues 20, 21) against their host kernels;
+# compiled and skipped on the development host, which has no GPU.
+run quantize-kernels 90 "$BUILD/bin/test_cuda_quantize" --gpu
+run delta-kernels 90 "$BUILD/bin/test_cuda_delta" --gpu
+if command -v compute-sanitizer > /dev/null; then
+  # One case (every kernel, every chunk mode but dense, small sizes): the
+  # sanitizers slow the kernels down many times.
+  run delta-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/bin/test_cuda_delta" --gpu --test-case="*clustered*"
+  run delta-racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 "$BUILD/bin/test_cuda_delta" --gpu --test-case="*clustered*"
+  run quantize-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/bin/test_cuda_quantize" --gpu --test-case="*one dim*"
 fi
 
 {

@@ -83,6 +83,7 @@
 #include "copy_kernels.hpp"
 #include "error.hpp"
 #include "executor.hpp"
+#include "hd.hpp"  // chunk sizes and modes are also the CUDA kernels' (cuda/delta_kernels.cuh)
 #include "schedule.hpp"
 #include "transport.hpp"
 
@@ -136,7 +137,7 @@ inline const char* to_string(ChunkMode m) {
 
 /// Bytes of a chunk's body: n elements of E bytes, k of them changed, `esc`
 /// of the gaps escaped (gap mode).
-inline std::int64_t body_bytes(ChunkMode m, std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = 0) {
+RESHARD_HD inline std::int64_t body_bytes(ChunkMode m, std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = 0) {
   switch (m) {
     case ChunkMode::same: return 0;
     case ChunkMode::index: return k * (2 + E);
@@ -157,7 +158,7 @@ inline std::int64_t gap_escapes(const std::uint16_t* idx, std::int64_t k) {
 }
 
 /// The smallest encoding of a chunk (ties go to the simpler one).
-inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = INT64_MAX / 4) {
+RESHARD_HD inline ChunkMode best_mode(std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc = INT64_MAX / 4) {
   if (k == 0) return ChunkMode::same;
   ChunkMode best = ChunkMode::dense;
   for (ChunkMode m : {ChunkMode::mask, ChunkMode::index, ChunkMode::gap})
@@ -220,7 +221,7 @@ inline std::int64_t indices_from_gaps(const std::byte* in, std::int64_t k, std::
 }
 
 /// A chunk table entry: mode in the top byte, the changed count below.
-inline std::uint32_t table_entry(ChunkMode m, std::int64_t k) {
+RESHARD_HD inline std::uint32_t table_entry(ChunkMode m, std::int64_t k) {
   return static_cast<std::uint32_t>(m) << 24 | static_cast<std::uint32_t>(k);
 }
 
@@ -247,7 +248,7 @@ inline std::uint64_t lane_mask(std::uint64_t tops) {
   return m;
 }
 template <std::size_t E>
-inline constexpr bool word_lanes = E != 0 && E <= 8 && 8 % E == 0 && std::endian::native == std::endian::little;
+inline constexpr bool word_lanes = E != 0 && E <= 8 && 8 % (E ? E : 1) == 0 && std::endian::native == std::endian::little;
 }  // namespace detail
 
 /// Diff-and-compact: compares n elements of E bytes of `cur` with `base`;

@@ -22,6 +22,7 @@
 
 #include "dtype.hpp"
 #include "error.hpp"
+#include "hd.hpp"  // the pure bit functions below are also the CUDA kernels' (cuda/quantize_kernels.cuh)
 
 namespace reshard {
 
@@ -34,7 +35,7 @@ inline constexpr std::int64_t kMxTile = 32;
 /// f32 -> float8_e4m3fn, round to nearest even; |x| >= 448 gives +-448 (the
 /// format has no infinity; 464 and up would otherwise round to NaN); NaN stays NaN.
 /// Branch-free (selects), so the quantize loops vectorize.
-inline std::uint8_t e4m3_from_f32(float x) {
+RESHARD_HD inline std::uint8_t e4m3_from_f32(float x) {
   // Signed 32-bit lanes throughout (the magnitude fits), so the compares are
   // plain SIMD compares and the choices masks: the loops vectorize.
   const std::int32_t bits = std::bit_cast<std::int32_t>(x);
@@ -66,17 +67,18 @@ inline float f32_from_e4m3(std::uint8_t c) {
   return s * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
 }
 
-inline float f32_from_bf16(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+RESHARD_HD inline float f32_from_bf16(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
 
-inline float f32_from_f16(std::uint16_t h) {
+/// f16 -> f32 (exact; a NaN becomes the quiet NaN 0x7FC00000 with its sign),
+/// on the bits (no libm: device code shares it).
+RESHARD_HD inline float f32_from_f16(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const int e = (h >> 10) & 31;
-  const std::uint32_t m = h & 0x3FFu;
-  float v;
-  if (e == 0) v = std::ldexp(static_cast<float>(m), -24);
-  else if (e == 31) v = m ? std::nanf("") : INFINITY;
-  else v = std::ldexp(1.0f + static_cast<float>(m) / 1024.0f, e - 15);
-  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(v) | sign);
+  const std::uint32_t e = (h >> 10) & 31u, m = h & 0x3FFu;
+  std::uint32_t v;
+  if (e == 0) v = std::bit_cast<std::uint32_t>(static_cast<float>(m) * 0x1p-24f);  // m * 2^-24, exact
+  else if (e == 31) v = m ? 0x7FC00000u : 0x7F800000u;
+  else v = (e + 112u) << 23 | m << 13;  // exponent bias 15 -> 127
+  return std::bit_cast<float>(v | sign);
 }
 
 /// Element `i` of a source row of dtype `dt` (bf16, f16 or f32) as f32.
@@ -110,14 +112,19 @@ constexpr DType scale_dtype(QuantScheme s) { return s == QuantScheme::block ? DT
 
 /// MXFP8 shared exponent of a tile with amax > 0 (floor(log2) read off the
 /// exponent bits of a normal amax: no libm call per 32-element tile).
-inline int mx_exponent(float amax) {
+/// A subnormal amax clamps to -127, an infinite (or NaN) one to 127.
+RESHARD_HD inline int mx_exponent(float amax) {
   const int biased = static_cast<int>((std::bit_cast<std::uint32_t>(amax) >> 23) & 0xFFu);
-  const int lg = biased != 0 && biased != 0xFF ? biased - 127 : std::ilogb(amax);
-  return std::clamp(lg - 8, -127, 127);
+  if (biased == 0) return -127;   // floor(log2) <= -127
+  if (biased == 0xFF) return 127;  // past every finite exponent
+  const int e = biased - 127 - 8;
+  return e < -127 ? -127 : e > 127 ? 127 : e;
 }
 
 /// 2^k for k in [-127, 127], exact (2^-127 is an f32 subnormal).
-inline float exp2_int(int k) { return k >= -126 ? std::bit_cast<float>(static_cast<std::uint32_t>(k + 127) << 23) : std::ldexp(1.0f, k); }
+RESHARD_HD inline float exp2_int(int k) {
+  return std::bit_cast<float>(k >= -126 ? static_cast<std::uint32_t>(k + 127) << 23 : 0x00400000u >> (-127 - k));
+}
 
 /// Quantizes one tile whose rows are given by rows(f): f(const std::byte*
 /// src_row, std::uint8_t* dst_row, count) is called for each row (source in
