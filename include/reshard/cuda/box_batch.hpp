@@ -28,12 +28,8 @@
 #include <vector>
 
 #include "../error.hpp"
+#include "../hd.hpp"
 
-#if defined(__CUDACC__)
-#define RESHARD_HD __host__ __device__
-#else
-#define RESHARD_HD
-#endif
 #if defined(__CUDA_ARCH__)
 #define RESHARD_UNROLL _Pragma("unroll")
 #else

@@ -28,6 +28,7 @@
 
 #include "../error.hpp"
 #include "box_batch.hpp"
+#include "descriptor_upload.hpp"
 #include "runtime.hpp"
 
 namespace reshard::cuda {
@@ -72,70 +73,33 @@ inline void launch_box_copies(const BoxCopy* device_boxes, const BatchLaunch& l,
   }
 }
 
-/// Uploads batches' descriptors (pinned host buffer -> device buffer) and
-/// launches them on one stream. Not thread-safe; one per stream.
+/// Runs batches built on the host: uploads each one's descriptors
+/// (DescriptorUpload) and launches it on one stream. For copies replayed
+/// every refit the executor uploads once at setup instead (DeviceCopyEngine).
+/// Not thread-safe; one per stream.
 class BoxCopier {
  public:
-  explicit BoxCopier(cudaStream_t stream = nullptr) : stream_(stream) {
-    check_cuda(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming), "cudaEventCreate");
-  }
-  BoxCopier(const BoxCopier&) = delete;
-  BoxCopier& operator=(const BoxCopier&) = delete;
-  ~BoxCopier() {
-    if (dev_ || host_) (void)cudaStreamSynchronize(stream_);
-    if (dev_) (void)cudaFree(dev_);
-    if (host_) (void)cudaFreeHost(host_);
-    if (uploaded_) (void)cudaEventDestroy(uploaded_);
-  }
+  explicit BoxCopier(cudaStream_t stream = nullptr) : upload_(stream) {}
 
-  cudaStream_t stream() const { return stream_; }
+  cudaStream_t stream() const { return upload_.stream(); }
 
   /// Finishes `batch` (identity copies) and enqueues it. Returns the launch.
   BatchLaunch run(BoxBatch& batch) {
     const BatchLaunch l = batch.finish();
-    enqueue(batch.boxes(), l, [&](const BoxCopy* d) { launch_box_copies(d, l, stream_); });
+    if (l.blocks > 0) launch_box_copies(upload_.upload(batch.boxes()), l, stream());
     return l;
   }
   /// Finishes `batch` with a cast in flight and enqueues it.
   template <class Cast>
   BatchLaunch run_cast(BoxBatch& batch) {
     const BatchLaunch l = batch.template finish_cast<Cast>();
-    enqueue(batch.boxes(), l, [&](const BoxCopy* d) { launch_box_copies<Cast>(d, l, stream_); });
+    if (l.blocks > 0) launch_box_copies<Cast>(upload_.upload(batch.boxes()), l, stream());
     return l;
   }
-  void synchronize() { check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after box copies"); }
+  void synchronize() { check_cuda(cudaStreamSynchronize(stream()), "cudaStreamSynchronize after box copies"); }
 
  private:
-  template <class Launch>
-  void enqueue(std::span<const BoxCopy> boxes, const BatchLaunch& l, Launch&& launch) {
-    if (boxes.empty() || l.blocks == 0) return;
-    if (boxes.size() > capacity_) {
-      // The old buffers may still be read by work in flight.
-      check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize before growing the descriptor buffers");
-      if (dev_) check_cuda(cudaFree(dev_), "cudaFree");
-      if (host_) check_cuda(cudaFreeHost(host_), "cudaFreeHost");
-      dev_ = nullptr;
-      host_ = nullptr;
-      const std::size_t cap = std::max<std::size_t>(boxes.size(), 2 * capacity_);
-      capacity_ = 0;
-      check_cuda(cudaMalloc(reinterpret_cast<void**>(&dev_), cap * sizeof(BoxCopy)), "cudaMalloc of box descriptors");
-      check_cuda(cudaMallocHost(reinterpret_cast<void**>(&host_), cap * sizeof(BoxCopy)), "cudaMallocHost of box descriptors");
-      capacity_ = cap;
-    } else {
-      // The previous upload must have left the pinned buffer before it is rewritten.
-      check_cuda(cudaEventSynchronize(uploaded_), "waiting for the previous descriptor upload");
-    }
-    std::memcpy(host_, boxes.data(), boxes.size() * sizeof(BoxCopy));
-    check_cuda(cudaMemcpyAsync(dev_, host_, boxes.size() * sizeof(BoxCopy), cudaMemcpyHostToDevice, stream_), "uploading box descriptors");
-    check_cuda(cudaEventRecord(uploaded_, stream_), "cudaEventRecord");
-    launch(dev_);
-  }
-
-  cudaStream_t stream_ = nullptr;
-  BoxCopy* dev_ = nullptr;
-  BoxCopy* host_ = nullptr;
-  std::size_t capacity_ = 0;
-  cudaEvent_t uploaded_ = nullptr;
+  DescriptorUpload<BoxCopy> upload_;
 };
 
 }  // namespace reshard::cuda

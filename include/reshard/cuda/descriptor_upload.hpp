@@ -4,8 +4,8 @@
 // reads them. Stream-ordered: the only host waits are for the previous
 // upload to have left the pinned buffer before it is rewritten, and, when
 // the buffers grow, for work in flight that may still read the old ones.
-// Not thread-safe; one per stream. (BoxCopier in copy_kernels.cuh does the
-// same for its BoxCopy descriptors.)
+// Not thread-safe; one per stream. (BoxCopier in copy_kernels.cuh uses it
+// for BoxCopy descriptors; the delta and quantize kernels for theirs.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
