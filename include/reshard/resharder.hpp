@@ -68,8 +68,10 @@
 // refit() returns once the version is committed (every rank's transport
 // finished) while the last unpacks may still run: RefitReport::done is the
 // copy stream's event after them, and the inference stream must wait for it
-// (cudaStreamWaitEvent) before reading the new version. The event is valid
-// until the next refit. With the defaults refit() returns after every copy.
+// (cudaStreamWaitEvent) before reading the new version, and the trainer
+// before writing the sources again (the copies may still read them). The
+// event is valid until the next refit. With the defaults refit() returns
+// after every copy.
 //
 // Staged schedules (ResharderOptions::staged, e.g. plan_hierarchical()): a
 // StagedExecutor runs the stages in order (stage k on channel + k) instead of
