@@ -175,8 +175,8 @@ TEST_CASE("device refit tp=2 -> tp=4 (disaggregated): packed, zero-copy and half
   CHECK(o.launches > 0);
 }
 
-TEST_CASE("device refit, stream order: the trainer's event, no wait for the copies, the inference stream waits for `done`" *
-          doctest::test_suite("gpu")) {
+// (One line: tests/cuda.cmake finds the "gpu" cases by their TEST_CASE line.)
+TEST_CASE("device refit, stream order: trainer's event, no wait, the inference stream waits for done" * doctest::test_suite("gpu")) {
   auto dst_t = model(true);
   for (auto& t : dst_t)
     for (auto& d : t.dims)
