@@ -121,19 +121,7 @@ Encoding host_encode(const Batch& b, std::vector<std::byte>& shadow, std::int64_
       overflow = true;
       continue;
     }
-    std::byte* out = e.bodies.data() + body;
-    if (m == ChunkMode::index) {
-      std::memcpy(out, idx.data(), static_cast<std::size_t>(2 * k));
-      std::memcpy(out + 2 * k, vals.data(), static_cast<std::size_t>(k * E));
-    } else if (m == ChunkMode::mask) {
-      mask_from_indices(idx.data(), k, n, out);
-      std::memcpy(out + (n + 7) / 8, vals.data(), static_cast<std::size_t>(k * E));
-    } else if (m == ChunkMode::gap) {
-      gaps_from_indices(idx.data(), k, out);
-      std::memcpy(out + k + 2 * esc, vals.data(), static_cast<std::size_t>(k * E));
-    } else if (m == ChunkMode::dense) {
-      std::memcpy(out, cur, static_cast<std::size_t>(n * E));
-    }
+    write_chunk_body(m, n, k, E, esc, idx.data(), vals.data(), cur, e.bodies.data() + body);
     body += need;
   }
   return e;

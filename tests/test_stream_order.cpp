@@ -192,30 +192,25 @@ TEST_CASE("stream order, transport on a device stream: every element right, no h
   }
 }
 
-TEST_CASE("stream order: the refit waits for the trainer's event before reading the sources") {
-  for (bool stream : {false, true}) {
-    CAPTURE(stream);
-    Scenario sc;
-    sc.stream_transport = stream;
-    sc.trainer_event = true;
-    sc.opt.executor.staging_budget = 4096;
-    const Result r = run(tp2(), tp4_apart(), sc);
-    INFO(r.first_wrong);
-    CHECK(r.wrong == 0);
-  }
-}
-
-TEST_CASE("stream order: wait = false returns before the copies end; `done` marks their end") {
-  for (bool stream : {false, true}) {
-    CAPTURE(stream);
-    Scenario sc;
-    sc.stream_transport = stream;
-    sc.wait = false;
-    sc.trainer_event = true;
-    const Result r = run(tp2(), tp2_colocated(), sc);
-    INFO(r.first_wrong);
-    CHECK(r.wrong == 0);
-  }
+TEST_CASE("stream order: the refit waits for the trainer's event; with wait = false, `done` marks the copies' end") {
+  struct Case {
+    bool wait;
+    const Layout* dst;
+    std::int64_t budget;
+  };
+  for (const Case& c : {Case{true, &tp4_apart(), 4096}, Case{false, &tp2_colocated(), std::int64_t{1} << 30}})
+    for (bool stream : {false, true}) {
+      CAPTURE(c.wait);
+      CAPTURE(stream);
+      Scenario sc;
+      sc.stream_transport = stream;
+      sc.trainer_event = true;
+      sc.wait = c.wait;
+      sc.opt.executor.staging_budget = c.budget;
+      const Result r = run(tp2(), *c.dst, sc);
+      INFO(r.first_wrong);
+      CHECK(r.wrong == 0);
+    }
 }
 
 TEST_CASE("stream order, double-buffered: a refit never writes the set a reader enqueued before the swap still reads") {

@@ -488,6 +488,25 @@ inline std::int64_t indices_from_mask(const std::byte* mask, std::int64_t n, std
   return k;
 }
 
+/// One chunk's body in mode `m` (body_bytes(m, n, k, E, esc) bytes at out):
+/// the k changed indices idx and their values vals in the mode's form, or,
+/// dense, the chunk `cur` itself (mode none writes nothing).
+inline void write_chunk_body(ChunkMode m, std::int64_t n, std::int64_t k, std::int64_t E, std::int64_t esc, const std::uint16_t* idx,
+                             const std::byte* vals, const std::byte* cur, std::byte* out) {
+  if (m == ChunkMode::index) {
+    std::memcpy(out, idx, static_cast<std::size_t>(2 * k));
+    std::memcpy(out + 2 * k, vals, static_cast<std::size_t>(k * E));
+  } else if (m == ChunkMode::mask) {
+    mask_from_indices(idx, k, n, out);
+    std::memcpy(out + (n + 7) / 8, vals, static_cast<std::size_t>(k * E));
+  } else if (m == ChunkMode::gap) {
+    gaps_from_indices(idx, k, out);
+    std::memcpy(out + k + 2 * esc, vals, static_cast<std::size_t>(k * E));
+  } else if (m == ChunkMode::dense) {
+    std::memcpy(out, cur, static_cast<std::size_t>(n * E));
+  }
+}
+
 /// One copy's side as a run of a stream: elements [first, first + count) of
 /// the stream are the copy's elements in row-major order.
 struct StreamSegment {
@@ -1029,18 +1048,7 @@ void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
         p.overflow = true;  // keep diffing: the shadow must still become this version
         continue;
       }
-      if (m == ChunkMode::index) {
-        std::memcpy(body, idx_.data(), static_cast<std::size_t>(2 * k));
-        std::memcpy(body + 2 * k, vals_.data(), static_cast<std::size_t>(k * E));
-      } else if (m == ChunkMode::mask) {
-        mask_from_indices(idx_.data(), k, n, body);
-        std::memcpy(body + (n + 7) / 8, vals_.data(), static_cast<std::size_t>(k * E));
-      } else if (m == ChunkMode::gap) {
-        gaps_from_indices(idx_.data(), k, body);
-        std::memcpy(body + k + 2 * esc, vals_.data(), static_cast<std::size_t>(k * E));
-      } else if (m == ChunkMode::dense) {
-        std::memcpy(body, cur, static_cast<std::size_t>(n * E));
-      }
+      write_chunk_body(m, n, k, E, esc, idx_.data(), vals_.data(), cur, body);
       body += need;
     }
     shadow += s.elements * E;

@@ -59,6 +59,7 @@
 
 #include "../delta.hpp"
 #include "../error.hpp"
+#include "box_batch.hpp"
 #include "descriptor_upload.hpp"
 #include "runtime.hpp"
 
@@ -100,25 +101,7 @@ struct ChunkLayout {
 enum Reason : unsigned { kBadEntry = 1, kBadGaps = 2, kShort = 3, kMaskCount = 4, kIndexPast = 5 };
 
 template <int E>
-struct WordOf;
-template <>
-struct WordOf<1> {
-  using type = std::uint8_t;
-};
-template <>
-struct WordOf<2> {
-  using type = std::uint16_t;
-};
-template <>
-struct WordOf<4> {
-  using type = std::uint32_t;
-};
-template <>
-struct WordOf<8> {
-  using type = std::uint64_t;
-};
-template <int E>
-using Word = typename WordOf<E>::type;
+using Word = typename word_of<static_cast<std::size_t>(E)>::type;  // box_batch.hpp
 
 /// Bodies are byte streams: values and positions sit at any byte offset
 /// (little-endian, as the host's memcpy of its words writes them).
