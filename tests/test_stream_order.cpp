@@ -151,45 +151,28 @@ static_assert(DeviceStreamTransport<DeviceStreamLocalTransport>);
 static_assert(!DeviceStreamTransport<HostAsDevice>);
 static_assert(DeviceStreamTransport<ForwardingTransport<DeviceStreamLocalTransport*>>);
 
-TEST_CASE("stream order, host-driven transport: every element right, at most one host wait per wave") {
-  for (int pipeline : {1, 2}) {
-    for (std::int64_t budget : {std::int64_t{1} << 30, std::int64_t{4096}}) {
-      Scenario sc;
-      sc.opt.executor.pipeline = pipeline;
-      sc.opt.executor.staging_budget = budget;
-      for (const Layout* dst : {&tp4_apart(), &tp2_colocated()}) {
-        CAPTURE(pipeline);
-        CAPTURE(budget);
-        const Result r = run(tp2(), *dst, sc);
-        INFO(r.first_wrong);
-        CHECK(r.wrong == 0);
-        CHECK(r.packed > 0);
-        CHECK(r.launches > 0);
-        CHECK(r.host_waits <= r.waves);  // one per wave at most (the pack), never one per peer group
-      }
-    }
-  }
-}
-
-TEST_CASE("stream order, transport on a device stream: every element right, no host wait inside a refit") {
-  for (int pipeline : {1, 2}) {
-    for (std::int64_t budget : {std::int64_t{1} << 30, std::int64_t{4096}}) {
-      Scenario sc;
-      sc.stream_transport = true;
-      sc.opt.executor.pipeline = pipeline;
-      sc.opt.executor.staging_budget = budget;
-      for (const Layout* dst : {&tp4_apart(), &tp2_colocated()}) {
-        CAPTURE(pipeline);
-        CAPTURE(budget);
-        const Result r = run(tp2(), *dst, sc);
-        INFO(r.first_wrong);
-        CHECK(r.wrong == 0);
-        CHECK(r.packed > 0);
-        CHECK(r.unpacked > 0);
-        CHECK(r.host_waits == 0);
-      }
-    }
-  }
+// Host-driven: at most one host wait per wave (after its pack), never one
+// per peer group. On a device stream: none inside a refit.
+TEST_CASE("stream order: every element right over pipelines, staging budgets and layouts; host waits bounded") {
+  for (bool stream : {false, true})
+    for (int pipeline : {1, 2})
+      for (std::int64_t budget : {std::int64_t{1} << 30, std::int64_t{4096}})
+        for (const Layout* dst : {&tp4_apart(), &tp2_colocated()}) {
+          CAPTURE(stream);
+          CAPTURE(pipeline);
+          CAPTURE(budget);
+          Scenario sc;
+          sc.stream_transport = stream;
+          sc.opt.executor.pipeline = pipeline;
+          sc.opt.executor.staging_budget = budget;
+          const Result r = run(tp2(), *dst, sc);
+          INFO(r.first_wrong);
+          CHECK(r.wrong == 0);
+          CHECK(r.packed > 0);
+          CHECK(r.unpacked > 0);
+          CHECK(r.launches > 0);
+          CHECK(r.host_waits <= (stream ? 0 : r.waves));
+        }
 }
 
 TEST_CASE("stream order: the refit waits for the trainer's event; with wait = false, `done` marks the copies' end") {
