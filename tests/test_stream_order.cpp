@@ -10,6 +10,7 @@
 
 #include <mutex>
 
+#include "error_of.hpp"
 #include "host_stream.hpp"
 #include "refit_util.hpp"
 #include "reshard/resharder.hpp"
@@ -209,4 +210,32 @@ TEST_CASE("stream order, double-buffered: a refit never writes the set a reader 
     CHECK(r.wrong == 0);
     CHECK(r.torn_reads == 0);
   }
+}
+
+TEST_CASE("stream order: events with host buffers are a clear error, and the peers fail too") {
+  const Layout& src = tp2();
+  const Layout& dst = tp2_colocated();
+  std::mutex m;
+  std::vector<std::string> errors;
+  LocalWorld world(refit_test::world_of(src, dst));
+  world.run([&](LocalTransport& t) {
+    refit_test::SideMemory sm = refit_test::make_side(src, t.rank(), true, 0), dm = refit_test::make_side(dst, t.rank(), false, 0);
+    LocalBuffers bufs;
+    bufs.src = refit_test::views(src, sm);
+    bufs.dst = refit_test::views(dst, dm);
+    Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
+    HostEvent never;
+    StreamOrder order;
+    if (t.rank() == 0) order.sources_final = &never;  // one rank misuses it; the other must not hang
+    const std::string e = test_util::error_of([&] { (void)r.refit(order); });
+    std::lock_guard lk(m);
+    errors.push_back(e);
+  });
+  REQUIRE(errors.size() == 2);
+  bool named = false;
+  for (const auto& e : errors) {
+    CHECK(e != "(no error)");  // the misusing rank and its peer both fail
+    named = named || e.find("a StreamOrder with events orders device buffers, but this rank's buffers are host memory") != std::string::npos;
+  }
+  CHECK(named);
 }

@@ -1672,6 +1672,8 @@ ExecutorStats Executor<T>::run(std::uint64_t version, const StreamOrder& order) 
   const auto t0 = Clock::now();
   const Deadline deadline = t0 + opt_.timeout;
   DeviceCopyEngine* eng = device_ ? opt_.device.get() : nullptr;
+  if (!eng && (order.sources_final || order.destination_free))
+    fail_here("run(): a StreamOrder with events orders device buffers, but this rank's buffers are host memory: nothing would wait for them");
   // A transport on a device stream: requests are waited for at the end.
   constexpr bool deferred = kStreamTransport;
   try {

@@ -401,6 +401,13 @@ class Resharder {
       t_->abort(why);  // the peers would otherwise wait for this rank until their deadline
       fail("{}", why);
     }
+    if ((order.sources_final || order.destination_free) && !opt_.executor.device) {
+      const std::string why = fmt::format("rank {}: Resharder::refit: a StreamOrder with events orders device buffers, but this rank's "
+                                          "buffers are host memory (ExecutorOptions::device is not set): nothing would wait for them",
+                                          me_);
+      t_->abort(why);
+      fail("{}", why);
+    }
     attempted_ = version;
     const int target = opt_.double_buffered ? 1 - serving_ : 0;
     if (opt_.delta.enabled) return run_and_commit(*delta_[static_cast<std::size_t>(target)], version, target, order);
