@@ -167,6 +167,17 @@ struct ExecutorStats {
   /// Device buffers: times the host waited for the copy stream inside the
   /// run (a host-driven transport: once per wave with packed sends).
   std::int64_t host_waits = 0;
+
+  /// Adds the counts of another run that is part of this one (a staged
+  /// refit's stages); version, seconds, staging and `done` are the caller's.
+  void add_counts(const ExecutorStats& o) {
+    for (auto f : {&ExecutorStats::bytes_sent, &ExecutorStats::bytes_received, &ExecutorStats::local_bytes, &ExecutorStats::messages_sent,
+                   &ExecutorStats::messages_received, &ExecutorStats::zero_copy_bytes, &ExecutorStats::packed_bytes,
+                   &ExecutorStats::unpacked_bytes, &ExecutorStats::checksummed_bytes, &ExecutorStats::host_waits})
+      this->*f += o.*f;
+    waves += o.waves;
+    checksum_seconds += o.checksum_seconds;
+  }
 };
 
 namespace exec_detail {

@@ -133,18 +133,7 @@ class StagedExecutor {
         failed_stage_ = static_cast<int>(&ex - stages_.data());
         throw;
       }
-      total.bytes_sent += st.bytes_sent;
-      total.bytes_received += st.bytes_received;
-      total.local_bytes += st.local_bytes;
-      total.messages_sent += st.messages_sent;
-      total.messages_received += st.messages_received;
-      total.zero_copy_bytes += st.zero_copy_bytes;
-      total.packed_bytes += st.packed_bytes;
-      total.unpacked_bytes += st.unpacked_bytes;
-      total.waves += st.waves;
-      total.checksummed_bytes += st.checksummed_bytes;
-      total.checksum_seconds += st.checksum_seconds;
-      total.host_waits += st.host_waits;
+      total.add_counts(st);
       total.done = st.done;
       total.staging_bytes += st.staging_bytes;  // every stage's staging is allocated at once
       total.peak_staging_bytes = std::max(total.peak_staging_bytes, st.peak_staging_bytes);  // the stages run one after another
