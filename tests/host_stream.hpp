@@ -157,11 +157,10 @@ class HostStreamEngine final : public DeviceCopyEngine {
       cuda::emulate_box_copies(u->boxes, u->launch);
     });
   }
-  DeviceEvent record(int slot, DeviceStream stream = nullptr) override {
+  DeviceEvent record(int /*slot: every record is a new event here*/, DeviceStream stream = nullptr) override {
     auto e = stream_of(stream).record();
     std::lock_guard lk(m_);
     events_.push_back(e);
-    slots_[slot] = e.get();
     return e.get();
   }
   void stream_wait(DeviceEvent e, DeviceStream stream = nullptr) override {
@@ -200,7 +199,6 @@ class HostStreamEngine final : public DeviceCopyEngine {
   std::map<std::byte*, std::unique_ptr<std::byte[]>> blocks_;
   std::vector<std::shared_ptr<Uploaded>> batches_;
   std::vector<std::shared_ptr<HostEvent>> events_;
-  std::map<int, HostEvent*> slots_;
   HostStream copy_;  // last: its worker stops first
 };
 
