@@ -21,6 +21,9 @@
 # and writes everything to OUTDIR/gpu_check.txt (build log: OUTDIR/build.log).
 #
 #   bash bench/gpu_check.sh OUTDIR          (ARCH=90 by default; BUILD=dir to reuse a build)
+#   BIN=dir bash bench/gpu_check.sh OUTDIR  runs test binaries built elsewhere
+#                                           (build/bin of an sm_90 build here), so the
+#                                           device's minutes go to the tests, not a build
 #
 # On a machine without the Debian packages (the device machines here have
 # nvcc, CMake and PyTorch's pip packages, nothing else): DEPS=prefix names a
@@ -73,6 +76,15 @@ if [ -z "${TOOLS:-}" ]; then
   TOOLS=OFF
   [ -f /usr/include/CLI/CLI.hpp ] && command -v mpirun > /dev/null && TOOLS=ON
 fi
+if [ -n "${BIN:-}" ]; then
+  BIN=$(cd "$BIN" && pwd)
+  TOOLS=OFF
+  # The pip NCCL's library (libnccl.so.2) for binaries linked elsewhere.
+  [ -n "${pipnccl:-}" ] && export LD_LIBRARY_PATH="$pipnccl/lib:${LD_LIBRARY_PATH:-}"
+  # Libraries copied beside them (libfmt, libcudart) where the machine lacks them.
+  export LD_LIBRARY_PATH="$BIN/lib:${LD_LIBRARY_PATH:-}"
+  echo "prebuilt binaries: $BIN (no build)" >> "$R"
+else
 if ! cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_TOOLS=$TOOLS \
       "${extra[@]}" > "$OUTDIR/build.log" 2>&1; then
   echo "CONFIGURE FAILED" >> "$R"; tail -40 "$OUTDIR/build.log" >> "$R"; exit 1
@@ -84,6 +96,8 @@ if ! cmake --build "$BUILD" -j"$JOBS" --target $targets >> "$OUTDIR/build.log" 2
   echo "BUILD FAILED" >> "$R"; grep -E "error" -A3 "$OUTDIR/build.log" | head -60 >> "$R"; exit 1
 fi
 echo "built in $(( $(date +%s) - start )) s" >> "$R"
+  BIN="$BUILD/bin"
+fi
 
 status=0
 summary=""
@@ -104,42 +118,39 @@ if ! nvidia-smi -L >> "$R" 2>&1; then
   summary+="gpu: NONE VISIBLE"$'\n'
   status=1
 fi
-run kernels 90 "$BUILD/bin/test_cuda_kernels" --gpu
-run bandwidth 90 "$BUILD/bin/gpu-bandwidth" --reps 10 --gib 1
-run device-refit 90 "$BUILD/bin/test_cuda_refit" --gpu
-run nccl-self 90 "$BUILD/bin/test_cuda_nccl" --gpu
-run nccl-cpu 60 "$BUILD/bin/test_cuda_nccl"
+run kernels 90 "$BIN/test_cuda_kernels" --gpu
+run bandwidth 90 "$BIN/gpu-bandwidth" --reps 10 --gib 1
+run device-refit 90 "$BIN/test_cuda_refit" --gpu
+run nccl-self 90 "$BIN/test_cuda_nccl" --gpu
+run nccl-cpu 60 "$BIN/test_cuda_nccl"
+# The FP8 quantize and delta kernels (issues 20, 21) against their host kernels;
+# compiled and skipped on the development host, which has no GPU.
+run quantize-kernels 90 "$BIN/test_cuda_quantize" --gpu
+run delta-kernels 90 "$BIN/test_cuda_delta" --gpu
 if [ $TOOLS = ON ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 NCCL_SOCKET_IFNAME=lo
   model="$SRC/examples/models/tiny-llama.json"
-  run nccl-refit-1rank 120 mpirun -np 1 "$BUILD/bin/reshard-refit" --transport nccl --model "$model" --train tp=1 --infer tp=1 --colocate \
+  run nccl-refit-1rank 120 mpirun -np 1 "$BIN/reshard-refit" --transport nccl --model "$model" --train tp=1 --infer tp=1 --colocate \
       --iterations 3 --json
   # Two ranks on one GPU (the device machine has one): every rank must name
   # the rule, and the job fail, instead of NCCL hanging.
   # (The output goes to the report by echo: a `tee /dev/stderr` here would
   # reopen the report and truncate it.)
-  run nccl-refit-2ranks-1gpu 120 bash -c "out=\$(mpirun -np 2 '$BUILD/bin/reshard-refit' --transport nccl --model '$model' --train tp=1 \
+  run nccl-refit-2ranks-1gpu 120 bash -c "out=\$(mpirun -np 2 '$BIN/reshard-refit' --transport nccl --model '$model' --train tp=1 \
       --infer tp=1 --no-baseline --json 2>&1); echo \"\$out\"; grep -q 'needs one GPU per rank' <<< \"\$out\""
 else
   echo "## reshard-refit --transport nccl: SKIPPED (CLI11 or mpirun not installed on this machine)" >> "$R"
 fi
 if command -v compute-sanitizer > /dev/null; then
-  run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/bin/test_cuda_refit" --gpu
-  run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$BUILD/bin/test_cuda_refit" --gpu
-else
-  echo "## compute-sanitizer: SKIPPED (not installed)" >> "$R"
-fi
-
-# The FP8 quantize and delta kernels (issues 20, 21) against their host kernels;
-# compiled and skipped on the development host, which has no GPU.
-run quantize-kernels 90 "$BUILD/bin/test_cuda_quantize" --gpu
-run delta-kernels 90 "$BUILD/bin/test_cuda_delta" --gpu
-if command -v compute-sanitizer > /dev/null; then
+  run memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BIN/test_cuda_refit" --gpu
+  run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$BIN/test_cuda_refit" --gpu
   # One case (every kernel, every chunk mode but dense, small sizes): the
   # sanitizers slow the kernels down many times.
-  run delta-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/bin/test_cuda_delta" --gpu --test-case="*clustered*"
-  run delta-racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 "$BUILD/bin/test_cuda_delta" --gpu --test-case="*clustered*"
-  run quantize-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/bin/test_cuda_quantize" --gpu --test-case="*one dim*"
+  run delta-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BIN/test_cuda_delta" --gpu --test-case="*clustered*"
+  run delta-racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 "$BIN/test_cuda_delta" --gpu --test-case="*clustered*"
+  run quantize-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BIN/test_cuda_quantize" --gpu --test-case="*one dim*"
+else
+  echo "## compute-sanitizer: SKIPPED (not installed)" >> "$R"
 fi
 
 {

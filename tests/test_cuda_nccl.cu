@@ -86,6 +86,17 @@ TEST_CASE("prepare's pairwise check: this rank's ops against the rows each peer 
   auto cut_short = good;
   cut_short[1].bytes.resize(cut_short[1].bytes.size() - 3);
   CHECK(error_of([&] { (void)nccl_detail::check_peer_tables(0, mine, cut_short); }).find("rank 2") != std::string::npos);
+  // Ops with itself: not sent to anyone, checked against the own table.
+  auto self = mine;
+  self.push_back(op(OpKind::send, 0, 5, 100));
+  self.push_back(op(OpKind::recv, 0, 5, 100));
+  const auto out = nccl_detail::peer_blobs(0, self);
+  REQUIRE(out.size() == 2);
+  CHECK((out[0].peer == 1 && out[1].peer == 2));
+  CHECK(nccl_detail::check_peer_tables(0, self, good).empty());
+  self.back().bytes = 50;
+  CHECK(nccl_detail::check_peer_tables(0, self, good).find("rank 0 posts 1 sends (100 bytes) to rank 0, but rank 0 posts 1 receives (50 bytes)") !=
+        std::string::npos);
 }
 
 TEST_CASE("the op table survives the bootstrap encoding") {

@@ -186,6 +186,18 @@ inline std::string check_op_tables(std::span<const std::int64_t> world, std::int
   return {};
 }
 
+/// What a pairwise prepare sends: to each peer, this rank's ops with it.
+/// Ops with itself stay out (exchange() never lists this rank): they are
+/// checked against this rank's own table.
+inline std::vector<PeerBlob> peer_blobs(std::int64_t me, std::span<const TransferOp> ops) {
+  std::map<std::int64_t, std::vector<TransferOp>> by_peer;
+  for (const auto& op : ops)
+    if (op.peer != me) by_peer[op.peer].push_back(op);
+  std::vector<PeerBlob> out;
+  for (const auto& [peer, rows] : by_peer) out.push_back(PeerBlob{peer, encode_ops(rows)});
+  return out;
+}
+
 /// check_op_tables over what a pairwise prepare gives one rank: its own ops
 /// and, from each peer it heard from, that peer's rows with this rank (a
 /// listed peer that sent nothing lists no ops with it).
@@ -343,22 +355,18 @@ class NcclTransport {
   void prepare(std::span<const TransferOp> ops, Deadline deadline) {
     std::string error;
     PairBalance balance;
-    std::map<std::int64_t, std::vector<TransferOp>> by_peer;
     try {
       for (const auto& op : ops) {
         check_op(op);
         const bool send = op.kind == OpKind::send;
         balance.add(send, send ? me_ : op.peer, send ? op.peer : me_, {op.tag, op.bytes});
-        by_peer[op.peer].push_back(op);
       }
     } catch (const std::exception& e) {
       error = e.what();
     }
     const bool balanced = gather_setup_status(*this, nccl_detail::kMagic, fmt::format("nccl transport: rank {}", me_), error,
                                               balance.sum, deadline);
-    std::vector<PeerBlob> out;
-    for (const auto& [peer, rows] : by_peer) out.push_back(PeerBlob{peer, nccl_detail::encode_ops(rows)});
-    const auto got = exchange_with_peers(*this, out, balanced, deadline);
+    const auto got = exchange_with_peers(*this, nccl_detail::peer_blobs(me_, ops), balanced, deadline);
     const std::string mismatch = nccl_detail::check_peer_tables(me_, ops, got);
     if (!mismatch.empty()) throw TransportError(mismatch);
   }
