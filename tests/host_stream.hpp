@@ -6,7 +6,8 @@
 //    enqueued before the event is recorded again keeps the earlier point).
 //  * HostStreamEngine: a DeviceCopyEngine whose copy stream is a HostStream
 //    and whose "kernel" is the CUDA kernel's own body run on the host
-//    (emulate_box_copies), each launch after a random delay, so work the
+//    (emulate_box_copies; quantize batches through the host quantizer,
+//    emulate_quant_tiles), each launch after a random delay, so work the
 //    executor failed to order (a transport reading a pack that has not run,
 //    a caller reading before `done`) shows up as wrong elements.
 //  * DeviceStreamLocalTransport: an NCCL-like transport over the in-process
@@ -138,6 +139,16 @@ class HostStreamEngine final : public DeviceCopyEngine {
     batches_.push_back(std::make_shared<Uploaded>(std::move(u)));
     return batches_.size() - 1;
   }
+  std::size_t upload(QuantScheme scheme, std::span<const cuda::QuantTile> tiles) override {
+    cuda::check_quant_tiles(tiles);
+    std::lock_guard lk(m_);
+    Uploaded u;
+    u.quant = true;
+    u.scheme = scheme;
+    u.tiles.assign(tiles.begin(), tiles.end());
+    batches_.push_back(std::make_shared<Uploaded>(std::move(u)));
+    return batches_.size() - 1;
+  }
   void release(std::size_t id) noexcept override {
     std::lock_guard lk(m_);
     if (id < batches_.size()) batches_[id].reset();
@@ -154,7 +165,10 @@ class HostStreamEngine final : public DeviceCopyEngine {
     }
     copy_.enqueue([u, delay] {
       std::this_thread::sleep_for(delay);
-      cuda::emulate_box_copies(u->boxes, u->launch);
+      if (u->quant)
+        cuda::emulate_quant_tiles(u->scheme, u->tiles);
+      else
+        cuda::emulate_box_copies(u->boxes, u->launch);
     });
   }
   DeviceEvent record(int /*slot: every record is a new event here*/, DeviceStream stream = nullptr) override {
@@ -185,6 +199,9 @@ class HostStreamEngine final : public DeviceCopyEngine {
   struct Uploaded {
     cuda::BatchLaunch launch{};
     std::vector<cuda::BoxCopy> boxes;
+    bool quant = false;  // tiles to quantize instead of boxes
+    QuantScheme scheme = QuantScheme::block;
+    std::vector<cuda::QuantTile> tiles;
   };
   HostStream& stream_of(DeviceStream s) { return s ? *static_cast<HostStream*>(s) : copy_; }
   std::shared_ptr<HostEvent> shared(DeviceEvent e) {

@@ -442,6 +442,8 @@ constexpr int kStartSlot = 0;     // the copy stream after the caller's events
 constexpr int kPackSlot = 1;      // after a wave's pack
 constexpr int kTransferSlot = 2;  // + wave % 2: the transport's stream after a wave's batch
 constexpr int kDoneSlot = 4;      // after the run's last copy
+constexpr int kQuantSourcesSlot = 5;  // after the senders' FP8 quantizing (quant_refit.hpp)
+constexpr int kQuantDoneSlot = 6;     // after the receivers' FP8 quantizing
 /// Control message: magic, count, version (8), wave, count CRCs, own CRC.
 inline std::uint64_t control_bytes(std::size_t count) { return 4 + 4 + 8 + 4 + 4 * static_cast<std::uint64_t>(count) + 4; }
 

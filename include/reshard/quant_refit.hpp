@@ -11,16 +11,27 @@
 //    receiver quantizes those tiles into the FP8 buffer and its scale tensor.
 // expanded() is the schedule the Executor runs: plain copies, with the shadow
 // and staging buffers appended to the buffer lists (ids computed from the
-// schedule alone, so every rank agrees). Host memory, dense buffers only.
+// schedule alone, so every rank agrees). Dense buffers only.
+//
+// On the host the tiles are quantized by the host kernel (quantize_tiles).
+// With device buffers (a DeviceCopyEngine) the shadows and staging are
+// engine memory and the tiles are compiled once into two uploaded batches
+// per scheme, enqueued on the copy stream: the senders' after the caller's
+// `sources_final` and before the executor touches anything (the executor
+// gets the event after them as its `sources_final`, so a transport that
+// reads the shadow waits for them too), the receivers' after the run's
+// last copy; RefitReport::done is the event after them.
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "cuda/device_engine.hpp"
 #include "executor.hpp"
 #include "layout.hpp"
 #include "multi_index.hpp"
@@ -145,9 +156,10 @@ class QuantRefit {
   /// Prepares rank `me`: allocates its shadows and staging and builds the
   /// expanded schedule. `src` / `dst` are the rank's bound buffers, indexed
   /// like the schedule's buffer ids (nullptr where it has none).
+  /// With `engine`, the bound buffers are device memory (see the top).
   QuantRefit(const Layout& src, const Layout& dst, const Schedule& s, std::int64_t me, const std::vector<const BoundBuffer*>& srcb,
-             const std::vector<const BoundBuffer*>& dstb)
-      : src_(src), dst_(dst), me_(me), srcb_(srcb), dstb_(dstb) {
+             const std::vector<const BoundBuffer*>& dstb, std::shared_ptr<DeviceCopyEngine> engine = nullptr)
+      : src_(src), dst_(dst), me_(me), srcb_(srcb), dstb_(dstb), engine_(std::move(engine)) {
     const auto S = s.src_buffers.size(), D = s.dst_buffers.size();
     expanded_.src_buffers = s.src_buffers;
     for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#fp8");
@@ -201,16 +213,50 @@ class QuantRefit {
     for (int t : receiver_tensors_) need_bound(dstb, static_cast<std::size_t>(dst.buffer_of(dst.tensors[static_cast<std::size_t>(t)].quant->scale_tensor)), "destination", s.dst_buffers);
     compile_sender(s);
     compile_receiver();
+    if (engine_) {
+      sender_batches_ = upload(sender_jobs_);
+      receiver_batches_ = upload(receiver_jobs_);
+    }
   }
+  ~QuantRefit() {
+    if (!engine_) return;
+    for (std::size_t id : sender_batches_) engine_->release(id);
+    for (std::size_t id : receiver_batches_) engine_->release(id);
+    for (std::byte* p : device_memory_) engine_->free_staging(p);
+  }
+  QuantRefit(const QuantRefit&) = delete;
+  QuantRefit& operator=(const QuantRefit&) = delete;
 
   const Schedule& expanded() const { return expanded_; }
   const std::vector<const BoundBuffer*>& src_buffers() const { return src_ptrs_; }
   const std::vector<const BoundBuffer*>& dst_buffers() const { return dst_ptrs_; }
 
-  /// Before each run: quantize the tiles this rank sends quantized.
-  void before_run() { replay(sender_jobs_); }
-  /// After each run: quantize the tiles that arrived in source dtype.
-  void after_run() { replay(receiver_jobs_); }
+  /// Before each run: quantize the tiles this rank sends quantized. Returns
+  /// the order the executor runs under (device: after these tiles, and it
+  /// returns without waiting; after_run() keeps the caller's `wait`).
+  StreamOrder before_run(const StreamOrder& order = {}) {
+    if (!engine_) {
+      replay(sender_jobs_);
+      return order;
+    }
+    engine_->stream_wait(order.sources_final);
+    for (std::size_t id : sender_batches_) engine_->enqueue(id);
+    StreamOrder o = order;
+    o.sources_final = engine_->record(exec_detail::kQuantSourcesSlot);
+    o.wait = false;
+    return o;
+  }
+  /// After each run: quantize the tiles that arrived in source dtype
+  /// (device: enqueued after the run's copies; st.done then marks them).
+  void after_run(ExecutorStats& st, const StreamOrder& order = {}) {
+    if (!engine_) {
+      replay(receiver_jobs_);
+      return;
+    }
+    for (std::size_t id : receiver_batches_) engine_->enqueue(id);
+    st.done = engine_->record(exec_detail::kQuantDoneSlot);
+    if (order.wait) engine_->synchronize();
+  }
 
  private:
   /// Tiles of one tensor to quantize, compiled once: rows as (element
@@ -228,6 +274,39 @@ class QuantRefit {
 
   static void replay(const std::vector<TileJobs>& jobs) {
     for (const auto& j : jobs) quantize_tiles(j.scheme, j.dtype, j.from, j.to, j.rows.data(), j.tiles.data(), j.tiles.size(), j.scales);
+  }
+
+  /// The jobs as the device kernel's tiles, one uploaded batch per scheme.
+  /// A tile's rows are evenly spaced in its buffer (a box of a dense piece).
+  std::vector<std::size_t> upload(const std::vector<TileJobs>& jobs) {
+    std::map<QuantScheme, std::vector<cuda::QuantTile>> by_scheme;
+    for (const auto& j : jobs) {
+      auto& out = by_scheme[j.scheme];
+      const auto E = element_bytes(j.dtype);
+      std::size_t row = 0;
+      for (const auto& [end, scale_at] : j.tiles) {
+        const std::int64_t* r = j.rows.data() + 2 * row;
+        const auto n = static_cast<std::int64_t>(end - row);
+        cuda::QuantTile t;
+        t.src = reinterpret_cast<std::uintptr_t>(j.from + r[0] * E);
+        t.dst = reinterpret_cast<std::uintptr_t>(j.to + r[0]);
+        t.scale = reinterpret_cast<std::uintptr_t>(j.scales + scale_at);
+        t.src_stride = t.dst_stride = n > 1 ? r[2] - r[0] : 0;
+        t.rows = static_cast<std::int32_t>(n);
+        t.cols = static_cast<std::int32_t>(r[1]);
+        t.dtype = j.dtype;
+        for (std::int64_t k = 0; k < n; ++k)
+          if (r[2 * k] != r[0] + k * t.src_stride || r[2 * k + 1] != r[1])
+            fail("rank {}: a quantized tile's rows are not evenly spaced in its buffer (row {} at element {}, {} elements): the device "
+                 "quantizer takes tiles as strided rows", me_, k, r[2 * k], r[2 * k + 1]);
+        out.push_back(t);
+        row = end;
+      }
+    }
+    std::vector<std::size_t> ids;
+    for (const auto& [scheme, tiles] : by_scheme)
+      if (!tiles.empty()) ids.push_back(engine_->upload(scheme, tiles));
+    return ids;
   }
 
   /// Element offsets (in `buffer` of the copy's side) of every element of a
@@ -266,8 +345,8 @@ class QuantRefit {
       j.dtype = sts.dtype;
       j.scheme = q.scheme;
       j.from = srcb_[b]->data;
-      j.to = reinterpret_cast<std::uint8_t*>(shadow_[b].get());
-      j.scales = scale_shadow_[b].get();
+      j.to = reinterpret_cast<std::uint8_t*>(shadow_[b]);
+      j.scales = scale_shadow_[b];
       const auto SE = element_bytes(scale_dtype(q.scheme));
       const PieceRuns runs = PieceRuns::of(src_, spos_, st);
       for_each_whole_tile(src_, spos_, st, q, [&](const auto& origin, const auto& extent) {
@@ -298,7 +377,7 @@ class QuantRefit {
       TileJobs j;
       j.dtype = src_.tensors[static_cast<std::size_t>(st)].dtype;
       j.scheme = q.scheme;
-      j.from = staged_[b].get();
+      j.from = staged_[b];
       j.to = reinterpret_cast<std::uint8_t*>(dstb_[b]->data);
       j.scales = dstb_[sb]->data;
       const auto SE = element_bytes(scale_dtype(q.scheme));
@@ -321,18 +400,30 @@ class QuantRefit {
   }
   void need_bound(const std::vector<const BoundBuffer*>& v, std::size_t b, const char* side, const std::vector<std::string>& names) const {
     if (b >= v.size() || !v[b]) fail("rank {}: quantized refit needs {} buffer '{}', which is not bound", me_, side, b < names.size() ? names[b] : "?");
-    if (v[b]->memory != MemoryKind::host || !v[b]->dense())
-      fail("rank {}: {} buffer '{}': quantized refits run on dense host buffers only", me_, side, names[b]);
+    const MemoryKind want = engine_ ? MemoryKind::device : MemoryKind::host;
+    if (v[b]->memory != want || !v[b]->dense())
+      fail("rank {}: {} buffer '{}': quantized refits run on dense buffers, all in {} memory here ({})", me_, side, names[b],
+           engine_ ? "device" : "host", engine_ ? "ExecutorOptions::device is set" : "no ExecutorOptions::device");
   }
-  void ensure(std::unique_ptr<std::byte[]>& mem, const BoundBuffer*& ptr, const BoundBuffer& like, std::int64_t E, const std::string& name) {
+  /// A shadow or staging buffer like `like` with E-byte elements: host
+  /// memory, or the engine's (device) memory.
+  void ensure(std::byte*& mem, const BoundBuffer*& ptr, const BoundBuffer& like, std::int64_t E, const std::string& name) {
     if (mem) return;
     const std::int64_t n = like.elements();
-    mem = std::make_unique<std::byte[]>(static_cast<std::size_t>(std::max<std::int64_t>(n * E, 1)));
+    const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(n * E, 1));
+    if (engine_) {
+      mem = engine_->allocate_staging(bytes);
+      device_memory_.push_back(mem);
+    } else {
+      host_memory_.push_back(std::make_unique<std::byte[]>(bytes));
+      mem = host_memory_.back().get();
+    }
     auto bb = std::make_unique<BoundBuffer>();
     bb->name = name;
-    bb->data = mem.get();
+    bb->data = mem;
     bb->element_bytes = E;
     bb->shape = {n};
+    bb->memory = engine_ ? MemoryKind::device : MemoryKind::host;
     ptr = bb.get();
     owned_.push_back(std::move(bb));
   }
@@ -342,7 +433,11 @@ class QuantRefit {
   std::int64_t me_, spos_ = -1, dpos_ = -1;
   std::vector<const BoundBuffer*> srcb_, dstb_, src_ptrs_, dst_ptrs_;
   Schedule expanded_;
-  std::vector<std::unique_ptr<std::byte[]>> shadow_, scale_shadow_, staged_;
+  std::shared_ptr<DeviceCopyEngine> engine_;  ///< device buffers: the engine that quantizes; null on the host
+  std::vector<std::byte*> shadow_, scale_shadow_, staged_;  ///< per buffer id (null where none)
+  std::vector<std::unique_ptr<std::byte[]>> host_memory_;
+  std::vector<std::byte*> device_memory_;  ///< from engine_->allocate_staging
+  std::vector<std::size_t> sender_batches_, receiver_batches_;  ///< device: uploaded tile batches
   std::vector<std::unique_ptr<BoundBuffer>> owned_;
   std::vector<int> sender_tensors_, receiver_tensors_;
   std::vector<Copy> receiver_copies_;  ///< into this rank, expanded

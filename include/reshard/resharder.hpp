@@ -334,9 +334,9 @@ class Resharder {
     const Schedule* run_schedule = schedule_.get();
     if (error.empty() && QuantRefit::needed(*schedule_)) {
       try {
-        if (opt_.staged || opt_.double_buffered || opt_.executor.device)
-          fail("rank {}: quantized (FP8) destinations run single-buffered, unstaged, on host memory only", me_);
-        quant_ = std::make_unique<QuantRefit>(src_, dst_, *schedule_, me_, s, d);
+        if (opt_.staged || opt_.double_buffered)
+          fail("rank {}: quantized (FP8) destinations run single-buffered and unstaged only", me_);
+        quant_ = std::make_unique<QuantRefit>(src_, dst_, *schedule_, me_, s, d, opt_.executor.device);
         s = quant_->src_buffers();
         d = quant_->dst_buffers();
         run_schedule = &quant_->expanded();
@@ -475,12 +475,12 @@ class Resharder {
     // reason (through the abort) instead of timing out beside it.
     const Deadline verdict_deadline = Clock::now() + 2 * opt_.executor.timeout;
     try {
-      if (quant_) quant_->before_run();
-      if constexpr (requires { ex.run(version, order); })
-        st = ex.run(version, order);
+      const StreamOrder run_order = quant_ ? quant_->before_run(order) : order;
+      if constexpr (requires { ex.run(version, run_order); })
+        st = ex.run(version, run_order);
       else
         st = ex.run(version);  // (delta refits: host memory only, nothing to order)
-      if (quant_) quant_->after_run();
+      if (quant_) quant_->after_run(st, order);
     } catch (const std::exception& e) {
       local_error = e.what();
     }

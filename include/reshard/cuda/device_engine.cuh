@@ -12,6 +12,7 @@
 
 #include "copy_kernels.cuh"
 #include "device_engine.hpp"
+#include "quantize_kernels.cuh"
 
 namespace reshard::cuda {
 
@@ -58,30 +59,23 @@ class CudaCopyEngine final : public DeviceCopyEngine {
     (void)cudaFree(p);
   }
 
-  /// Setup time: the descriptors go to device memory once (a synchronous
-  /// copy: setup is not on the refit's path).
   std::size_t upload(BoxBatch& batch) override {
     check_cuda(cudaSetDevice(opt_.device), "cudaSetDevice");
     Uploaded u;
     u.launch = batch.finish();
-    const auto boxes = batch.boxes();
-    if (!boxes.empty()) {
-      check_cuda(cudaMalloc(reinterpret_cast<void**>(&u.descriptors), boxes.size_bytes()), "cudaMalloc of box descriptors");
-      const cudaError_t e = cudaMemcpy(u.descriptors, boxes.data(), boxes.size_bytes(), cudaMemcpyHostToDevice);
-      if (e != cudaSuccess) {
-        (void)cudaFree(u.descriptors);
-        check_cuda(e, "uploading box descriptors");
-      }
-    }
-    for (std::size_t id = 0; id < batches_.size(); ++id)
-      if (!batches_[id].live) {
-        batches_[id] = u;
-        batches_[id].live = true;
-        return id;
-      }
-    u.live = true;
-    batches_.push_back(u);
-    return batches_.size() - 1;
+    u.count = static_cast<std::int64_t>(batch.boxes().size());
+    u.descriptors = copy_to_device(std::as_bytes(batch.boxes()), "box descriptors");
+    return keep(u);
+  }
+  std::size_t upload(QuantScheme scheme, std::span<const QuantTile> tiles) override {
+    check_quant_tiles(tiles);
+    check_cuda(cudaSetDevice(opt_.device), "cudaSetDevice");
+    Uploaded u;
+    u.quant = true;
+    u.scheme = scheme;
+    u.count = static_cast<std::int64_t>(tiles.size());
+    u.descriptors = copy_to_device(std::as_bytes(tiles), "quantize tile descriptors");
+    return keep(u);
   }
   void release(std::size_t id) noexcept override {
     if (id >= batches_.size() || !batches_[id].live) return;
@@ -93,9 +87,13 @@ class CudaCopyEngine final : public DeviceCopyEngine {
     const Uploaded& u = batches_[id];
     if (!u.descriptors) return;
     check_cuda(cudaSetDevice(opt_.device), "cudaSetDevice");
-    launch_box_copies(u.descriptors, u.launch, opt_.stream);
+    if (u.quant) {
+      launch_quantize_tiles(u.scheme, static_cast<const QuantTile*>(u.descriptors), u.count, opt_.stream);
+    } else {
+      launch_box_copies(static_cast<const BoxCopy*>(u.descriptors), u.launch, opt_.stream);
+      bytes_ += u.launch.elements * u.launch.in_bytes;
+    }
     ++launches_;
-    bytes_ += u.launch.elements * u.launch.in_bytes;
   }
 
   DeviceEvent record(int slot, DeviceStream stream = nullptr) override {
@@ -122,11 +120,39 @@ class CudaCopyEngine final : public DeviceCopyEngine {
   std::int64_t bytes() const { return bytes_; }
 
  private:
+  /// A batch's descriptors: box copies or, with `quant`, tiles to quantize.
   struct Uploaded {
-    BoxCopy* descriptors = nullptr;
+    void* descriptors = nullptr;
+    std::int64_t count = 0;
     BatchLaunch launch{};
+    bool quant = false;
+    QuantScheme scheme = QuantScheme::block;
     bool live = false;
   };
+  /// Descriptors go to device memory once, at setup, by a synchronous copy
+  /// (setup is not on the refit's path).
+  static void* copy_to_device(std::span<const std::byte> bytes, const char* what) {
+    if (bytes.empty()) return nullptr;
+    void* d = nullptr;
+    check_cuda(cudaMalloc(&d, bytes.size()), fmt::format("cudaMalloc of {}", what).c_str());
+    const cudaError_t e = cudaMemcpy(d, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+      (void)cudaFree(d);
+      check_cuda(e, fmt::format("uploading {}", what).c_str());
+    }
+    return d;
+  }
+  std::size_t keep(Uploaded u) {
+    for (std::size_t id = 0; id < batches_.size(); ++id)
+      if (!batches_[id].live) {
+        batches_[id] = u;
+        batches_[id].live = true;
+        return id;
+      }
+    u.live = true;
+    batches_.push_back(u);
+    return batches_.size() - 1;
+  }
   CudaCopyEngineOptions opt_;
   bool own_stream_ = false;
   std::vector<Uploaded> batches_;

@@ -11,7 +11,9 @@
 // Stream order. The engine owns one copy stream. The executor builds every
 // copy batch once, at setup, and uploads its descriptors (upload()); a refit
 // only enqueues them (one pack batch per wave across all peers, one unpack
-// batch per received message group, one batch of local copies) and orders
+// batch per received message group, one batch of local copies; FP8 refits
+// add a batch of tiles the senders quantize and one the receivers do,
+// quant_refit.hpp) and orders
 // the streams with events, so nothing inside a refit waits on the host for
 // a copy, except where a transport driven by the host (UCX, the in-process
 // one) must read packed bytes: there the host waits once per wave, after
@@ -19,7 +21,10 @@
 // DeviceStreamTransport in transport.hpp) is ordered on the device instead.
 #include <cstddef>
 
+#include <span>
+
 #include "box_batch.hpp"
+#include "quant_tile.hpp"
 
 namespace reshard {
 
@@ -58,6 +63,10 @@ class DeviceCopyEngine {
   /// At setup: finishes `batch` and keeps its descriptors in device memory
   /// for every later enqueue(); returns its id. Empty batches are allowed.
   virtual std::size_t upload(cuda::BoxBatch& batch) = 0;
+  /// At setup: keeps the descriptors of tiles to quantize (quant_tile.hpp;
+  /// device addresses) with `scheme` in device memory; returns a batch id
+  /// of the same kind as upload()'s: enqueue() runs it (one launch).
+  virtual std::size_t upload(QuantScheme scheme, std::span<const cuda::QuantTile> tiles) = 0;
   /// Frees an uploaded batch (after the work that used it has finished).
   virtual void release(std::size_t id) noexcept = 0;
   /// Enqueues every copy of an uploaded batch on the copy stream (one

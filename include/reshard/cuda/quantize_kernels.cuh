@@ -36,23 +36,10 @@
 #include "../error.hpp"
 #include "../quantize.hpp"
 #include "descriptor_upload.hpp"
+#include "quant_tile.hpp"
 #include "runtime.hpp"
 
 namespace reshard::cuda {
-
-/// One tile: `rows` rows of `cols` contiguous elements (the tile's extent
-/// along the trailing dim), row r's source at src + r * src_stride elements
-/// and its FP8 codes at dst + r * dst_stride bytes. A block tile over one
-/// dim is one row; over two dims, rows along the second-last. (Tiles over
-/// three or more dims are not described by one stride: not supported.)
-struct QuantTile {
-  std::uint64_t src = 0;    ///< address of the tile's first source element
-  std::uint64_t dst = 0;    ///< address of its first FP8 code
-  std::uint64_t scale = 0;  ///< address of its scale entry (f32 for block, E8M0 byte for mx)
-  std::int64_t src_stride = 0, dst_stride = 0;  ///< between rows: source elements, FP8 bytes
-  std::int32_t rows = 0, cols = 0;
-  DType dtype = DType::bf16;  ///< source dtype: bf16, f16 or f32
-};
 
 namespace quant_detail {
 
@@ -178,15 +165,6 @@ inline void launch_quantize_tiles(QuantScheme scheme, const QuantTile* device_ti
     quantize_tiles_kernel<QuantScheme::mx><<<grid, block, 0, stream>>>(device_tiles, n);
   }
   check_cuda(cudaGetLastError(), "launching the quantize kernel");
-}
-
-/// Checks what the kernel cannot report: source dtypes, and non-negative extents.
-inline void check_quant_tiles(std::span<const QuantTile> tiles) {
-  for (const QuantTile& t : tiles) {
-    if (t.dtype != DType::bf16 && t.dtype != DType::f16 && t.dtype != DType::f32)
-      fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(t.dtype));
-    if (t.rows < 0 || t.cols < 0) fail("quantize: a tile of {} x {} elements", t.rows, t.cols);
-  }
 }
 
 /// Uploads tile descriptors and launches them on one stream (one launch per
