@@ -57,10 +57,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   LocalWorldOptions wopt;
   wopt.copy_threads = static_cast<int>(in.between(1, 2));
   wopt.task_bytes = static_cast<std::size_t>(in.pick(std::vector<std::int64_t>{std::int64_t{2} << 20, 64, 1000}));
+  // Last, so that earlier inputs keep their meaning: bucketing of in-place pieces.
+  opt.executor.max_direct_messages = in.pick(std::vector<std::int64_t>{0, 1, 3, 0});
   const std::string what = fmt::format(
-      "staging_budget {} zero_copy_min {} pipeline {} split_bytes {} coalesce {} per-rank plans {} copy_threads {} task_bytes {}\n{}",
-      opt.executor.staging_budget, opt.executor.zero_copy_min, opt.executor.pipeline, opt.plan.split_bytes, opt.plan.coalesce,
-      own_plans, wopt.copy_threads, wopt.task_bytes, pair->describe());
+      "staging_budget {} zero_copy_min {} max_direct_messages {} pipeline {} split_bytes {} coalesce {} per-rank plans {} copy_threads {} "
+      "task_bytes {}\n{}",
+      opt.executor.staging_budget, opt.executor.zero_copy_min, opt.executor.max_direct_messages, opt.executor.pipeline,
+      opt.plan.split_bytes, opt.plan.coalesce, own_plans, wopt.copy_threads, wopt.task_bytes, pair->describe());
 
   const auto ranks = refit_test::world_of(src, dst);
   const std::size_t n = ranks.size();

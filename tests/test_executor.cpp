@@ -131,6 +131,46 @@ TEST_CASE("many small tensors between one pair travel as one bucketed message") 
   CHECK(r.stats[0].bytes_sent == r.schedule.stats.bytes);
 }
 
+TEST_CASE("max_direct_messages: the largest in-place pieces keep their message, the rest join the bucket") {
+  // 120 contiguous tensors of 4..16 KiB and one of 256 KiB (zero-copy each
+  // at zero_copy_min 1 KiB).
+  std::vector<TensorSpec> ts;
+  std::vector<std::int64_t> sizes;
+  for (int i = 0; i < 120; ++i) {
+    const std::int64_t rows = 16 + (i * 37) % 49;
+    ts.push_back(tensor(fmt::format("w{}", i), {rows, 64}, {}));
+    sizes.push_back(rows * 64 * 4);
+  }
+  ts.push_back(tensor("o", {256, 512}, {}, DType::bf16));
+  const auto src = one_axis("tp", 1, 0, ts), dst = one_axis("tp", 1, 1, ts);
+  ExecutorOptions opt;
+  opt.zero_copy_min = 1024;
+  const auto all = run_direct(src, dst, opt);
+  CHECK(all.wrong == 0);
+  CHECK(all.stats[0].messages_sent == 121);  // every piece its own message
+  std::sort(sizes.rbegin(), sizes.rend());
+  const std::int64_t o_bytes = 256 * 512 * 2;  // 256 KiB: the largest piece
+  for (const std::int64_t budget : {std::int64_t{256} << 20, std::int64_t{64} << 10}) {
+    CAPTURE(budget);
+    opt.max_direct_messages = 8;
+    opt.staging_budget = budget;
+    const auto r = run_direct(src, dst, opt);
+    INFO(r.first_wrong);
+    CHECK(r.wrong == 0);
+    // Kept in place: o and the 7 largest w's; everything else is packed.
+    std::int64_t kept = 0;
+    for (int k = 0; k < 7; ++k) kept += sizes[static_cast<std::size_t>(k)];
+    CHECK(r.stats[0].zero_copy_bytes == kept + o_bytes);
+    CHECK(r.stats[0].packed_bytes == r.schedule.stats.bytes - kept - o_bytes);
+    // Per wave at most 8 direct messages plus the bucket.
+    CHECK(r.stats[0].messages_sent <= 8 + r.stats[0].waves);
+    CHECK(r.stats[1].messages_received == r.stats[0].messages_sent);
+    if (budget < (1 << 20)) CHECK(r.stats[0].waves > 1);
+  }
+  opt.max_direct_messages = -1;
+  CHECK(error_of([&] { run_direct(src, dst, opt); }).find("max_direct_messages is negative (-1)") != std::string::npos);
+}
+
 TEST_CASE("contiguous pieces go zero-copy, one-sided runs skip half the staging") {
   SUBCASE("contiguous on both sides: no staging at all") {
     auto src = one_axis("tp", 2, 0, {tensor("w", {1024, 64}, {cut(2), {}})});

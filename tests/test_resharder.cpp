@@ -150,9 +150,11 @@ TEST_CASE("random layout pairs refit element by element") {
     INFO(pair.describe());
     ResharderOptions opt;
     // Vary the executor: tiny budgets force many waves and split messages;
-    // zero_copy_min 0 sends every contiguous run in place.
+    // zero_copy_min 0 sends every contiguous run in place; now and then only
+    // one or three per pair, the rest bucketed (max_direct_messages).
     opt.executor.staging_budget = seed % 3 == 0 ? 2048 : seed % 3 == 1 ? 8192 : (64 << 20);
     opt.executor.zero_copy_min = seed % 2 ? 0 : 1024;
+    opt.executor.max_direct_messages = seed % 7 == 0 ? 1 : seed % 7 == 3 ? 3 : 0;
     opt.executor.pipeline = seed % 5 == 0 ? 1 : 2;
     opt.executor.timeout = std::chrono::seconds(60);
     auto o = run_refits(pair.src, pair.dst, opt);

@@ -264,6 +264,9 @@ int run_nccl(int& argc, char**& argv, const Layout& src, const Layout& dst, cons
     mo.baseline = baseline;
     mo.executor.staging_budget = budget;
     mo.executor.device = make_cuda_copy_engine();
+    // A wave is one NCCL group: at most 64 in-place sends per peer in it, the
+    // smaller pieces bucketed (ExecutorOptions::max_direct_messages).
+    mo.executor.max_direct_messages = 64;
     const auto far = [&] { return Clock::now() + mo.executor.timeout; };
     MethodFigures main, base;
     std::int64_t plan_bytes = 0;

@@ -78,6 +78,13 @@ struct ExecutorOptions {
   std::int64_t staging_budget = kDefaultStagingBudget;
   /// Contiguous pieces at least this big go without packing.
   std::int64_t zero_copy_min = kDefaultZeroCopyMin;
+  /// Per peer and direction, at most this many copies read or written in
+  /// place (each its own message): the largest keep it, the rest are packed
+  /// into the pair's bucket message of each wave, so a wave holds at most
+  /// this many messages per peer plus its bucket (NCCL runs a wave as one
+  /// group: tens of thousands of expert pieces would be that many sends).
+  /// 0: no limit. Both ends of a pair must agree (it shapes the messages).
+  std::int64_t max_direct_messages = 0;
   /// Waves in flight: 1 (no overlap across waves) or 2 (pack/unpack one wave while the other moves).
   int pipeline = kDefaultPipeline;
   /// A refit (and each collective step of setup) fails after this long.
@@ -773,6 +780,7 @@ std::string Executor<T>::bind_copies(const Schedule& schedule, std::string local
     if (opt_.pipeline < 1 || opt_.pipeline > 2) fail_here(fmt::format("executor pipeline must be 1 or 2, not {}", opt_.pipeline));
     if (opt_.staging_budget < 64) fail_here(fmt::format("staging budget of {} bytes is below the minimum of 64", opt_.staging_budget));
     if (opt_.zero_copy_min < 0) fail_here("zero_copy_min is negative");
+    if (opt_.max_direct_messages < 0) fail_here(fmt::format("max_direct_messages is negative ({})", opt_.max_direct_messages));
     if (world_index(me_) < 0) fail_here("the transport's world does not list this rank");
     if (opt_.checksum)
       for (const auto* v : {&src_, &dst_})
@@ -1099,6 +1107,18 @@ std::vector<std::pair<bool, bool>> Executor<T>::pair_modes(const Pair& p) const 
                             opt_.zero_copy_min);
     out[i].second = in_place(c.bytes(), dense_run(c.rank, c.extent.data(), c.dst_stride.data()) && !(p.send ? theirs[i] : mine[i]),
                              opt_.zero_copy_min);
+  }
+  // Bucketing: past max_direct_messages, the smaller in-place copies are
+  // packed (the largest keep their own message; ties by canonical order, so
+  // both ends choose alike).
+  const auto cap = static_cast<std::size_t>(opt_.max_direct_messages);
+  std::vector<std::size_t> direct;
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (out[i].first || out[i].second) direct.push_back(i);
+  if (cap > 0 && direct.size() > cap) {
+    std::stable_sort(direct.begin(), direct.end(),
+                     [&](std::size_t a, std::size_t b) { return copies_[p.copies[a].copy].bytes() > copies_[p.copies[b].copy].bytes(); });
+    for (std::size_t k = cap; k < direct.size(); ++k) out[direct[k]] = {false, false};
   }
   return out;
 }

@@ -4,7 +4,10 @@
 // (sim/simulate.hpp) use, so that the simulator counts the messages the executor
 // sends:
 //  * a copy that is one contiguous run on both sides and at least
-//    zero_copy_min bytes is its own message (zero-copy);
+//    zero_copy_min bytes is its own message (zero-copy); with the
+//    executor's max_direct_messages set, only the largest that many per
+//    pair (the rest are packed): not modelled here, the simulator counts
+//    the default (no bound);
 //  * the other copies are staged: a rank's staged bytes within its
 //    staging_budget all go in one wave; over it, each pair gets a share of
 //    budget / pipeline in proportion to its staged bytes (the smaller of its

@@ -93,7 +93,10 @@
 // wave w+1 is packed while wave w moves; the first wave's local copies run
 // between the posts and the first wait. The executor never calls test().
 // Every op is posted to a peer other than rank(): copies within a rank never
-// reach the transport.
+// reach the transport. A wave holds, per peer and direction, the pair's
+// bucket message and its in-place messages; ExecutorOptions::
+// max_direct_messages bounds the latter (0, the default: no bound), for a
+// transport whose batch cost grows with its op count.
 //
 // Batches and starting work
 // -------------------------
