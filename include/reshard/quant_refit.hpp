@@ -160,6 +160,56 @@ class QuantRefit {
   QuantRefit(const Layout& src, const Layout& dst, const Schedule& s, std::int64_t me, const std::vector<const BoundBuffer*>& srcb,
              const std::vector<const BoundBuffer*>& dstb, std::shared_ptr<DeviceCopyEngine> engine = nullptr)
       : src_(src), dst_(dst), me_(me), srcb_(srcb), dstb_(dstb), engine_(std::move(engine)) {
+    try {
+      prepare(s);
+    } catch (...) {
+      release_device();  // no destructor runs for a constructor that throws
+      throw;
+    }
+  }
+  ~QuantRefit() { release_device(); }
+  QuantRefit(const QuantRefit&) = delete;
+  QuantRefit& operator=(const QuantRefit&) = delete;
+
+  const Schedule& expanded() const { return expanded_; }
+  const std::vector<const BoundBuffer*>& src_buffers() const { return src_ptrs_; }
+  const std::vector<const BoundBuffer*>& dst_buffers() const { return dst_ptrs_; }
+
+  /// Before each run: quantize the tiles this rank sends quantized. Returns
+  /// the order the executor runs under (device: after these tiles, and it
+  /// returns without waiting; after_run() keeps the caller's `wait`).
+  StreamOrder before_run(const StreamOrder& order = {}) {
+    if (!engine_) {
+      replay(sender_jobs_);
+      return order;
+    }
+    engine_->stream_wait(order.sources_final);
+    for (std::size_t id : sender_batches_) engine_->enqueue(id);
+    StreamOrder o = order;
+    o.sources_final = engine_->record(exec_detail::kQuantSourcesSlot);
+    o.wait = false;
+    return o;
+  }
+  /// After each run: quantize the tiles that arrived in source dtype
+  /// (device: enqueued after the run's copies; st.done then marks them).
+  void after_run(ExecutorStats& st, const StreamOrder& order = {}) {
+    if (!engine_) {
+      replay(receiver_jobs_);
+      return;
+    }
+    for (std::size_t id : receiver_batches_) engine_->enqueue(id);
+    st.done = engine_->record(exec_detail::kQuantDoneSlot);
+    if (order.wait) engine_->synchronize();
+  }
+
+ private:
+  /// The constructor's work (it frees what a failure leaves).
+  void prepare(const Schedule& s) {
+    const Layout& src = src_;
+    const Layout& dst = dst_;
+    const std::int64_t me = me_;
+    const auto& srcb = srcb_;
+    const auto& dstb = dstb_;
     const auto S = s.src_buffers.size(), D = s.dst_buffers.size();
     expanded_.src_buffers = s.src_buffers;
     for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#fp8");
@@ -218,47 +268,16 @@ class QuantRefit {
       receiver_batches_ = upload(receiver_jobs_);
     }
   }
-  ~QuantRefit() {
+  void release_device() noexcept {
     if (!engine_) return;
     for (std::size_t id : sender_batches_) engine_->release(id);
     for (std::size_t id : receiver_batches_) engine_->release(id);
     for (std::byte* p : device_memory_) engine_->free_staging(p);
-  }
-  QuantRefit(const QuantRefit&) = delete;
-  QuantRefit& operator=(const QuantRefit&) = delete;
-
-  const Schedule& expanded() const { return expanded_; }
-  const std::vector<const BoundBuffer*>& src_buffers() const { return src_ptrs_; }
-  const std::vector<const BoundBuffer*>& dst_buffers() const { return dst_ptrs_; }
-
-  /// Before each run: quantize the tiles this rank sends quantized. Returns
-  /// the order the executor runs under (device: after these tiles, and it
-  /// returns without waiting; after_run() keeps the caller's `wait`).
-  StreamOrder before_run(const StreamOrder& order = {}) {
-    if (!engine_) {
-      replay(sender_jobs_);
-      return order;
-    }
-    engine_->stream_wait(order.sources_final);
-    for (std::size_t id : sender_batches_) engine_->enqueue(id);
-    StreamOrder o = order;
-    o.sources_final = engine_->record(exec_detail::kQuantSourcesSlot);
-    o.wait = false;
-    return o;
-  }
-  /// After each run: quantize the tiles that arrived in source dtype
-  /// (device: enqueued after the run's copies; st.done then marks them).
-  void after_run(ExecutorStats& st, const StreamOrder& order = {}) {
-    if (!engine_) {
-      replay(receiver_jobs_);
-      return;
-    }
-    for (std::size_t id : receiver_batches_) engine_->enqueue(id);
-    st.done = engine_->record(exec_detail::kQuantDoneSlot);
-    if (order.wait) engine_->synchronize();
+    sender_batches_.clear();
+    receiver_batches_.clear();
+    device_memory_.clear();
   }
 
- private:
   /// Tiles of one tensor to quantize, compiled once: rows as (element
   /// offset, count) pairs into `from` (source dtype) and `to` (FP8), the
   /// same offsets on both; per tile its last row and its scale's byte offset.
