@@ -5,7 +5,9 @@
 #                         (element sizes, ranks, shapes, misalignment, casts)
 #   2. gpu-bandwidth      pack/unpack bandwidth against cudaMemcpy D2D (ratio)
 #   3. test_cuda_refit    full refits with device memory through the local
-#                         transport (ranks as threads sharing the GPU)
+#                         transport (ranks as threads sharing the GPU): the
+#                         stream contract, and FP8 destinations quantized by
+#                         the CUDA kernels, bitwise against the reference
 #   4. test_cuda_nccl     NCCL on one rank (self send, errors, deadline)
 #   5. reshard-refit --transport nccl (where CLI11 and MPI are installed):
 #                         one rank, colocated (every copy by the kernels on the
