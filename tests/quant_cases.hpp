@@ -22,7 +22,6 @@ namespace quant_cases {
 using namespace reshard;
 using namespace refit_test;
 
-
 /// A finite source value of global index i of tensor `name` (all exponents
 /// from tiny to large, zeros now and then), as the bytes of dtype dt.
 inline void source_value(DType dt, const std::string& name, std::int64_t i, std::uint64_t salt, std::byte* out) {
