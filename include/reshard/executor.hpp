@@ -1112,10 +1112,11 @@ std::vector<std::pair<bool, bool>> Executor<T>::pair_modes(const Pair& p) const 
   // packed (the largest keep their own message; ties by canonical order, so
   // both ends choose alike).
   const auto cap = static_cast<std::size_t>(opt_.max_direct_messages);
+  if (cap == 0) return out;
   std::vector<std::size_t> direct;
   for (std::size_t i = 0; i < out.size(); ++i)
     if (out[i].first || out[i].second) direct.push_back(i);
-  if (cap > 0 && direct.size() > cap) {
+  if (direct.size() > cap) {
     std::stable_sort(direct.begin(), direct.end(),
                      [&](std::size_t a, std::size_t b) { return copies_[p.copies[a].copy].bytes() > copies_[p.copies[b].copy].bytes(); });
     for (std::size_t k = cap; k < direct.size(); ++k) out[direct[k]] = {false, false};
