@@ -205,11 +205,6 @@ class QuantRefit {
  private:
   /// The constructor's work (it frees what a failure leaves).
   void prepare(const Schedule& s) {
-    const Layout& src = src_;
-    const Layout& dst = dst_;
-    const std::int64_t me = me_;
-    const auto& srcb = srcb_;
-    const auto& dstb = dstb_;
     const auto S = s.src_buffers.size(), D = s.dst_buffers.size();
     expanded_.src_buffers = s.src_buffers;
     for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#fp8");
@@ -221,46 +216,46 @@ class QuantRefit {
     shadow_.resize(S);
     scale_shadow_.resize(S);
     staged_.resize(D);
-    src_ptrs_ = srcb;
+    src_ptrs_ = srcb_;
     src_ptrs_.resize(3 * S, nullptr);
-    dst_ptrs_ = dstb;
+    dst_ptrs_ = dstb_;
     dst_ptrs_.resize(2 * D, nullptr);
-    const auto spos = src.mesh.position_of(me), dpos = dst.mesh.position_of(me);
+    const auto spos = src_.mesh.position_of(me_), dpos = dst_.mesh.position_of(me_);
     expanded_.copies.reserve(s.copies.size());
     for (Copy c : s.copies) {
       const CopyQuant q = c.quant;
       c.quant = CopyQuant::none;
-      const int qt = q == CopyQuant::scale ? dst.tensors[static_cast<std::size_t>(c.tensor)].scale_of : c.tensor;
+      const int qt = q == CopyQuant::scale ? dst_.tensors[static_cast<std::size_t>(c.tensor)].scale_of : c.tensor;
       if (q == CopyQuant::sender || q == CopyQuant::scale) {
         const auto b = static_cast<std::size_t>(c.src_buffer);
         c.src_buffer = static_cast<std::int32_t>((q == CopyQuant::sender ? S : 2 * S) + b);
-        if (c.src_rank == me) {
-          need_bound(srcb, b, "source", s.src_buffers);
+        if (c.src_rank == me_) {
+          need_bound(srcb_, b, "source", s.src_buffers);
           add_tensor(sender_tensors_, qt);
-          const auto& qs = *dst.tensors[static_cast<std::size_t>(qt)].quant;
-          if (q == CopyQuant::sender) ensure(shadow_[b], src_ptrs_[S + b], *srcb[b], 1, s.src_buffers[b] + "#fp8");
-          else ensure(scale_shadow_[b], src_ptrs_[2 * S + b], *srcb[b], element_bytes(scale_dtype(qs.scheme)), s.src_buffers[b] + "#scale");
+          const auto& qs = *dst_.tensors[static_cast<std::size_t>(qt)].quant;
+          if (q == CopyQuant::sender) ensure(shadow_[b], src_ptrs_[S + b], *srcb_[b], 1, s.src_buffers[b] + "#fp8");
+          else ensure(scale_shadow_[b], src_ptrs_[2 * S + b], *srcb_[b], element_bytes(scale_dtype(qs.scheme)), s.src_buffers[b] + "#scale");
         }
       } else if (q == CopyQuant::receiver) {
         const auto b = static_cast<std::size_t>(c.dst_buffer);
         c.dst_buffer = static_cast<std::int32_t>(D + b);
-        if (c.dst_rank == me) {
-          need_bound(dstb, b, "destination", s.dst_buffers);
+        if (c.dst_rank == me_) {
+          need_bound(dstb_, b, "destination", s.dst_buffers);
           add_tensor(receiver_tensors_, qt);
-          const int st = src.find_tensor(dst.tensors[static_cast<std::size_t>(qt)].name);
-          ensure(staged_[b], dst_ptrs_[D + b], *dstb[b], element_bytes(src.tensors[static_cast<std::size_t>(st)].dtype),
+          const int st = src_.find_tensor(dst_.tensors[static_cast<std::size_t>(qt)].name);
+          ensure(staged_[b], dst_ptrs_[D + b], *dstb_[b], element_bytes(src_.tensors[static_cast<std::size_t>(st)].dtype),
                  s.dst_buffers[b] + "#staged");
           receiver_copies_.push_back(c);
         }
       }
       expanded_.copies.push_back(c);
     }
-    if (!sender_tensors_.empty() && !spos) fail("rank {} sends quantized tiles but is not in the source layout", me);
-    if (!receiver_tensors_.empty() && !dpos) fail("rank {} receives quantized tiles but is not in the destination layout", me);
+    if (!sender_tensors_.empty() && !spos) fail("rank {} sends quantized tiles but is not in the source layout", me_);
+    if (!receiver_tensors_.empty() && !dpos) fail("rank {} receives quantized tiles but is not in the destination layout", me_);
     spos_ = spos.value_or(-1);
     dpos_ = dpos.value_or(-1);
     // Scale buffers the receiver writes must be bound too.
-    for (int t : receiver_tensors_) need_bound(dstb, static_cast<std::size_t>(dst.buffer_of(dst.tensors[static_cast<std::size_t>(t)].quant->scale_tensor)), "destination", s.dst_buffers);
+    for (int t : receiver_tensors_) need_bound(dstb_, static_cast<std::size_t>(dst_.buffer_of(dst_.tensors[static_cast<std::size_t>(t)].quant->scale_tensor)), "destination", s.dst_buffers);
     compile_sender(s);
     compile_receiver();
     if (engine_) {
