@@ -50,6 +50,88 @@ TEST_CASE("e4m3: every code's value, its midpoints and random floats match the r
   }
 }
 
+namespace {
+/// One instruction-set variant of the host quantize kernel.
+using QuantizeKernel = void (*)(QuantScheme, const std::byte*, std::uint8_t*, const std::int64_t*, const TileEnd*, std::size_t, std::byte*);
+
+/// The kernel's variants this CPU runs (the dispatcher picks the widest).
+template <DType D>
+std::vector<std::pair<const char*, QuantizeKernel>> quantize_variants() {
+  std::vector<std::pair<const char*, QuantizeKernel>> v = {{"portable", &detail::quantize_tiles_as<D>}};
+#ifdef RESHARD_QUANTIZE_X86_DISPATCH
+  if (detail::cpu_has_avx2()) v.emplace_back("avx2", &detail::quantize_tiles_as_avx2<D>);
+  if (detail::cpu_has_avx512()) v.emplace_back("avx512", &detail::quantize_tiles_as_avx512<D>);
+#endif
+  return v;
+}
+
+/// A rows x cols tensor of dtype D (bf16 or f32) quantized whole by every
+/// variant, tile by tile in row-major tile order, against the reference:
+/// values of mixed magnitudes, some tiles all zero or all -0, some with a
+/// value past 448 after scaling (a subnormal amax).
+template <DType D>
+void check_kernel_variants(QuantScheme scheme, std::int64_t rows, std::int64_t cols, std::int64_t th, std::int64_t tw, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> x(static_cast<std::size_t>(rows * cols));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& v : x) v = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 24) - 12);
+  const std::int64_t trows = (rows + th - 1) / th, tcols = (cols + tw - 1) / tw;
+  for (std::int64_t t = 0; t < trows * tcols; t += 7)  // every 7th tile: zeros, -0s or tiny values
+    for (std::int64_t r = t / tcols * th; r < std::min(rows, (t / tcols + 1) * th); ++r)
+      for (std::int64_t c = t % tcols * tw; c < std::min(cols, (t % tcols + 1) * tw); ++c)
+        x[static_cast<std::size_t>(r * cols + c)] = t % 3 == 0 ? 0.0f : t % 3 == 1 ? -0.0f : std::ldexp(normal(rng), -140);
+  // The source bytes, and the values the reference sees (bf16: rounded down to it).
+  constexpr std::int64_t E = element_bytes(D);
+  std::vector<std::byte> src(x.size() * E);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    std::uint32_t u;
+    std::memcpy(&u, &x[i], 4);
+    if constexpr (D == DType::bf16) {
+      const auto b = static_cast<std::uint16_t>(u >> 16);
+      std::memcpy(&src[i * 2], &b, 2);
+      u = static_cast<std::uint32_t>(b) << 16;
+      std::memcpy(&x[i], &u, 4);
+    } else {
+      std::memcpy(&src[i * 4], &u, 4);
+    }
+  }
+  const bool mx = scheme == QuantScheme::mx;
+  const auto want = quant_ref::quantize(x, {rows, cols}, {th, tw}, mx);
+  const std::int64_t SE = mx ? 1 : 4;
+  std::vector<std::int64_t> row_list;
+  std::vector<TileEnd> tiles;
+  for (std::int64_t t = 0; t < trows * tcols; ++t) {
+    for (std::int64_t r = t / tcols * th; r < std::min(rows, (t / tcols + 1) * th); ++r) {
+      row_list.push_back(r * cols + t % tcols * tw);
+      row_list.push_back(std::min(tw, cols - t % tcols * tw));
+    }
+    tiles.emplace_back(row_list.size() / 2, t * SE);
+  }
+  for (const auto& [name, kernel] : quantize_variants<D>()) {
+    INFO("variant " << std::string(name) << ", dtype " << to_string(D) << ", " << std::string(mx ? "mx" : "block") << " " << th << "x" << tw << " tiles of a " << rows
+                    << "x" << cols << " tensor");
+    std::vector<std::uint8_t> codes(x.size(), 0xEE);
+    std::vector<std::byte> scales(want.scale_bytes.size(), std::byte{0xEE});
+    kernel(scheme, src.data(), codes.data(), row_list.data(), tiles.data(), tiles.size(), scales.data());
+    std::size_t wrong = 0, first = 0;
+    for (std::size_t i = 0; i < codes.size(); ++i)
+      if (codes[i] != want.codes[i] && wrong++ == 0) first = i;
+    INFO("first wrong code at element " << first);
+    CHECK(wrong == 0);
+    CHECK(std::memcmp(scales.data(), want.scale_bytes.data(), scales.size()) == 0);
+  }
+}
+}  // namespace
+
+TEST_CASE("the quantize kernel's instruction-set variants (portable, AVX2, AVX-512 where the CPU has them) match the reference") {
+  for (std::uint64_t seed : {1u, 2u}) {
+    check_kernel_variants<DType::bf16>(QuantScheme::block, 300, 200, 128, 128, seed);  // partial tiles on both dims
+    check_kernel_variants<DType::f32>(QuantScheme::block, 256, 256, 128, 128, seed);
+    check_kernel_variants<DType::bf16>(QuantScheme::mx, 96, 200, 1, 32, seed);  // 32-element tiles and a partial one per row
+    check_kernel_variants<DType::f32>(QuantScheme::mx, 40, 96, 1, 32, seed);
+  }
+}
+
 using namespace quant_cases;
 using reshard::test::DeviceStreamLocalTransport;
 using reshard::test::HostAsDevice;
