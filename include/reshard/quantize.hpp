@@ -175,46 +175,22 @@ inline float load_as(const std::byte* p, std::int64_t i) {
     return f;
   }
 }
-/// quantize_rows for one source dtype: the loops the executor replays
-/// (always inlined into the per-ISA entry points below).
-template <DType D>
-[[gnu::always_inline]] inline void quantize_rows_body(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+/// quantize_rows for one source dtype, every row `Fixed` elements long when
+/// Fixed > 0 (a constant trip count, which the compiler unrolls), else as
+/// `rows` says.
+template <DType D, std::int64_t Fixed>
+[[gnu::always_inline]] inline void quantize_rows_as(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
                              std::byte* scale) {
   constexpr std::int64_t E = element_bytes(D);
   // amax on the magnitude bits: for finite floats their order is the values'.
   // Signed lanes (a magnitude fits): SSE2 has a signed 16-bit max, no unsigned one.
   using Bits = std::conditional_t<E == 2, std::int16_t, std::int32_t>;
   constexpr Bits kMag = static_cast<Bits>(E == 2 ? 0x7FFF : 0x7FFFFFFF);
-  if (scheme == QuantScheme::mx && n == 1 && rows[1] == kMxTile) {
-    // The common MX tile, one row of 32: loops of a constant trip count,
-    // which the compiler unrolls into a few vector instructions (the
-    // general loops below pay their per-row overhead for 32 elements).
-    const std::byte* s = from + rows[0] * E;
-    std::uint8_t* d = to + rows[0];
-    Bits m = 0;
-    for (std::int64_t i = 0; i < kMxTile; ++i) {
-      Bits v;
-      std::memcpy(&v, s + i * E, E);
-      m = std::max<Bits>(m, v & kMag);
-    }
-    std::byte mb[4];
-    std::memcpy(mb, &m, sizeof(m));
-    const float amax = load_as<D>(mb, 0);
-    if (amax == 0.0f) {  // as below: +0 codes (also for -0 inputs), scale 0
-      std::memset(d, 0, kMxTile);
-      *scale = std::byte{0};
-      return;
-    }
-    const int e = mx_exponent(amax);
-    const float mul = exp2_int(-e);
-    for (std::int64_t i = 0; i < kMxTile; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
-    *scale = static_cast<std::byte>(e + 127);
-    return;
-  }
+  const auto count = [rows](std::size_t r) { return Fixed > 0 ? Fixed : rows[2 * r + 1]; };
   Bits m = 0;
   for (std::size_t r = 0; r < n; ++r) {
     const std::byte* s = from + rows[2 * r] * E;
-    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) {
+    for (std::int64_t i = 0, k = count(r); i < k; ++i) {
       Bits v;
       std::memcpy(&v, s + i * E, E);
       m = std::max<Bits>(m, v & kMag);
@@ -232,14 +208,14 @@ template <DType D>
     for (std::size_t r = 0; r < n; ++r) {
       const std::byte* s = from + rows[2 * r] * E;
       std::uint8_t* d = to + rows[2 * r];
-      for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
+      for (std::int64_t i = 0, k = count(r); i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
     }
     const float inv = amax / kE4M3Max;
     std::memcpy(scale, &inv, 4);
     return;
   }
   if (amax == 0.0f) {
-    for (std::size_t r = 0; r < n; ++r) std::memset(to + rows[2 * r], 0, static_cast<std::size_t>(rows[2 * r + 1]));
+    for (std::size_t r = 0; r < n; ++r) std::memset(to + rows[2 * r], 0, static_cast<std::size_t>(count(r)));
     *scale = std::byte{0};
     return;
   }
@@ -248,9 +224,20 @@ template <DType D>
   for (std::size_t r = 0; r < n; ++r) {
     const std::byte* s = from + rows[2 * r] * E;
     std::uint8_t* d = to + rows[2 * r];
-    for (std::int64_t i = 0, k = rows[2 * r + 1]; i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
+    for (std::int64_t i = 0, k = count(r); i < k; ++i) d[i] = e4m3_from_f32(load_as<D>(s, i) * mul);
   }
   *scale = static_cast<std::byte>(e + 127);
+}
+
+/// quantize_rows for one source dtype: the loops the executor replays
+/// (always inlined into the per-ISA entry points below).
+template <DType D>
+[[gnu::always_inline]] inline void quantize_rows_body(QuantScheme scheme, const std::byte* from, std::uint8_t* to, const std::int64_t* rows, std::size_t n,
+                                                      std::byte* scale) {
+  // The common MX tile, one row of 32, with constant trip counts: the
+  // general loops pay their per-row overhead for 32 elements.
+  if (scheme == QuantScheme::mx && n == 1 && rows[1] == kMxTile) return quantize_rows_as<D, kMxTile>(scheme, from, to, rows, n, scale);
+  quantize_rows_as<D, 0>(scheme, from, to, rows, n, scale);
 }
 
 /// Tiles one after another: tile k is rows [end of k-1, end of k) of
