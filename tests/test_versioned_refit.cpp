@@ -31,15 +31,18 @@ using R = Resharder<Layout, FT>;
 
 /// Ranks whose Resharders (and memory) outlive the worlds they refit over,
 /// so that a failed refit can be followed by setup() on a fresh transport.
+/// Each run destroys the previous world and its transports first: the
+/// Resharders' registrations on them must not be touched any more
+/// (RegisteredRegion over a transport with lifetime()).
 struct Job {
   std::vector<std::int64_t> ranks = refit_test::world_of(message_kinds_src(), message_kinds_dst());
   std::vector<SideMemory> src, dst, back;
   std::vector<std::unique_ptr<R>> rs;
-  // One world at a time; the previous one and its endpoints stay alive
-  // until the Resharders have moved off them.
-  std::vector<std::unique_ptr<LocalWorld>> worlds;
-  std::vector<std::vector<LocalTransport>> endpoints;
-  std::vector<std::vector<std::unique_ptr<FT>>> transports;
+  // One world at a time, destroyed before the next (transports before their world);
+  // the Resharders (rs, declared first) outlive the last one.
+  std::unique_ptr<LocalWorld> world;
+  std::vector<LocalTransport> endpoints;
+  std::vector<std::unique_ptr<FT>> transports;
   ResharderOptions opt;
 
   explicit Job(ResharderOptions o) : opt(std::move(o)) {
@@ -59,15 +62,15 @@ struct Job {
   }
   /// A fresh world (with `plan`) on which every rank sets up (again) and runs f.
   void run(FaultPlan& plan, const std::function<void(std::size_t, R&)>& f) {
-    worlds.push_back(std::make_unique<LocalWorld>(ranks));
-    LocalWorld& w = *worlds.back();
-    endpoints.emplace_back();
-    transports.emplace_back();
-    for (auto r : ranks) endpoints.back().push_back(w.endpoint(r));
-    for (auto& e : endpoints.back()) transports.back().push_back(std::make_unique<FT>(e, plan));
+    transports.clear();
+    endpoints.clear();
+    world = std::make_unique<LocalWorld>(ranks);
+    LocalWorld& w = *world;
+    for (auto r : ranks) endpoints.push_back(w.endpoint(r));
+    for (auto& e : endpoints) transports.push_back(std::make_unique<FT>(e, plan));
     w.run([&](LocalTransport& t) {
       const std::size_t i = refit_test::index_of(ranks, t.rank());
-      FT& ft = *transports.back()[i];
+      FT& ft = *transports[i];
       if (!rs[i])
         rs[i] = std::make_unique<R>(message_kinds_src(), message_kinds_dst(), buffers(i), ft, opt);
       else
@@ -75,7 +78,6 @@ struct Job {
       f(i, *rs[i]);
     });
   }
-  ~Job() { rs.clear(); }  // before the transports they last set up on
 };
 
 using test_util::error_of;
@@ -284,7 +286,7 @@ TEST_CASE("double-buffered: the two sets share the staging budget; misuse is nam
     r.refit();  // writes the back set
     r.refit();
     // Both sets' staging as the transport saw it registered, beyond the buffers.
-    const std::int64_t staged = refit_test::registered_outside(job.endpoints.back()[i], {&job.src[i], &job.dst[i], &job.back[i]});
+    const std::int64_t staged = refit_test::registered_outside(job.endpoints[i], {&job.src[i], &job.dst[i], &job.back[i]});
     std::lock_guard lk(m);
     CHECK(staged > 0);
     CHECK(staged <= 4096);

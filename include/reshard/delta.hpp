@@ -715,7 +715,7 @@ class DeltaExecutor {
   Executor<T> rest_;  ///< local copies and the pairs without a shadow, dense, every refit
   std::vector<Pair> pairs_;
   std::vector<std::byte> shadow_, send_stage_, recv_stage_;
-  RegionHandle send_region_, recv_region_;
+  RegisteredRegion<T> send_region_, recv_region_;
   std::vector<std::byte> chunk_;        ///< one packed chunk (sender) scratch
   std::vector<std::uint16_t> idx_;      ///< one chunk's changed positions
   std::vector<std::byte> vals_;         ///< one chunk's changed values
@@ -731,11 +731,8 @@ class DeltaExecutor {
 
 template <class T>
 void DeltaExecutor<T>::release() {
-  if (t_) {
-    if (send_region_.valid()) t_->deregister_memory(send_region_);
-    if (recv_region_.valid()) t_->deregister_memory(recv_region_);
-  }
-  send_region_ = recv_region_ = RegionHandle{};
+  send_region_.reset();
+  recv_region_.reset();
 }
 
 template <class T>
@@ -911,8 +908,8 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   chunk_.assign(static_cast<std::size_t>(most_chunk), std::byte{0});
   vals_.assign(static_cast<std::size_t>(most_chunk), std::byte{0});
   idx_.assign(static_cast<std::size_t>(delta::kChunk), 0);
-  if (send_bytes) send_region_ = transport.register_memory(send_stage_.data(), send_stage_.size(), MemoryKind::host);
-  if (recv_bytes) recv_region_ = transport.register_memory(recv_stage_.data(), recv_stage_.size(), MemoryKind::host);
+  if (send_bytes) send_region_ = RegisteredRegion<T>(transport, send_stage_.data(), send_stage_.size(), MemoryKind::host);
+  if (recv_bytes) recv_region_ = RegisteredRegion<T>(transport, recv_stage_.data(), recv_stage_.size(), MemoryKind::host);
   std::vector<TransferOp> ops;
   for (const Pair& p : pairs_)
     for (const auto& o : block_ops(p, p.capacity)) ops.push_back(o);
@@ -930,7 +927,7 @@ std::vector<TransferOp> DeltaExecutor<T>::block_ops(const Pair& p, std::int64_t 
     o.kind = p.send ? OpKind::send : OpKind::recv;
     o.peer = p.peer;
     o.tag = tag(b);
-    o.region = p.send ? send_region_ : recv_region_;
+    o.region = (p.send ? send_region_ : recv_region_).handle();
     o.offset = static_cast<std::uint64_t>(p.stage_offset + b * dopt_.block_bytes);
     o.bytes = static_cast<std::uint64_t>(std::min(dopt_.block_bytes, p.capacity - b * dopt_.block_bytes));
     ops.push_back(o);

@@ -644,7 +644,7 @@ class Executor {
     return p.send ? *src_[static_cast<std::size_t>(s.buffer)] : *dst_[static_cast<std::size_t>(s.buffer)];
   }
   RegionHandle side_region(const Pair& p, const SideCopy& s) const {
-    return p.send ? src_regions_[static_cast<std::size_t>(s.buffer)] : dst_regions_[static_cast<std::size_t>(s.buffer)];
+    return (p.send ? src_regions_[static_cast<std::size_t>(s.buffer)] : dst_regions_[static_cast<std::size_t>(s.buffer)]).handle();
   }
 
   T* t_ = nullptr;
@@ -652,7 +652,7 @@ class Executor {
   std::int64_t me_ = -1;
   std::vector<Copy> copies_;  ///< this rank's copies of the schedule
   std::vector<const BoundBuffer*> src_, dst_;
-  std::vector<RegionHandle> src_regions_, dst_regions_;
+  std::vector<RegisteredRegion<T>> src_regions_, dst_regions_;
   std::vector<Pair> pairs_;
   std::map<std::pair<std::int64_t, bool>, std::size_t> pair_index_;  ///< (peer, this rank sends) -> pairs_ index
   std::map<std::int64_t, std::ptrdiff_t> world_pos_;                 ///< rank -> position in world_ranks()
@@ -668,7 +668,7 @@ class Executor {
   bool copies_pending_ = false;          ///< device: copies enqueued since the host last waited
   std::array<DeviceEvent, 2> transfer_{};  ///< device stream: the transport's stream after wave w (w % 2)
   std::size_t staging_size_ = 0;
-  RegionHandle staging_region_;
+  RegisteredRegion<T> staging_region_;
   std::int64_t plan_sent_ = 0, plan_recv_ = 0, plan_local_ = 0;
   bool ready_ = false, broken_ = false;
   std::int64_t runs_ = 0, compiles_ = 0;
@@ -676,7 +676,7 @@ class Executor {
   std::vector<std::string> tensor_names_;
   std::unique_ptr<std::byte[]> integrity_;
   std::size_t integrity_size_ = 0;
-  RegionHandle integrity_region_;
+  RegisteredRegion<T> integrity_region_;
   mutable std::vector<std::uint32_t> crc_;  ///< per message, this run (sender)
   std::vector<char> arrived_;               ///< per message, this run (receiver): arrived and checked
   bool local_done_ = false;
@@ -688,12 +688,11 @@ class Executor {
 template <class T>
 void Executor<T>::release() {
   if (!t_) return;
-  for (auto& r : src_regions_)
-    if (r.valid()) t_->deregister_memory(r);
-  for (auto& r : dst_regions_)
-    if (r.valid()) t_->deregister_memory(r);
-  if (staging_region_.valid()) t_->deregister_memory(staging_region_);
-  if (integrity_region_.valid()) t_->deregister_memory(integrity_region_);
+  // Deregistered first: no peer may touch this memory once it is freed below.
+  src_regions_.clear();
+  dst_regions_.clear();
+  staging_region_.reset();
+  integrity_region_.reset();
   if (opt_.device && (device_staging_ || !uploads_.empty())) {
     try {
       opt_.device->synchronize();  // nothing enqueued may still read the descriptors or the staging
@@ -706,10 +705,6 @@ void Executor<T>::release() {
   local_batch_ = -1;
   if (device_staging_ && opt_.device) opt_.device->free_staging(device_staging_);
   device_staging_ = nullptr;
-  src_regions_.clear();
-  dst_regions_.clear();
-  staging_region_ = {};
-  integrity_region_ = {};
   ready_ = false;
 }
 
@@ -1067,16 +1062,16 @@ bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadli
 template <class T>
 void Executor<T>::compile_program(T& transport, bool reuse, Deadline deadline) {
   try {
-    src_regions_.assign(src_.size(), RegionHandle{});
-    dst_regions_.assign(dst_.size(), RegionHandle{});
-    for (std::size_t b = 0; b < src_.size(); ++b)
-      if (src_[b] && src_[b]->span_elements() > 0)
-        src_regions_[b] = transport.register_memory(src_[b]->data, static_cast<std::size_t>(src_[b]->span_elements() * src_[b]->element_bytes),
-                                                    src_[b]->memory);
-    for (std::size_t b = 0; b < dst_.size(); ++b)
-      if (dst_[b] && dst_[b]->span_elements() > 0)
-        dst_regions_[b] = transport.register_memory(dst_[b]->data, static_cast<std::size_t>(dst_[b]->span_elements() * dst_[b]->element_bytes),
-                                                    dst_[b]->memory);
+    auto register_buffers = [&](const std::vector<const BoundBuffer*>& bufs, std::vector<RegisteredRegion<T>>& regions) {
+      regions.clear();
+      regions.resize(bufs.size());
+      for (std::size_t b = 0; b < bufs.size(); ++b)
+        if (bufs[b] && bufs[b]->span_elements() > 0)
+          regions[b] = RegisteredRegion<T>(transport, bufs[b]->data,
+                                           static_cast<std::size_t>(bufs[b]->span_elements() * bufs[b]->element_bytes), bufs[b]->memory);
+    };
+    register_buffers(src_, src_regions_);
+    register_buffers(dst_, dst_regions_);
     compile_waves(reuse, reuse ? opt_.staging_budget / opt_.pipeline : 0);
     std::vector<TransferOp> all;
     for (const auto& wv : waves_) {
@@ -1226,10 +1221,10 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
   staging_size_ = static_cast<std::size_t>(total);
   if (staging_size_ > 0 && device_) {
     device_staging_ = opt_.device->allocate_staging(staging_size_);
-    staging_region_ = t_->register_memory(device_staging_, staging_size_, MemoryKind::device);
+    staging_region_ = RegisteredRegion<T>(*t_, device_staging_, staging_size_, MemoryKind::device);
   } else if (staging_size_ > 0) {
     staging_ = std::make_unique<std::byte[]>(staging_size_);  // value-initialized: pages touched now, not in a refit
-    staging_region_ = t_->register_memory(staging_.get(), staging_size_, MemoryKind::host);
+    staging_region_ = RegisteredRegion<T>(*t_, staging_.get(), staging_size_, MemoryKind::host);
   }
   // Op groups: per wave, per peer, in tag order.
   for (std::size_t k = 0; k < messages_.size(); ++k) {
@@ -1243,7 +1238,7 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
     op.tag = pm.tag;
     op.bytes = static_cast<std::uint64_t>(pm.bytes);
     if (m.staged) {
-      op.region = staging_region_;
+      op.region = staging_region_.handle();
       op.offset = m.staging_offset;
     } else {
       const SideCopy& s = p.copies[pm.segs[0].copy];
@@ -1291,7 +1286,7 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
   integrity_size_ = static_cast<std::size_t>(at);
   if (integrity_size_ == 0) return;
   integrity_ = std::make_unique<std::byte[]>(integrity_size_);
-  integrity_region_ = t_->register_memory(integrity_.get(), integrity_size_, MemoryKind::host);
+  integrity_region_ = RegisteredRegion<T>(*t_, integrity_.get(), integrity_size_, MemoryKind::host);
   for (std::size_t w = 0; w < waves_.size(); ++w) {
     Wave& wv = waves_[w];
     for (std::size_t ci = 0; ci < wv.controls.size(); ++ci) {
@@ -1301,7 +1296,7 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
       op.kind = p.send ? OpKind::send : OpKind::recv;
       op.peer = p.peer;
       op.tag = (static_cast<std::uint64_t>(opt_.channel) << 48) | kChecksumTagBit | static_cast<std::uint64_t>(w);
-      op.region = integrity_region_;
+      op.region = integrity_region_.handle();
       op.offset = c.offset;
       op.bytes = c.bytes;
       if (p.send) {

@@ -22,7 +22,18 @@
 //    it. Every byte the executor moves lies in a registered region: the
 //    weights themselves (zero-copy pieces) or the executor's staging. The
 //    executor registers in setup and deregisters when it is set up again or
-//    destroyed, never while one of its runs is in flight.
+//    destroyed, never while one of its runs is in flight. It holds each
+//    registration as a RegisteredRegion (below: RAII, move-only).
+//
+//  * lifetime (optional): `Lifetime lifetime() const` watches this endpoint
+//    object and whatever holds its registrations (a world, an inner
+//    transport); it expires once any of them is destroyed. Destroying an
+//    endpoint releases every registration it still holds. With it, a
+//    RegisteredRegion (so an executor or a Resharder) may outlive the
+//    transport it was registered on: it no longer calls it. Without it, the
+//    transport must outlive every registration made on it. Keep a
+//    LifetimeToken member and return Lifetime(token) (a decorator adds its
+//    inner's lifetime()).
 //
 //  * bootstrap: `all_gather(blob, deadline)` exchanges small blobs (message
 //    tables, budgets, remote keys, commit verdicts) among all world ranks and
@@ -271,6 +282,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -293,6 +305,112 @@ struct RegionHandle {
   std::uint32_t id = UINT32_MAX;
   bool valid() const { return id != UINT32_MAX; }
   friend bool operator==(const RegionHandle&, const RegionHandle&) = default;
+};
+
+/// What one transport object is alive for: the token expires when the
+/// object holding it is destroyed. A copy or a move is another object and
+/// gets its own token.
+class LifetimeToken {
+ public:
+  LifetimeToken() = default;
+  LifetimeToken(const LifetimeToken&) {}                             // a fresh token: not the source's
+  LifetimeToken& operator=(const LifetimeToken&) { return *this; }  // keeps this object's own
+  std::weak_ptr<const void> watch() const { return alive_; }
+
+ private:
+  std::shared_ptr<const char> alive_ = std::make_shared<const char>('\0');
+};
+
+/// The objects a registration needs alive to be deregistered: the endpoint
+/// it calls and what holds the registrations behind it. Expired once any is
+/// gone.
+class Lifetime {
+ public:
+  Lifetime() = default;
+  explicit Lifetime(const LifetimeToken& t) { add(t); }
+  Lifetime& add(const LifetimeToken& t) {
+    watched_.push_back(t.watch());
+    return *this;
+  }
+  Lifetime& add(const Lifetime& other) {
+    watched_.insert(watched_.end(), other.watched_.begin(), other.watched_.end());
+    return *this;
+  }
+  bool expired() const {
+    for (const auto& w : watched_)
+      if (w.expired()) return true;
+    return false;
+  }
+
+ private:
+  std::vector<std::weak_ptr<const void>> watched_;
+};
+
+/// A transport that says when it is gone (see "lifetime" above).
+template <class T>
+concept LifetimeTransport = requires(const T& t) {
+  { t.lifetime() } -> std::same_as<Lifetime>;
+};
+
+/// One registered range, owned: deregistered when reset, assigned over or
+/// destroyed (RAII, move-only). Over a LifetimeTransport it cannot outlive
+/// its transport: once the transport is gone (and with it every registration
+/// it held) it never calls it again. Over any other, the transport must
+/// outlive it.
+template <class T>
+class RegisteredRegion {
+ public:
+  RegisteredRegion() = default;
+  /// Registers [p, p + bytes) on t (throws what register_memory throws).
+  RegisteredRegion(T& t, void* p, std::size_t bytes, MemoryKind kind) {
+    if constexpr (LifetimeTransport<T>) life_ = t.lifetime();
+    h_ = t.register_memory(p, bytes, kind);
+    t_ = &t;
+  }
+  RegisteredRegion(RegisteredRegion&& o) noexcept
+      : t_(std::exchange(o.t_, nullptr)), h_(std::exchange(o.h_, RegionHandle{})), life_(std::move(o.life_)) {}
+  RegisteredRegion& operator=(RegisteredRegion&& o) noexcept {
+    if (this != &o) {
+      reset();
+      t_ = std::exchange(o.t_, nullptr);
+      h_ = std::exchange(o.h_, RegionHandle{});
+      life_ = std::move(o.life_);
+    }
+    return *this;
+  }
+  RegisteredRegion(const RegisteredRegion&) = delete;
+  RegisteredRegion& operator=(const RegisteredRegion&) = delete;
+  ~RegisteredRegion() { reset(); }
+
+  /// The handle ops name (invalid when empty).
+  RegionHandle handle() const { return h_; }
+  bool valid() const { return h_.valid(); }
+  /// Was the transport it was registered on destroyed? (Never true over a
+  /// transport without lifetime().)
+  bool transport_gone() const {
+    if constexpr (LifetimeTransport<T>)
+      return life_.expired();
+    else
+      return false;
+  }
+  /// Deregisters now (when the transport is still there) and empties.
+  void reset() noexcept {
+    if (t_ && h_.valid() && !transport_gone()) {
+      try {
+        t_->deregister_memory(h_);
+      } catch (...) {
+        // A transport that fails to deregister (an aborted one) leaves nothing to undo here.
+      }
+    }
+    t_ = nullptr;
+    h_ = RegionHandle{};
+    life_ = Lifetime{};
+  }
+
+ private:
+  T* t_ = nullptr;
+  RegionHandle h_;
+  Lifetime life_;
 };
 
 enum class OpKind : std::uint8_t { send, recv };
@@ -482,6 +600,12 @@ class ForwardingTransport {
   {
     return inner().device_stream();
   }
+  /// This decorator's lifetime, and its inner transport's where it has one.
+  Lifetime lifetime() const {
+    Lifetime l(token_);
+    if constexpr (LifetimeTransport<Inner>) l.add(inner().lifetime());
+    return l;
+  }
 
  protected:
   Inner& inner() {
@@ -499,6 +623,7 @@ class ForwardingTransport {
 
  private:
   Held held_;
+  LifetimeToken token_;
 };
 
 }  // namespace reshard

@@ -170,13 +170,16 @@ class FaultInjectingTransport {
     std::shared_ptr<State> s;
   };
 
-  FaultInjectingTransport(Inner& inner, FaultPlan& plan) : in_(&inner), plan_(&plan) {}
+  FaultInjectingTransport(Inner& inner, FaultPlan& plan) : in_(&inner), plan_(&plan) {
+    if constexpr (LifetimeTransport<Inner>) inner_life_ = inner.lifetime();
+  }
   FaultInjectingTransport(const FaultInjectingTransport&) = delete;
   FaultInjectingTransport& operator=(const FaultInjectingTransport&) = delete;
   ~FaultInjectingTransport() {
     // Flips still pending lie in regions still registered (deregistering a
     // region restores its own first), so this memory is alive.
     for (auto& f : pending_restore_) *f.at ^= std::byte{f.mask};
+    if (inner_life_.expired()) return;  // the inner transport is gone, and its registrations with it
     for (auto& s : copies_)
       if (s.region.valid()) in_->deregister_memory(s.region);
   }
@@ -190,6 +193,12 @@ class FaultInjectingTransport {
     const RegionHandle h = in_->register_memory(p, bytes, kind);
     regions_[h.id] = Region{static_cast<std::byte*>(p), bytes, kind};
     return h;
+  }
+  /// This decorator and its inner transport (where that one says).
+  Lifetime lifetime() const {
+    Lifetime l(token_);
+    l.add(inner_life_);
+    return l;
   }
   void deregister_memory(RegionHandle h) {
     // A sent-corruption whose send never completed (a failed refit) is undone
@@ -430,6 +439,8 @@ class FaultInjectingTransport {
   }
 
   Inner* in_;
+  LifetimeToken token_;
+  Lifetime inner_life_;  ///< the inner transport's (empty: it does not say)
   FaultPlan* plan_;
   std::map<std::uint32_t, Region> regions_;
   std::map<std::tuple<int, std::int64_t, std::uint64_t>, std::int64_t> posts_;

@@ -528,6 +528,7 @@ class LocalWorld {
   std::vector<std::uint64_t> gather_seen_;  ///< per rank: generation + 1 of its last arrival
   std::size_t gather_arrived_ = 0;
   std::uint64_t gather_gen_ = 0;
+  LifetimeToken token_;  ///< its endpoints' registrations live here
 };
 
 /// One rank's endpoint of a LocalWorld (a cheap handle; the world outlives it).
@@ -548,6 +549,8 @@ class LocalTransport {
     return w_->register_memory(me_, p, bytes);
   }
   void deregister_memory(RegionHandle h) { w_->deregister_memory(me_, h); }
+  /// This handle and its world: a registration outlives neither.
+  Lifetime lifetime() const { return Lifetime(token_).add(w_->token_); }
   /// The ranges this endpoint has registered and not deregistered (what a
   /// test measures staging by, apart from the executor's own figures).
   std::vector<std::span<const std::byte>> registered() const { return w_->registered(me_); }
@@ -615,6 +618,7 @@ class LocalTransport {
   }
   LocalWorld* w_;
   std::size_t me_;
+  LifetimeToken token_;
 };
 
 inline LocalTransport LocalWorld::endpoint(std::int64_t rank) { return LocalTransport(*this, rank); }

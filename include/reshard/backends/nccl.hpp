@@ -323,6 +323,8 @@ class NcclTransport {
     if (r.nccl_handle && comm_ && !broken_) (void)ncclCommDeregister(comm_, r.nccl_handle);
     r = Region{};
   }
+  /// Expires when this transport is destroyed (which deregisters what it registered).
+  Lifetime lifetime() const { return Lifetime(token_); }
 
   Blobs all_gather(std::span<const std::byte> blob, Deadline deadline) {
     if (aborted_ || broken_) {
@@ -550,6 +552,7 @@ class NcclTransport {
   const NcclTrafficStats& stats() const { return traffic_; }
 
  private:
+  LifetimeToken token_;
   struct Launch {
     cudaEvent_t event = nullptr;
     bool done = false;

@@ -187,6 +187,8 @@ class UcxTransport {
   bool moves_device_memory() const { return cuda::ucx_memory(ctx_).cuda; }
   RegionHandle register_memory(void* p, std::size_t bytes, MemoryKind kind);
   void deregister_memory(RegionHandle h);
+  /// Expires when this transport is destroyed (which unmaps what it mapped).
+  Lifetime lifetime() const { return Lifetime(token_); }
   Blobs all_gather(std::span<const std::byte> blob, Deadline deadline);
   /// Pairwise exchange (transport.hpp): active messages on the control
   /// endpoints, so only the listed peers are talked to.
@@ -218,6 +220,7 @@ class UcxTransport {
                                  UcxProtocol how = UcxProtocol::put);
 
  private:
+  LifetimeToken token_;
   struct Region {
     std::byte* ptr = nullptr;
     std::size_t bytes = 0;
