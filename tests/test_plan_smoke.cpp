@@ -1,9 +1,11 @@
 // Hand-checked plans: the copies a few small layout pairs must produce.
+#include <functional>
 #include <map>
 #include <random>
 
 #include <doctest/doctest.h>
 
+#include "error_of.hpp"
 #include "plan_test_util.hpp"
 #include "reshard/reshard.hpp"
 
@@ -124,4 +126,55 @@ TEST_CASE("FlatIndex keeps every key's value through growth, with keys alike in 
   for (std::uint64_t t = 0; t < 300; ++t) CHECK(index.slot(t << 32) == detail::FlatIndex::kNone);
   index.slot(7 << 3) = 5;
   CHECK(index.slot(7 << 3) == 5);
+}
+
+TEST_CASE("a layout written after validate() reads as not validated, and plan() refuses it naming the side") {
+  auto src = one_axis("tp", 2, 0, {8, 4}, {cut(2), {}});
+  auto dst = one_axis("tp", 4, 0, {8, 4}, {{}, cut(4)});
+  REQUIRE(src.validated());
+  const std::uint64_t before = src.description_hash();
+  // Each kind of field the caller writes: any one change makes the resolved state stale.
+  std::vector<std::function<void(Layout&)>> writes = {
+      [](Layout& L) { L.tensors[0].shape[0] = 16; },
+      [](Layout& L) { L.tensors[0].dims[0].axes[0].size = 1; },
+      [](Layout& L) { L.tensors[0].dtype = DType::f32; },
+      [](Layout& L) { L.tensors[0].name = "v"; },
+      [](Layout& L) { L.tensors[0].stage.push_back(StageCoord{0, 1}); },
+      [](Layout& L) { L.mesh.axes[0].size = 4; },
+      [](Layout& L) { L.mesh.first_rank = 2; },
+      [](Layout& L) { L.buffers.push_back(concat_buffer("wb", {"w"})); },
+      [](Layout& L) {
+        L.tensors[0].quant = QuantSpec{};
+      },
+  };
+  for (std::size_t k = 0; k < writes.size(); ++k) {
+    CAPTURE(k);
+    Layout changed = src;
+    CHECK(changed.validated());
+    writes[k](changed);
+    CHECK(changed.description_hash() != before);
+    CHECK_FALSE(changed.validated());
+    CHECK(changed.changed_since_validation());
+    const std::string e = test_util::error_of([&] { (void)plan(changed, dst); });
+    CHECK(e.find("the source layout") != std::string::npos);
+    CHECK(e.find("changed after validate()") != std::string::npos);
+  }
+  // Validating again makes it plannable (where the change is itself valid).
+  Layout grown = src;
+  grown.tensors[0].shape[0] = 16;
+  grown.validate();
+  CHECK(grown.validated());
+  auto grown_dst = one_axis("tp", 4, 0, {16, 4}, {{}, cut(4)});
+  CHECK(plan(grown, grown_dst).copies.size() > 0);
+  // Resolved fields and the origin are not the caller's description.
+  Layout renamed = src;
+  renamed.origin = "elsewhere.json";
+  CHECK(renamed.validated());
+  // A layout never validated is told apart from a changed one.
+  Layout fresh;
+  fresh.mesh.axes = {{"tp", 2}};
+  fresh.tensors.push_back(tensor_spec("w", {8, 4}, DType::bf16));
+  const std::string e = test_util::error_of([&] { (void)plan(src, fresh); });
+  CHECK(e.find("the destination layout") != std::string::npos);
+  CHECK(e.find("not validated") != std::string::npos);
 }

@@ -16,6 +16,7 @@
 #include "dim_spec.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
+#include "hash.hpp"
 #include "mesh.hpp"
 #include "quantize.hpp"
 
@@ -119,7 +120,16 @@ class Layout {
 
   /// Validates and resolves; throws LayoutError naming origin, tensor, field.
   inline void validate();
-  bool validated() const { return validated_; }
+  /// Validated, and not written since. The fields stay the caller's to
+  /// write, but what validate() resolved from them (cuts, buffers, indexes)
+  /// is then stale: every consumer asks this, and a layout changed after
+  /// validate() reads as not validated until validate() runs again.
+  bool validated() const { return validated_ && description_hash() == validated_hash_; }
+  /// validate() ran, and a field was written since (what plan() reports).
+  bool changed_since_validation() const { return validated_ && description_hash() != validated_hash_; }
+  /// A digest of everything the caller writes (mesh, tensors, buffers; not
+  /// what validate() resolves, not the origin).
+  inline std::uint64_t description_hash() const;
 
   int find_tensor(std::string_view name) const {
     auto it = tensor_index_.find(std::string(name));
@@ -170,6 +180,7 @@ class Layout {
     return ErrorContext{origin, tensor, field};
   }
   bool validated_ = false;
+  std::uint64_t validated_hash_ = 0;  ///< description_hash() when validate() succeeded
   std::unordered_map<std::string, int> tensor_index_, buffer_index_;
   std::vector<LocalBuffer> local_buffers_;
   std::vector<int> tensor_buffer_;
@@ -473,7 +484,49 @@ inline void Layout::validate() {
     if (tensors[t].buffer < 0)
       add(LocalBuffer{tensors[t].name, -1, {static_cast<int>(t)}, tensors[t].dtype},
           ErrorContext{origin, tensors[t].name, "name"});
+  validated_hash_ = description_hash();
   validated_ = true;
+}
+
+inline std::uint64_t Layout::description_hash() const {
+  Digest d;
+  auto u = [](auto v) { return static_cast<std::uint64_t>(v); };
+  auto ints = [&](const auto& v) {
+    d.add(u(v.size()));
+    for (auto x : v) d.add(u(x));
+  };
+  auto dim = [&](const DimSpec& s) {
+    d.add(u(s.axes.size()));
+    for (const AxisRef& r : s.axes) d.add(u(r.axis)).add(u(r.stride)).add(u(r.size));
+    d.add(u(s.split)).add(u(s.block)).add(u(s.pad_to));
+    ints(s.sizes);
+  };
+  d.add(u(mesh.axes.size()));
+  for (const Axis& a : mesh.axes) d.add(a.name).add(u(a.size));
+  d.add(u(mesh.first_rank));
+  ints(mesh.ranks);
+  d.add(u(tensors.size()));
+  for (const TensorSpec& t : tensors) {
+    d.add(t.name);
+    ints(t.shape);
+    d.add(u(t.dtype)).add(u(t.dims.size()));
+    for (const DimSpec& s : t.dims) dim(s);
+    d.add(u(t.stage.size()));
+    for (const StageCoord& c : t.stage) d.add(u(c.axis)).add(u(c.coord));
+    d.add(u(t.quant.has_value()));
+    if (t.quant) {
+      d.add(u(t.quant->scheme)).add(t.quant->scale);
+      ints(t.quant->block);
+    }
+  }
+  d.add(u(buffers.size()));
+  for (const BufferSpec& b : buffers) {
+    d.add(b.name).add(u(b.parts.size()));
+    for (const auto& part : b.parts) d.add(part);
+    d.add(u(b.kind)).add(u(b.dim)).add(u(b.interleave));
+    dim(b.flat);
+  }
+  return d.value();
 }
 
 /// Anything that is, converts to, or lowers (`.lower()` / `.to_runtime()`)

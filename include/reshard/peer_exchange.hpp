@@ -25,16 +25,10 @@
 #include <fmt/format.h>
 
 #include "blob.hpp"
+#include "hash.hpp"
 #include "transport.hpp"
 
 namespace reshard {
-
-/// A 64-bit mixing step (setup digests and pair balances).
-inline std::uint64_t hash_mix(std::uint64_t h, std::uint64_t v) {
-  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
-  h *= 0xBF58476D1CE4E5B9ull;
-  return h ^ (h >> 31);
-}
 
 /// What one rank holds of the pairs it is in, as a sum that cancels over the
 /// job: the sending end adds the hash of (sender, receiver, what), the

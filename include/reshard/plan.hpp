@@ -194,7 +194,13 @@ struct PartHolderMemo {
 class Planner {
  public:
   Planner(const Layout& src, const Layout& dst, PlanOptions opt = {}) : src_(src), dst_(dst), opt_(opt) {
-    if (!src.validated() || !dst.validated()) fail("plan: both layouts must be validated first");
+    for (const Layout* L : {&src, &dst}) {
+      const char* side = L == &src ? "source" : "destination";
+      if (L->validated()) continue;  // one digest of the description per layout
+      if (L->changed_since_validation())
+        fail("plan: the {} layout ({}) was changed after validate(): validate it again", side, L->origin);
+      fail("plan: the {} layout ({}) is not validated: call validate() first", side, L->origin);
+    }
     src_of_dst_ = match_tensors(src, dst);
     for (auto r : dst.mesh.global_ranks()) sides_meet_ = sides_meet_ || src.mesh.position_of(r).has_value();
   }
