@@ -138,7 +138,7 @@ TEST_CASE("a layout written after validate() reads as not validated, and plan() 
       [](Layout& L) { L.tensors[0].shape[0] = 16; },
       [](Layout& L) { L.tensors[0].dims[0].axes[0].size = 1; },
       [](Layout& L) { L.tensors[0].dtype = DType::f32; },
-      [](Layout& L) { L.tensors[0].name = "v"; },
+      [](Layout& L) { L.tensors[0].name.push_back('2'); },
       [](Layout& L) { L.tensors[0].stage.push_back(StageCoord{0, 1}); },
       [](Layout& L) { L.mesh.axes[0].size = 4; },
       [](Layout& L) { L.mesh.first_rank = 2; },

@@ -136,6 +136,18 @@ TEST_CASE("a local endpoint's lifetime ends with the endpoint object or with its
   on_e.reset();
   CHECK(e->registered().size() == 1);
 
+  // An endpoint object assigned over stands for another endpoint now: what
+  // was registered through it before is not deregistered through it.
+  auto other_world = std::make_unique<LocalWorld>(std::vector<std::int64_t>{0});
+  RegisteredRegion<LocalTransport> before(*e, memory, 8, MemoryKind::host);
+  const std::size_t held = e->registered().size();
+  *e = other_world->endpoint(0);
+  CHECK(before.transport_gone());
+  before.reset();
+  CHECK(e->registered().empty());  // the other world's registrations: untouched
+  *e = world->endpoint(0);
+  CHECK(e->registered().size() == held);  // still held by the first world, released with it
+
   RegisteredRegion<LocalTransport> r(*e, memory, 8, MemoryKind::host);
   world.reset();  // the endpoint object lives on, its world does not
   CHECK(r.transport_gone());

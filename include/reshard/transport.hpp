@@ -308,13 +308,16 @@ struct RegionHandle {
 };
 
 /// What one transport object is alive for: the token expires when the
-/// object holding it is destroyed. A copy or a move is another object and
-/// gets its own token.
+/// object holding it is destroyed, or assigned over (it may then stand for
+/// another endpoint). A copy or a move is another object and gets its own.
 class LifetimeToken {
  public:
   LifetimeToken() = default;
-  LifetimeToken(const LifetimeToken&) {}                             // a fresh token: not the source's
-  LifetimeToken& operator=(const LifetimeToken&) { return *this; }  // keeps this object's own
+  LifetimeToken(const LifetimeToken&) {}  // a fresh token: not the source's
+  LifetimeToken& operator=(const LifetimeToken&) {
+    alive_ = std::make_shared<const char>('\0');  // what was registered through the old identity is not ours to call
+    return *this;
+  }
   std::weak_ptr<const void> watch() const { return alive_; }
 
  private:

@@ -29,6 +29,7 @@
 
 #include "../error.hpp"
 #include "../hd.hpp"
+#include "../schedule.hpp"
 
 #if defined(__CUDA_ARCH__)
 #define RESHARD_UNROLL _Pragma("unroll")
@@ -304,32 +305,13 @@ inline std::int64_t box_size(const BoxCopy& b) {
   return n;
 }
 
-/// Merges dims that are one run on both sides and drops dims of extent 1;
-/// the row-major element order (and so first / count) is unchanged.
+/// Merges dims that are one run on both sides and drops dims of extent 1
+/// (schedule.hpp's collapse_dims, the one routine for it); the row-major
+/// element order (and so first / count) is unchanged. Dims past the new rank
+/// are zeroed, so that uploaded descriptors hold no stale dims.
 inline void collapse(BoxCopy& b) {
-  BoxCopy o = b;
-  int r = 0;
-  for (int k = 0; k < b.rank; ++k) {
-    if (b.extent[k] == 1) continue;
-    if (r > 0 && o.src_stride[r - 1] == b.src_stride[k] * b.extent[k] && o.dst_stride[r - 1] == b.dst_stride[k] * b.extent[k]) {
-      o.extent[r - 1] *= b.extent[k];
-      o.src_stride[r - 1] = b.src_stride[k];
-      o.dst_stride[r - 1] = b.dst_stride[k];
-      continue;
-    }
-    o.extent[r] = b.extent[k];
-    o.src_stride[r] = b.src_stride[k];
-    o.dst_stride[r] = b.dst_stride[k];
-    ++r;
-  }
-  if (r == 0) {
-    o.extent[0] = 1;
-    o.src_stride[0] = o.dst_stride[0] = 1;
-    r = 1;
-  }
-  for (int k = r; k < kBoxCopyMaxRank; ++k) o.extent[k] = o.src_stride[k] = o.dst_stride[k] = 0;
-  o.rank = r;
-  b = o;
+  b.rank = collapse_dims(b.rank, b.extent, b.src_stride, b.dst_stride);
+  for (int k = b.rank; k < kBoxCopyMaxRank; ++k) b.extent[k] = b.src_stride[k] = b.dst_stride[k] = 0;
 }
 
 /// Re-expresses E-byte elements as E/g elements of g bytes each (g | E).
