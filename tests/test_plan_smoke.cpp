@@ -141,11 +141,14 @@ TEST_CASE("a layout written after validate() reads as not validated, and plan() 
       [](Layout& L) { L.tensors[0].name.push_back('2'); },
       [](Layout& L) { L.tensors[0].stage.push_back(StageCoord{0, 1}); },
       [](Layout& L) { L.mesh.axes[0].size = 4; },
+      [](Layout& L) { L.tensors[0].dims[0].split = Split::cyclic; },
+      [](Layout& L) { L.tensors[0].dims[0].block = 2; },
+      [](Layout& L) { L.tensors[0].dims[0].pad_to = 10; },
+      [](Layout& L) { L.tensors[0].dims[0].sizes = {3, 5}; },
       [](Layout& L) { L.mesh.first_rank = 2; },
+      [](Layout& L) { L.mesh.ranks = {5, 7}; },
       [](Layout& L) { L.buffers.push_back(concat_buffer("wb", {"w"})); },
-      [](Layout& L) {
-        L.tensors[0].quant = QuantSpec{};
-      },
+      [](Layout& L) { L.tensors[0].quant = QuantSpec{}; },
   };
   for (std::size_t k = 0; k < writes.size(); ++k) {
     CAPTURE(k);
@@ -158,6 +161,28 @@ TEST_CASE("a layout written after validate() reads as not validated, and plan() 
     const std::string e = test_util::error_of([&] { (void)plan(changed, dst); });
     CHECK(e.find("the source layout") != std::string::npos);
     CHECK(e.find("changed after validate()") != std::string::npos);
+  }
+  // The fields of a buffer and of a quantized tensor, on a layout that has them.
+  Layout with_buffer = src;
+  with_buffer.buffers.push_back(concat_buffer("wb", {"w"}));
+  with_buffer.tensors[0].quant = QuantSpec{QuantScheme::block, {2, 2}, "w_scale"};
+  const std::uint64_t base = with_buffer.description_hash();
+  std::vector<std::function<void(Layout&)>> deeper = {
+      [](Layout& L) { L.buffers[0].name.push_back('2'); },
+      [](Layout& L) { L.buffers[0].parts.push_back("w"); },
+      [](Layout& L) { L.buffers[0].interleave = 2; },
+      [](Layout& L) { L.buffers[0].dim = 1; },
+      [](Layout& L) { L.buffers[0].kind = BufferKind::flat; },
+      [](Layout& L) { L.buffers[0].flat = cut(2); },
+      [](Layout& L) { L.tensors[0].quant->block = {4, 4}; },
+      [](Layout& L) { L.tensors[0].quant->scale.push_back('2'); },
+      [](Layout& L) { L.tensors[0].quant->scheme = QuantScheme::mx; },
+  };
+  for (std::size_t k = 0; k < deeper.size(); ++k) {
+    CAPTURE(k);
+    Layout changed = with_buffer;
+    deeper[k](changed);
+    CHECK(changed.description_hash() != base);
   }
   // Validating again makes it plannable (where the change is itself valid).
   Layout grown = src;
