@@ -388,8 +388,8 @@ class RegisteredRegion {
   /// The handle ops name (invalid when empty).
   RegionHandle handle() const { return h_; }
   bool valid() const { return h_.valid(); }
-  /// Was the transport it was registered on destroyed? (Never true over a
-  /// transport without lifetime().)
+  /// Is the transport it was registered on gone (destroyed, or an endpoint
+  /// object assigned over)? Never true over a transport without lifetime().
   bool transport_gone() const {
     if constexpr (LifetimeTransport<T>)
       return life_.expired();
