@@ -215,9 +215,11 @@ class Planner {
       const std::int64_t P = dst_.mesh.size();
       int T = opt_.threads > 0 ? opt_.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
       T = static_cast<int>(std::min<std::int64_t>(T, std::max<std::int64_t>(P, 1)));
-      // Range k of T: [P*k/T, P*(k+1)/T). Range 0 runs here, straight into the
-      // output; the others in their own Planners (their caches are not shared).
-      std::vector<std::vector<Copy>> parts(static_cast<std::size_t>(T > 1 ? T - 1 : 0));
+      // Range k of T: [P*k/T, P*(k+1)/T). Range 0 runs here, the others in
+      // their own Planners (their caches are not shared). Each range's copies
+      // come in chunks, moved into the plan one at a time and freed, so the
+      // peak is the plan and one chunk, not the plan twice.
+      std::vector<CopyChunks> parts(static_cast<std::size_t>(T));
       std::vector<std::exception_ptr> errors(parts.size());
       std::vector<std::thread> workers;
       for (int k = 1; k < T; ++k)
@@ -225,28 +227,29 @@ class Planner {
           try {
             PlanOptions o = opt_;
             o.threads = 1;
-            Planner(src_, dst_, o).plan_range(P * k / T, P * (k + 1) / T, parts[static_cast<std::size_t>(k - 1)]);
+            Planner(src_, dst_, o).plan_range(P * k / T, P * (k + 1) / T, parts[static_cast<std::size_t>(k)]);
           } catch (...) {
-            errors[static_cast<std::size_t>(k - 1)] = std::current_exception();
+            errors[static_cast<std::size_t>(k)] = std::current_exception();
           }
         });
-      std::exception_ptr mine;
       try {
-        plan_range(0, P / T, s.copies);
+        plan_range(0, P / T, parts[0]);
       } catch (...) {
-        mine = std::current_exception();
+        errors[0] = std::current_exception();
       }
       for (auto& w : workers) w.join();
-      if (mine) std::rethrow_exception(mine);
       for (auto& e : errors)
         if (e) std::rethrow_exception(e);
-      std::size_t total = s.copies.size();
-      for (const auto& v : parts) total += v.size();
+      std::size_t total = 0;
+      for (const auto& part : parts)
+        for (const auto& chunk : part) total += chunk.size();
       s.copies.reserve(total);
-      for (auto& v : parts) {
-        s.copies.insert(s.copies.end(), v.begin(), v.end());
-        std::vector<Copy>().swap(v);
-      }
+      for (auto& part : parts)
+        for (auto& chunk : part) {
+          detail::prefault(s.copies, chunk.size());
+          s.copies.insert(s.copies.end(), chunk.begin(), chunk.end());
+          std::vector<Copy>().swap(chunk);
+        }
       bool ordered = true;
       for (std::int64_t p = 1; p < P && ordered; ++p)
         ordered = dst_.mesh.global_rank(p) >= dst_.mesh.global_rank(p - 1);
@@ -286,20 +289,32 @@ class Planner {
   }
 
  private:
+  /// A range's copies in order, in chunks that never reallocate: at least
+  /// 64 MiB each, so the allocator maps and unmaps each one by itself (glibc
+  /// serves blocks over 32 MiB from their own mapping) and freeing a chunk
+  /// gives its memory back at once.
+  using CopyChunks = std::vector<std::vector<Copy>>;
+  static constexpr std::size_t kChunkCopies = (std::size_t{64} << 20) / sizeof(Copy);
+
   /// Every copy into destination positions [p0, p1), appended to out in
   /// destination order. One destination at a time: its copies are sorted and
   /// coalesced in a small batch (no copy ever merges across destination
   /// ranks), so the big output is written once, in order.
-  void plan_range(std::int64_t p0, std::int64_t p1, std::vector<Copy>& out) {
+  void plan_range(std::int64_t p0, std::int64_t p1, CopyChunks& out) {
     std::vector<Copy> batch;
     for (std::int64_t p = p0; p < p1; ++p) {
       batch.clear();
       detail::CopySink into{&batch, nullptr};
       for (int t = 0; t < static_cast<int>(dst_.tensors.size()); ++t) plan_dst_tensor(p, t, -1, into);
-      if (out.capacity() == 0 && !batch.empty())
-        out.reserve(batch.size() * static_cast<std::size_t>(p1 - p0) * 5 / 4 + 16);
-      detail::prefault(out, batch.size());
-      finish(batch, out);
+      if (batch.empty()) continue;
+      // finish() writes at most batch.size() copies: a chunk with that room
+      // never grows (growing would hold it twice).
+      if (out.empty() || out.back().capacity() - out.back().size() < batch.size()) {
+        out.emplace_back();
+        out.back().reserve(std::max(kChunkCopies, batch.size()));
+      }
+      detail::prefault(out.back(), batch.size());
+      finish(batch, out.back());
     }
   }
 
