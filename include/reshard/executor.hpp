@@ -266,7 +266,8 @@ struct ViewMap {
   }
 };
 
-/// A box on one or two sides, in dense buffer coordinates.
+/// A box on one or two sides: one extent per dim, an offset and strides per
+/// side (in dense buffer coordinates, or in view coordinates as a Part).
 struct MultiBox {
   int rank = 0, sides = 1;
   std::array<std::int64_t, kMaxBoxRank> extent{};
@@ -274,15 +275,11 @@ struct MultiBox {
   std::array<std::array<std::int64_t, kMaxBoxRank>, 2> stride{};
 };
 
-/// A part of a copy in view coordinates: elements [first, first + count) of
-/// the copy's row-major order.
-struct Part {
+/// A part of a copy: the same box in view coordinates, holding elements
+/// [first, first + count) of the copy's row-major order.
+struct Part : MultiBox {
   std::int64_t first = 0, count = 0;
-  int rank = 0;
   bool stacked = false;  ///< dim 0 was added by stacking equal parts
-  std::array<std::int64_t, kMaxBoxRank> extent{};
-  std::array<std::int64_t, 2> offset{};
-  std::array<std::array<std::int64_t, kMaxBoxRank>, 2> stride{};
 };
 
 inline bool same_shape(const Part& a, int afrom, const Part& b, int sides) {
@@ -297,7 +294,8 @@ inline bool same_shape(const Part& a, int afrom, const Part& b, int sides) {
 }
 
 /// Appends p, merging it into the previous part when the two form one box.
-inline void emit_part(std::vector<Part>& out, const Part& p, int sides) {
+inline void emit_part(std::vector<Part>& out, const Part& p) {
+  const int sides = p.sides;
   if (!out.empty()) {
     Part& L = out.back();
     if (L.first + L.count == p.first) {
@@ -350,6 +348,7 @@ inline bool to_part(const MultiBox& b, const ViewMap* const* maps, std::int64_t 
   p = Part{};
   p.first = first;
   p.rank = b.rank;
+  p.sides = b.sides;
   p.count = 1;
   for (int k = 0; k < b.rank; ++k) {
     p.extent[static_cast<std::size_t>(k)] = b.extent[static_cast<std::size_t>(k)];
@@ -367,7 +366,7 @@ inline bool to_part(const MultiBox& b, const ViewMap* const* maps, std::int64_t 
 inline void split_box(const MultiBox& b, const ViewMap* const* maps, std::int64_t first, std::vector<Part>& out) {
   Part p;
   if (to_part(b, maps, first, p)) {
-    emit_part(out, p, b.sides);
+    emit_part(out, p);
     return;
   }
   if (b.rank == 1) {
@@ -386,7 +385,7 @@ inline void split_box(const MultiBox& b, const ViewMap* const* maps, std::int64_
         sub.extent[0] = m = 1;
         to_part(sub, maps, first + i, p);
       }
-      emit_part(out, p, b.sides);
+      emit_part(out, p);
       i += m;
     }
     return;
