@@ -228,19 +228,27 @@ inline bool merge_into(Copy& a, const Copy& b) {
 }
 }  // namespace detail
 
+namespace detail {
+/// Appends c to out, then merges the last box into the one before it while
+/// both have one route and form one box (merge_into): a merged box is tried
+/// again against the one before it, so runs that grow into equal boxes stack
+/// up. Boxes before out[start] are left alone.
+inline void push_coalesced(std::vector<Copy>& out, std::size_t start, const Copy& c) {
+  out.push_back(c);
+  while (out.size() - start >= 2 && same_route(out[out.size() - 2], out.back()) && merge_into(out[out.size() - 2], out.back()))
+    out.pop_back();
+}
+}  // namespace detail
+
 /// Merges copies of one route into as few boxes as a greedy sweep finds
-/// (see detail::merge_into); a merged box is tried again against the one
-/// before it, so runs that grow into equal boxes stack up. Copies must be
-/// grouped by route and sorted by destination offset; order is kept.
+/// (see detail::push_coalesced). Copies must be grouped by route and sorted
+/// by destination offset; order is kept.
 inline void coalesce(std::vector<Copy>& copies) {
   std::vector<Copy> out;
   out.reserve(copies.size());
   for (auto& c : copies) {
     collapse(c);
-    out.push_back(c);
-    while (out.size() >= 2 && detail::same_route(out[out.size() - 2], out.back()) &&
-           detail::merge_into(out[out.size() - 2], out.back()))
-      out.pop_back();
+    detail::push_coalesced(out, 0, c);
   }
   copies.swap(out);
 }
