@@ -226,9 +226,7 @@ inline bool merge_into(Copy& a, const Copy& b) {
   collapse(a);
   return true;
 }
-}  // namespace detail
 
-namespace detail {
 /// Appends c to out, then merges the last box into the one before it while
 /// both have one route and form one box (merge_into): a merged box is tried
 /// again against the one before it, so runs that grow into equal boxes stack
