@@ -46,8 +46,8 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> first(static_cast<std::size_t>(n / delta::kChunk) + 1);
   delta::StreamSegment seg;
   seg.base = reinterpret_cast<std::byte*>(dst.data());
-  seg.extent[0] = n;
-  seg.stride[0] = 1;
+  const std::int64_t one = 1, none = 0;
+  seg.assign(1, &n, &one, &none);
   seg.count = n;
   seg.contiguous = true;
   const std::vector<delta::StreamSegment> segs{seg};

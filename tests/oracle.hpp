@@ -342,9 +342,12 @@ inline std::string describe_slot(const Layout& L, const Slot& s) {
 }
 
 inline std::string describe_copy(const reshard::Copy& c) {
-  std::vector<std::int64_t> e(c.extent.begin(), c.extent.begin() + std::max(c.rank, 0));
-  std::vector<std::int64_t> ss(c.src_stride.begin(), c.src_stride.begin() + std::max(c.rank, 0));
-  std::vector<std::int64_t> ds(c.dst_stride.begin(), c.dst_stride.begin() + std::max(c.rank, 0));
+  std::vector<std::int64_t> e, ss, ds;
+  for (int d = 0; d < c.rank; ++d) {
+    e.push_back(c.extent(d));
+    ss.push_back(c.src_stride(d));
+    ds.push_back(c.dst_stride(d));
+  }
   return fmt::format("rank {} buf {} +{} -> rank {} buf {} +{}, extent [{}], src_stride [{}], dst_stride [{}], tensor {}",
                      c.src_rank, c.src_buffer, c.src_offset, c.dst_rank, c.dst_buffer, c.dst_offset,
                      fmt::join(e, ","), fmt::join(ss, ","), fmt::join(ds, ","), c.tensor);
@@ -459,13 +462,13 @@ bool for_each_element(const reshard::Copy& c, F&& f) {
   while (true) {
     std::int64_t so = c.src_offset, dof = c.dst_offset;
     for (int d = 0; d < n; ++d) {
-      so += i[static_cast<std::size_t>(d)] * c.src_stride[static_cast<std::size_t>(d)];
-      dof += i[static_cast<std::size_t>(d)] * c.dst_stride[static_cast<std::size_t>(d)];
+      so += i[static_cast<std::size_t>(d)] * c.src_stride(d);
+      dof += i[static_cast<std::size_t>(d)] * c.dst_stride(d);
     }
     if (!f(i, so, dof)) return false;
     int d = n - 1;
     for (; d >= 0; --d) {
-      if (++i[static_cast<std::size_t>(d)] < c.extent[static_cast<std::size_t>(d)]) break;
+      if (++i[static_cast<std::size_t>(d)] < c.extent(d)) break;
       i[static_cast<std::size_t>(d)] = 0;
     }
     if (d < 0) return true;
@@ -551,8 +554,8 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
     const auto where = [&] { return fmt::format("copy {} ({})", ci, describe_copy(c)); };
     if (c.rank < 1 || c.rank > reshard::kMaxBoxRank) return fault(fmt::format("{}: box rank {} is invalid", where(), c.rank));
     for (int d = 0; d < c.rank; ++d)
-      if (c.extent[static_cast<std::size_t>(d)] < 1)
-        return fault(fmt::format("{}: extent {} along box dim {} is empty", where(), c.extent[static_cast<std::size_t>(d)], d));
+      if (c.extent(d) < 1)
+        return fault(fmt::format("{}: extent {} along box dim {} is empty", where(), c.extent(d), d));
     if (opt.only_rank >= 0 && c.src_rank != opt.only_rank && c.dst_rank != opt.only_rank)
       return fault(fmt::format("{}: does not involve rank {}", where(), opt.only_rank));
     const auto spos = S.ranks().position(c.src_rank);

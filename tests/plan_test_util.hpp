@@ -31,12 +31,13 @@ inline std::vector<Move> moves(const Schedule& s) {
 }
 
 inline auto copy_key(const Copy& c) {
-  auto box = [&](const std::array<std::int64_t, kMaxBoxRank>& a) {
-    std::vector<std::int64_t> v(a.begin(), a.begin() + c.rank);
+  auto box = [&](int side) {  // side -1: the extents
+    std::vector<std::int64_t> v;
+    for (int d = 0; d < c.rank; ++d) v.push_back(side < 0 ? c.extent(d) : c.stride(side, d));
     return v;
   };
   return std::make_tuple(c.src_rank, c.dst_rank, c.src_buffer, c.dst_buffer, c.tensor, c.element_bytes, c.src_offset,
-                         c.dst_offset, c.rank, box(c.extent), box(c.src_stride), box(c.dst_stride));
+                         c.dst_offset, c.rank, box(-1), box(0), box(1));
 }
 
 /// The copies as a sorted multiset of their fields.

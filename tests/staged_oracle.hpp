@@ -93,7 +93,7 @@ inline CheckResult check_staged(const Layout& src, const Layout& dst, const resh
     if (stage < 0) return fault(fmt::format("{}: negative stage", where()));
     if (c.rank < 1 || c.rank > reshard::kMaxBoxRank) return fault(fmt::format("{}: box rank {}", where(), c.rank));
     for (int d = 0; d < c.rank; ++d)
-      if (c.extent[static_cast<std::size_t>(d)] < 1) return fault(fmt::format("{}: empty extent", where()));
+      if (c.extent(d) < 1) return fault(fmt::format("{}: empty extent", where()));
     const auto dpos = D.ranks().position(c.dst_rank);
     if (!dpos) return fault(fmt::format("{}: destination rank not in the destination mesh", where()));
     const auto spos = from_dst ? D.ranks().position(c.src_rank) : S.ranks().position(c.src_rank);

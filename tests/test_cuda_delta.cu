@@ -139,9 +139,8 @@ void host_decode(const Batch& b, const std::vector<std::byte>& table, const std:
     const std::int64_t n = ch.n, E = ch.E;
     StreamSegment seg;
     seg.base = dst.data() + ch.at;
-    seg.rank = 1;
-    seg.extent[0] = n;
-    seg.stride[0] = 1;
+    const std::int64_t one = 1, none = 0;
+    seg.assign(1, &n, &one, &none);
     seg.count = n;
     seg.contiguous = true;
     const std::vector<StreamSegment> segs{seg};

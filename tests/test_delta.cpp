@@ -223,9 +223,8 @@ TEST_CASE("kernels: diff-and-compact, masks and scatter agree with plain loops")
       std::vector<std::byte> dst(static_cast<std::size_t>(rows * 2 * cols) * E, std::byte{0});
       delta::StreamSegment seg;
       seg.base = dst.data();
-      seg.rank = 2;
-      seg.extent = {rows, cols};
-      seg.stride = {2 * cols, 2};
+      const std::int64_t extent[] = {rows, cols}, stride[] = {2 * cols, 2}, none[] = {0, 0};
+      seg.assign(2, extent, stride, none);
       seg.count = rows * cols;
       std::vector<delta::StreamSegment> segs{seg};
       std::size_t cursor = 0;

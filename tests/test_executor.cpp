@@ -255,7 +255,7 @@ TEST_CASE("ranks whose schedules disagree fail setup together instead of hanging
     run_direct(src, dst, opt, [](std::int64_t rank, Schedule& s) {
       if (rank == 4)  // the same copies, but rank 4 expects fewer bytes
         for (auto& c : s.copies)
-          if (c.dst_rank == 4) c.extent[0] -= 1;
+          if (c.dst_rank == 4) c.extent(0) -= 1;
     });
   });
   INFO(e);

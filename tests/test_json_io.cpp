@@ -458,9 +458,16 @@ TEST_CASE("write_schedule_json escapes names, keeps 64-bit integers and writes n
   Schedule s;
   s.src_buffers = {"plain", "quo\"te\\back\nline", "\xc3\xa9t\xc3\xa9"};
   s.dst_buffers = {"dst"};
-  Copy c{.src_rank = 3, .dst_rank = 9, .src_buffer = 1, .dst_buffer = 0, .element_bytes = 2,
-         .src_offset = (std::int64_t{1} << 53) + 1, .dst_offset = 5, .rank = 2,
-         .extent = {3, 4}, .src_stride = {10, 1}, .dst_stride = {4, 1}};
+  Copy c;
+  c.src_rank = 3;
+  c.dst_rank = 9;
+  c.src_buffer = 1;
+  c.dst_buffer = 0;
+  c.element_bytes = 2;
+  c.src_offset = (std::int64_t{1} << 53) + 1;
+  c.dst_offset = 5;
+  const std::int64_t extent[] = {3, 4}, src_stride[] = {10, 1}, dst_stride[] = {4, 1};
+  c.assign(2, extent, src_stride, dst_stride);
   s.copies.push_back(c);
   c.src_buffer = 2;
   c.dst_rank = 3;  // local

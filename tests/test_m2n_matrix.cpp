@@ -110,8 +110,8 @@ void check_structure(const Layout& src, const Layout& dst, const Schedule& s) {
     std::int64_t slo = c.src_offset, shi = c.src_offset, dlo = c.dst_offset, dhi = c.dst_offset;
     for (int d = 0; d < c.rank; ++d) {
       const auto ud = static_cast<std::size_t>(d);
-      REQUIRE(c.extent[ud] >= 1);
-      const std::int64_t sreach = (c.extent[ud] - 1) * c.src_stride[ud], dreach = (c.extent[ud] - 1) * c.dst_stride[ud];
+      REQUIRE(c.extent(ud) >= 1);
+      const std::int64_t sreach = (c.extent(ud) - 1) * c.src_stride(ud), dreach = (c.extent(ud) - 1) * c.dst_stride(ud);
       (sreach < 0 ? slo : shi) += sreach;
       (dreach < 0 ? dlo : dhi) += dreach;
     }

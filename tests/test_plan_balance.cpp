@@ -43,7 +43,7 @@ Layout tp_only(std::int64_t tp, int dim, std::vector<std::int64_t> shape, std::i
 void require_collapsed(const Schedule& s) {
   for (const auto& c : s.copies) {
     Copy m = c;
-    collapse(m);
+    m.collapse();
     INFO(oracle::describe_copy(c));
     REQUIRE(copy_key(m) == copy_key(c));
   }
@@ -400,8 +400,8 @@ TEST_CASE("coalescing: a same-dim contiguous reshard is one copy per peer pair")
     CHECK(c.schedule.copies.size() == 4);
     for (const auto& cp : c.schedule.copies) {
       CHECK(cp.rank == 2);
-      CHECK(cp.extent[0] == 16);
-      CHECK(cp.extent[1] == 16);
+      CHECK(cp.extent(0) == 16);
+      CHECK(cp.extent(1) == 16);
     }
   }
   SUBCASE("cyclic experts -> linear experts: one strided copy per peer pair") {
@@ -417,7 +417,7 @@ TEST_CASE("coalescing: a same-dim contiguous reshard is one copy per peer pair")
     CHECK(peer_pairs(c.schedule) == 8);
     for (const auto& cp : c.schedule.copies) {
       CHECK(cp.rank == 2);  // [experts, expert elements]
-      CHECK(cp.extent[1] == 32);
+      CHECK(cp.extent(1) == 32);
     }
   }
 }
@@ -442,8 +442,8 @@ TEST_CASE("coalescing: copies are collapsed to the fewest dims") {
     CHECK(c.schedule.copies.size() == 4);
     for (const auto& cp : c.schedule.copies) {
       CHECK(cp.rank == 2);  // [2*3*5 rows, 4 elements]
-      CHECK(cp.extent[0] == 30);
-      CHECK(cp.extent[1] == 4);
+      CHECK(cp.extent(0) == 30);
+      CHECK(cp.extent(1) == 4);
     }
   }
   SUBCASE("identical layouts: every copy is one contiguous run") {

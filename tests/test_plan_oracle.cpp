@@ -148,7 +148,7 @@ TEST_CASE("oracle: every planted fault is caught") {
         case 1: x.copies.push_back(c); break;                                              // written twice
         case 2: c.dst_offset += 1; break;                                                  // wrong slot
         case 3: c.src_offset += 1; break;                                                  // wrong element
-        case 4: c.extent[0] += 1; break;                                                   // too much
+        case 4: c.extent(0) += 1; break;                                                   // too much
         case 5: c.src_rank = -5; break;                                                    // not a source rank
       }
       x.compute_stats(0);  // so only the element check can notice

@@ -70,7 +70,7 @@ void oracle_sweep(const std::string& label, std::uint64_t first, std::uint64_t c
     // coalescing pass finds nothing left to merge.
     for (const auto& c : s.copies) {
       Copy m = c;
-      collapse(m);
+      m.collapse();
       if (copy_key(m) != copy_key(c)) FAIL("copy not collapsed: " << oracle::describe_copy(c) << "\n" << pair.describe());
     }
     auto again = s.copies;

@@ -35,7 +35,7 @@ TEST_CASE("same-dim contiguous reshard is one copy per peer pair") {
   REQUIRE(s.copies.size() == 4);
   for (const auto& c : s.copies) {
     CHECK(c.rank == 1);
-    CHECK(c.extent[0] == 8);
+    CHECK(c.extent(0) == 8);
     CHECK(c.src_rank == (c.dst_rank - 2) / 2);
     CHECK(c.src_offset == ((c.dst_rank - 2) % 2) * 8);
     CHECK(c.dst_offset == 0);
@@ -68,9 +68,9 @@ TEST_CASE("CopyLog gives back every copy as pushed, in push order, across blocks
     c.dst_offset = any(0, 1 << 30);
     c.rank = static_cast<std::int32_t>(any(1, kMaxBoxRank));
     for (int d = 0; d < c.rank; ++d) {
-      c.extent[static_cast<std::size_t>(d)] = any(1, 1 << 20);
-      c.src_stride[static_cast<std::size_t>(d)] = any(-5, INT64_MAX / 2);
-      c.dst_stride[static_cast<std::size_t>(d)] = any(1, 1 << 20);
+      c.extent(d) = any(1, 1 << 20);
+      c.src_stride(d) = any(-5, INT64_MAX / 2);
+      c.dst_stride(d) = any(1, 1 << 20);
     }
     log.push(c);
     pushed.push_back(c);
@@ -92,10 +92,11 @@ TEST_CASE("CopyLog gives back every copy as pushed, in push order, across blocks
   for (std::size_t i = pushed.size(); i-- > 0;) {
     log.read(handles[i], back);
     CHECK(plantest::copy_key(back) == plantest::copy_key(pushed[i]));
-    for (auto d = static_cast<std::size_t>(back.rank); d < static_cast<std::size_t>(kMaxBoxRank); ++d) {
-      CHECK(back.extent[d] == 0);
-      CHECK(back.src_stride[d] == 0);
-      CHECK(back.dst_stride[d] == 0);
+    const Copy& read_back = back;
+    for (int d = back.rank; d < kMaxBoxRank; ++d) {
+      CHECK(read_back.extent(d) == 0);
+      CHECK(read_back.src_stride(d) == 0);
+      CHECK(read_back.dst_stride(d) == 0);
     }
   }
 }

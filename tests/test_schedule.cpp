@@ -18,8 +18,8 @@ Copy one_row(std::int64_t from, std::int64_t to, std::int64_t elements) {
   c.dst_rank = to;
   c.element_bytes = 2;
   c.rank = 1;
-  c.extent[0] = elements;
-  c.src_stride[0] = c.dst_stride[0] = 1;
+  c.extent(0) = elements;
+  c.src_stride(0) = c.dst_stride(0) = 1;
   return c;
 }
 }  // namespace

@@ -3,6 +3,7 @@
 // or a CopyLog (each copy's route, offsets and only its `rank` dims) for a
 // one-rank plan, the one process's whole job, sorted afterwards.
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -17,7 +18,7 @@ namespace reshard::detail {
 
 /// A one-rank plan's copies as emitted, before sorting: each copy's route,
 /// offsets and only its `rank` dims, as 64-bit words in fixed blocks. A copy
-/// takes 56 + 24 * rank bytes here instead of sizeof(Copy), and growing
+/// takes 56 + 24 * rank bytes here, the least a copy needs, and growing
 /// moves nothing: a one-rank plan is one process's whole job, so the pages it
 /// touches for the first time are most of its cost.
 class CopyLog {
@@ -48,10 +49,11 @@ class CopyLog {
     w[4] = pack(c.src_buffer, c.dst_buffer);
     w[5] = pack(c.tensor, c.element_bytes);
     w[6] = pack(static_cast<std::int32_t>(c.quant), c.rank);
-    for (std::size_t d = 0; d < r; ++d) {
-      w[kHeaderWords + 3 * d] = c.extent[d];
-      w[kHeaderWords + 3 * d + 1] = c.src_stride[d];
-      w[kHeaderWords + 3 * d + 2] = c.dst_stride[d];
+    for (int d = 0; d < c.rank; ++d) {
+      const auto ud = static_cast<std::size_t>(d);
+      w[kHeaderWords + 3 * ud] = c.extent(d);
+      w[kHeaderWords + 3 * ud + 1] = c.src_stride(d);
+      w[kHeaderWords + 3 * ud + 2] = c.dst_stride(d);
     }
     used_ += words;
     ends_.back() = static_cast<std::uint32_t>(used_);
@@ -73,18 +75,18 @@ class CopyLog {
     }
   }
 
-  /// The copy at h, exactly as pushed (dims past its rank read 0).
+  /// The copy at h, exactly as pushed.
   void read(Handle h, Copy& c) const {
     const std::int64_t* w = blocks_[h / kBlockWords].get() + h % kBlockWords;
-    const int old = c.rank;
     read_header(w, c);
+    std::array<std::int64_t, kMaxBoxRank> ext{}, ss{}, ds{};
     const auto r = static_cast<std::size_t>(c.rank);
     for (std::size_t d = 0; d < r; ++d) {
-      c.extent[d] = w[kHeaderWords + 3 * d];
-      c.src_stride[d] = w[kHeaderWords + 3 * d + 1];
-      c.dst_stride[d] = w[kHeaderWords + 3 * d + 2];
+      ext[d] = w[kHeaderWords + 3 * d];
+      ss[d] = w[kHeaderWords + 3 * d + 1];
+      ds[d] = w[kHeaderWords + 3 * d + 2];
     }
-    for (std::size_t d = r; d < static_cast<std::size_t>(old); ++d) c.extent[d] = c.src_stride[d] = c.dst_stride[d] = 0;
+    c.assign(c.rank, ext.data(), ss.data(), ds.data());
   }
 
  private:

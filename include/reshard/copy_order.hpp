@@ -1,6 +1,6 @@
 #pragma once
 // The order a plan lists its copies in, found by sorting small keys instead
-// of the copies themselves (a Copy is 248 bytes; its key 24).
+// of the copies themselves (a Copy is 112 bytes or more; its key 24).
 #include <algorithm>
 #include <array>
 #include <bit>

@@ -507,24 +507,22 @@ inline void write_chunk_body(ChunkMode m, std::int64_t n, std::int64_t k, std::i
   }
 }
 
-/// One copy's side as a run of a stream: elements [first, first + count) of
-/// the stream are the copy's elements in row-major order.
-struct StreamSegment {
+/// One copy's side as a run of a stream: a one-sided box (side 0 is this
+/// side's offset and strides; side 1 stays 0) whose elements in row-major
+/// order are elements [first, first + count) of the stream.
+struct StreamSegment : StridedBox {
   std::byte* base = nullptr;  ///< the buffer's data
-  std::int64_t offset = 0;    ///< the copy's offset in elements
-  int rank = 1;
-  std::array<std::int64_t, kMaxBoxRank> extent{}, stride{};
   std::int64_t first = 0, count = 0;
-  bool contiguous = false;  ///< row-major dense: element e is at offset + e
+  bool contiguous = false;  ///< row-major dense: element e is at src_offset + e
 
   /// Element offset (from base) of the copy's e-th element.
   std::int64_t at(std::int64_t e) const {
-    if (rank == 1) return offset + e * stride[0];
-    std::int64_t o = offset;
+    const std::int64_t *ext = extents(), *st = strides(0);
+    if (rank == 1) return src_offset + e * st[0];
+    std::int64_t o = src_offset;
     for (int d = rank - 1; d >= 0; --d) {
-      const auto ud = static_cast<std::size_t>(d);
-      o += (e % extent[ud]) * stride[ud];
-      e /= extent[ud];
+      o += (e % ext[d]) * st[d];
+      e /= ext[d];
     }
     return o;
   }
@@ -538,11 +536,11 @@ inline void stream_copy(std::size_t E, const std::vector<StreamSegment>& segs, s
   for (std::size_t s = cursor; s < segs.size() && n > 0; ++s) {
     const StreamSegment& g = segs[s];
     const std::int64_t in = first - g.first, m = std::min(n, g.count - in);
-    const BoxSide side{g.base, g.offset, g.stride.data()};
+    const BoxSide side{g.base, g.src_offset, g.strides(0)};
     if constexpr (Pack)
-      pack_range(E, g.rank, g.extent.data(), side, in, m, stream);
+      pack_range(E, g.rank, g.extents(), side, in, m, stream);
     else
-      unpack_range(E, g.rank, g.extent.data(), side, in, m, stream);
+      unpack_range(E, g.rank, g.extents(), side, in, m, stream);
     stream += m * static_cast<std::int64_t>(E);
     first += m;
     n -= m;
@@ -580,7 +578,7 @@ inline void scatter(const std::vector<StreamSegment>& segs, std::size_t& cursor,
     const StreamSegment& g = segs[cursor];
     const std::int64_t end = g.first + g.count - chunk_first;  // positions of this chunk below it are in g
     if (g.contiguous) {
-      std::byte* d = g.base + (g.offset - g.first + chunk_first) * esz;
+      std::byte* d = g.base + (g.src_offset - g.first + chunk_first) * esz;
       for (; j < k && idx[j] < end; ++j) std::memcpy(d + idx[j] * esz, vals + j * esz, static_cast<std::size_t>(esz));
     } else {
       for (; j < k && idx[j] < end; ++j)
@@ -621,10 +619,15 @@ struct Stream {
 /// Canonical order of a pair's copies (both ends sort the same set alike).
 inline bool copy_before(const Copy& a, const Copy& b) {
   auto key = [](const Copy& c) {
-    return std::tie(c.element_bytes, c.tensor, c.dst_buffer, c.dst_offset, c.src_buffer, c.src_offset, c.rank, c.extent, c.src_stride,
-                    c.dst_stride);
+    return std::tie(c.element_bytes, c.tensor, c.dst_buffer, c.dst_offset, c.src_buffer, c.src_offset, c.rank);
   };
-  return key(a) < key(b);
+  if (key(a) != key(b)) return key(a) < key(b);
+  for (int side = -1; side < 2; ++side)  // the extents, then each side's strides
+    for (int d = 0; d < a.rank; ++d) {
+      const std::int64_t x = side < 0 ? a.extent(d) : a.stride(side, d), y = side < 0 ? b.extent(d) : b.stride(side, d);
+      if (x != y) return x < y;
+    }
+  return false;
 }
 
 }  // namespace delta
@@ -807,20 +810,19 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
         local_error = fmt::format("rank {}: delta refit: copy of tensor {} needs a {} buffer #{} this rank has not bound", me_,
                                   c.tensor, p.send ? "source" : "destination", p.send ? c.src_buffer : c.dst_buffer);
       g.base = b ? b->data : nullptr;
-      g.offset = p.send ? c.src_offset : c.dst_offset;
-      g.rank = std::max(c.rank, 1);
-      for (int d = 0; d < g.rank; ++d) {
-        const auto ud = static_cast<std::size_t>(d);
-        g.extent[ud] = c.rank ? c.extent[ud] : 1;
-        g.stride[ud] = c.rank ? (p.send ? c.src_stride[ud] : c.dst_stride[ud]) : 1;
-      }
+      const int side = p.send ? 0 : 1;
+      const std::array<std::int64_t, kMaxBoxRank> none{};
+      const std::int64_t one = 1;
+      if (c.rank > 0) g.assign(c.rank, c.extents(), c.strides(side), none.data());
+      else g.assign(1, &one, &one, none.data());  // a rank-0 copy is one element
+      g.src_offset = c.offset(side);
       g.first = s.elements;
       g.count = c.elements();
       std::array<std::int64_t, kMaxBoxRank> dense{};
-      kernels::dense_strides(g.rank, g.extent.data(), dense.data());
+      kernels::dense_strides(g.rank, g.extents(), dense.data());
       g.contiguous = true;
       for (int d = 0; d < g.rank; ++d)
-        g.contiguous &= g.extent[static_cast<std::size_t>(d)] == 1 || g.stride[static_cast<std::size_t>(d)] == dense[static_cast<std::size_t>(d)];
+        g.contiguous &= g.extent(d) == 1 || g.src_stride(d) == dense[static_cast<std::size_t>(d)];
       s.elements += g.count;
       s.segs.push_back(g);
       p.bytes += c.bytes();
@@ -947,7 +949,7 @@ void DeltaExecutor<T>::prime() {
       std::size_t cursor = 0;
       for (const auto& g : s.segs) {
         if (g.contiguous)
-          delta::copy_streaming(out + g.first * E, g.base + g.offset * E, static_cast<std::size_t>(g.count * E));
+          delta::copy_streaming(out + g.first * E, g.base + g.src_offset * E, static_cast<std::size_t>(g.count * E));
         else
           delta::stream_copy<true>(s.E, s.segs, cursor, g.first, g.count, out + g.first * E);
       }
@@ -1029,7 +1031,7 @@ void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
       while (cursor < s.segs.size() && s.segs[cursor].first + s.segs[cursor].count <= c0) ++cursor;
       const StreamSegment* g = cursor < s.segs.size() ? &s.segs[cursor] : nullptr;
       const bool direct = g && g->contiguous && g->first + g->count >= c0 + n;
-      const std::byte* cur = direct ? g->base + (g->offset + c0 - g->first) * E : chunk_.data();
+      const std::byte* cur = direct ? g->base + (g->src_offset + c0 - g->first) * E : chunk_.data();
       if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
       const std::int64_t k = diff_compact_bytes(s.E, cur, shadow + c0 * E, n, idx_.data(), vals_.data());
       last_.compared += n;

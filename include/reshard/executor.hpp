@@ -266,124 +266,59 @@ struct ViewMap {
   }
 };
 
-/// A box on one or two sides: one extent per dim, an offset and strides per
-/// side (in dense buffer coordinates, or in view coordinates as a Part).
-struct MultiBox {
-  int rank = 0, sides = 1;
-  std::array<std::int64_t, kMaxBoxRank> extent{};
-  std::array<std::int64_t, 2> offset{};
-  std::array<std::array<std::int64_t, kMaxBoxRank>, 2> stride{};
-};
-
 /// A part of a copy: the same box in view coordinates, holding elements
-/// [first, first + count) of the copy's row-major order.
-struct Part : MultiBox {
+/// [first, first + count) of the copy's row-major order. A one-sided part
+/// (sides 1) leaves the destination side's offset and strides 0.
+struct Part : StridedBox {
   std::int64_t first = 0, count = 0;
-  bool stacked = false;  ///< dim 0 was added by stacking equal parts
+  int sides = 1;
 };
 
-inline bool same_shape(const Part& a, int afrom, const Part& b, int sides) {
-  if (a.rank - afrom != b.rank) return false;
-  for (int k = 0; k < b.rank; ++k) {
-    const auto ua = static_cast<std::size_t>(k + afrom), ub = static_cast<std::size_t>(k);
-    if (a.extent[ua] != b.extent[ub]) return false;
-    for (int s = 0; s < sides; ++s)
-      if (a.stride[static_cast<std::size_t>(s)][ua] != b.stride[static_cast<std::size_t>(s)][ub]) return false;
-  }
-  return true;
-}
-
-/// Appends p, merging it into the previous part when the two form one box.
+/// Appends p, merging it into the previous part when the two form one box
+/// (detail::merge_into, the schedule's merge) over consecutive elements.
 inline void emit_part(std::vector<Part>& out, const Part& p) {
-  const int sides = p.sides;
   if (!out.empty()) {
     Part& L = out.back();
-    if (L.first + L.count == p.first) {
-      auto continues = [&](const Part& a) {
-        for (int s = 0; s < sides; ++s) {
-          const auto us = static_cast<std::size_t>(s);
-          if (p.offset[us] != a.offset[us] + a.extent[0] * a.stride[us][0]) return false;
-        }
-        return true;
-      };
-      if (!L.stacked && L.rank == 1 && p.rank == 1 && same_shape(L, 0, p, sides) == (L.extent[0] == p.extent[0])) {
-        bool ok = true;
-        for (int s = 0; s < sides; ++s)
-          ok &= L.stride[static_cast<std::size_t>(s)][0] == p.stride[static_cast<std::size_t>(s)][0];
-        if (ok && continues(L)) {
-          L.extent[0] += p.extent[0];
-          L.count += p.count;
-          return;
-        }
-      }
-      if (L.stacked && same_shape(L, 1, p, sides) && continues(L)) {
-        L.extent[0] += 1;
-        L.count += p.count;
-        return;
-      }
-      if (!L.stacked && L.rank < kMaxBoxRank && same_shape(L, 0, p, sides)) {
-        Part m = L;
-        for (int k = m.rank; k > 0; --k) {
-          const auto u = static_cast<std::size_t>(k);
-          m.extent[u] = m.extent[u - 1];
-          for (int s = 0; s < sides; ++s) m.stride[static_cast<std::size_t>(s)][u] = m.stride[static_cast<std::size_t>(s)][u - 1];
-        }
-        m.extent[0] = 2;
-        for (int s = 0; s < sides; ++s) {
-          const auto us = static_cast<std::size_t>(s);
-          m.stride[us][0] = p.offset[us] - L.offset[us];
-        }
-        ++m.rank;
-        m.stacked = true;
-        m.count = L.count + p.count;
-        L = m;
-        return;
-      }
+    if (L.first + L.count == p.first && detail::merge_into(L, p, p.sides)) {
+      L.count += p.count;
+      return;
     }
   }
   out.push_back(p);
 }
 
-inline bool to_part(const MultiBox& b, const ViewMap* const* maps, std::int64_t first, Part& p) {
+/// The box b (its first `sides` sides in dense buffer coordinates) as one
+/// part in view coordinates, if every side maps to one strided box.
+inline bool to_part(const StridedBox& b, int sides, const ViewMap* const* maps, std::int64_t first, Part& p) {
   p = Part{};
   p.first = first;
-  p.rank = b.rank;
-  p.sides = b.sides;
-  p.count = 1;
-  for (int k = 0; k < b.rank; ++k) {
-    p.extent[static_cast<std::size_t>(k)] = b.extent[static_cast<std::size_t>(k)];
-    p.count *= b.extent[static_cast<std::size_t>(k)];
-  }
-  for (int s = 0; s < b.sides; ++s) {
-    const auto us = static_cast<std::size_t>(s);
-    if (!maps[s]->affine(b.offset[us], b.rank, b.extent.data(), b.stride[us].data(), p.offset[us], p.stride[us].data()))
-      return false;
-  }
+  p.sides = sides;
+  p.assign(b.rank, b.extents(), b.strides(0), b.strides(1));
+  p.count = b.elements();
+  for (int s = 0; s < sides; ++s)
+    if (!maps[s]->affine(b.offset(s), b.rank, b.extents(), b.strides(s), p.offset(s), p.strides_for(s, b.rank))) return false;
   return true;
 }
 
 /// Splits a box into parts that each map to one strided box on every side.
-inline void split_box(const MultiBox& b, const ViewMap* const* maps, std::int64_t first, std::vector<Part>& out) {
+inline void split_box(const StridedBox& b, int sides, const ViewMap* const* maps, std::int64_t first, std::vector<Part>& out) {
   Part p;
-  if (to_part(b, maps, first, p)) {
+  if (to_part(b, sides, maps, first, p)) {
     emit_part(out, p);
     return;
   }
   if (b.rank == 1) {
-    const std::int64_t e = b.extent[0];
+    const std::int64_t e = b.extent(0);
     std::int64_t i = 0;
     while (i < e) {
       std::int64_t m = e - i;
-      for (int s = 0; s < b.sides; ++s) {
-        const auto us = static_cast<std::size_t>(s);
-        m = std::min(m, maps[s]->steps(b.offset[us] + i * b.stride[us][0], b.stride[us][0]));
-      }
-      MultiBox sub = b;
-      sub.extent[0] = m;
-      for (int s = 0; s < b.sides; ++s) sub.offset[static_cast<std::size_t>(s)] += i * b.stride[static_cast<std::size_t>(s)][0];
-      if (!to_part(sub, maps, first + i, p)) {  // cannot happen: carry-free by construction; go element-wise
-        sub.extent[0] = m = 1;
-        to_part(sub, maps, first + i, p);
+      for (int s = 0; s < sides; ++s) m = std::min(m, maps[s]->steps(b.offset(s) + i * b.stride(s, 0), b.stride(s, 0)));
+      StridedBox sub = b;
+      sub.extent(0) = m;
+      for (int s = 0; s < sides; ++s) sub.offset(s) += i * b.stride(s, 0);
+      if (!to_part(sub, sides, maps, first + i, p)) {  // cannot happen: carry-free by construction; go element-wise
+        sub.extent(0) = m = 1;
+        to_part(sub, sides, maps, first + i, p);
       }
       emit_part(out, p);
       i += m;
@@ -391,21 +326,12 @@ inline void split_box(const MultiBox& b, const ViewMap* const* maps, std::int64_
     return;
   }
   std::int64_t inner = 1;
-  for (int k = 1; k < b.rank; ++k) inner *= b.extent[static_cast<std::size_t>(k)];
-  MultiBox sub;
-  sub.rank = b.rank - 1;
-  sub.sides = b.sides;
-  for (int k = 1; k < b.rank; ++k) {
-    sub.extent[static_cast<std::size_t>(k - 1)] = b.extent[static_cast<std::size_t>(k)];
-    for (int s = 0; s < b.sides; ++s)
-      sub.stride[static_cast<std::size_t>(s)][static_cast<std::size_t>(k - 1)] = b.stride[static_cast<std::size_t>(s)][static_cast<std::size_t>(k)];
-  }
-  for (std::int64_t i = 0; i < b.extent[0]; ++i) {
-    for (int s = 0; s < b.sides; ++s) {
-      const auto us = static_cast<std::size_t>(s);
-      sub.offset[us] = b.offset[us] + i * b.stride[us][0];
-    }
-    split_box(sub, maps, first + i * inner, out);
+  for (int k = 1; k < b.rank; ++k) inner *= b.extent(k);
+  StridedBox sub;
+  sub.assign(b.rank - 1, b.extents() + 1, b.strides(0) + 1, b.strides(1) + 1);
+  for (std::int64_t i = 0; i < b.extent(0); ++i) {
+    for (int s = 0; s < sides; ++s) sub.offset(s) = b.offset(s) + i * b.stride(s, 0);
+    split_box(sub, sides, maps, first + i * inner, out);
   }
 }
 
@@ -433,10 +359,9 @@ inline std::uint64_t copy_digest(std::uint64_t h, const Copy& c) {
   h = hash_mix(h, static_cast<std::uint64_t>(c.dst_offset));
   h = hash_mix(h, static_cast<std::uint64_t>(c.rank));
   for (int k = 0; k < c.rank; ++k) {
-    const auto u = static_cast<std::size_t>(k);
-    h = hash_mix(h, static_cast<std::uint64_t>(c.extent[u]));
-    h = hash_mix(h, static_cast<std::uint64_t>(c.src_stride[u]));
-    h = hash_mix(h, static_cast<std::uint64_t>(c.dst_stride[u]));
+    h = hash_mix(h, static_cast<std::uint64_t>(c.extent(k)));
+    h = hash_mix(h, static_cast<std::uint64_t>(c.src_stride(k)));
+    h = hash_mix(h, static_cast<std::uint64_t>(c.dst_stride(k)));
   }
   return h;
 }
@@ -714,20 +639,18 @@ void Executor<T>::build_side(const Copy& c, std::size_t index, bool src_side, Si
   out.buffer = src_side ? c.src_buffer : c.dst_buffer;
   out.element_bytes = c.element_bytes;
   out.elements = c.elements();
-  const auto& st = src_side ? c.src_stride : c.dst_stride;
-  out.dense_run = exec_detail::contiguous(c.rank, c.extent.data(), st.data());
+  const int side = src_side ? 0 : 1;
+  out.dense_run = exec_detail::contiguous(c.rank, c.extents(), c.strides(side));
   const exec_detail::ViewMap map = exec_detail::ViewMap::of(b);
-  exec_detail::MultiBox box;
-  box.rank = c.rank;
-  box.sides = 1;
-  box.extent = c.extent;
-  box.offset[0] = src_side ? c.src_offset : c.dst_offset;
-  box.stride[0] = st;
+  StridedBox box;  // this side's box, as side 0 of a one-sided box
+  const std::array<std::int64_t, kMaxBoxRank> none{};
+  box.assign(c.rank, c.extents(), c.strides(side), none.data());
+  box.src_offset = c.offset(side);
   const exec_detail::ViewMap* maps[1] = {&map};
-  exec_detail::split_box(box, maps, 0, out.parts);
+  exec_detail::split_box(box, 1, maps, 0, out.parts);
   out.direct = out.dense_run && out.parts.size() == 1 &&
-               exec_detail::contiguous(out.parts[0].rank, out.parts[0].extent.data(), out.parts[0].stride[0].data());
-  out.run_offset = out.direct ? out.parts[0].offset[0] : 0;
+               exec_detail::contiguous(out.parts[0].rank, out.parts[0].extents(), out.parts[0].strides(0));
+  out.run_offset = out.direct ? out.parts[0].src_offset : 0;
 }
 
 template <class T>
@@ -811,8 +734,8 @@ std::string Executor<T>::bind_copies(const Schedule& schedule, std::string local
       if (b.element_bytes != c.element_bytes)
         fail_here(fmt::format("{} buffer '{}' has {}-byte elements but the schedule moves {}-byte elements", src_side ? "source" : "destination",
                               name, b.element_bytes, c.element_bytes));
-      const auto& st = src_side ? c.src_stride : c.dst_stride;
-      if (!exec_detail::in_bounds(src_side ? c.src_offset : c.dst_offset, c.rank, c.extent.data(), st.data(), b.elements()))
+      const int side = src_side ? 0 : 1;
+      if (!exec_detail::in_bounds(c.offset(side), c.rank, c.extents(), c.strides(side), b.elements()))
         fail_here(fmt::format("a copy of tensor #{} {} outside {} buffer '{}' ({} elements)", c.tensor, src_side ? "reads" : "writes",
                               src_side ? "source" : "destination", name, b.elements()));
       return b;
@@ -834,13 +757,7 @@ std::string Executor<T>::bind_copies(const Schedule& schedule, std::string local
         lc.tensor = c.tensor;
         const auto ms = exec_detail::ViewMap::of(sb), md = exec_detail::ViewMap::of(db);
         const exec_detail::ViewMap* maps[2] = {&ms, &md};
-        exec_detail::MultiBox box;
-        box.rank = c.rank;
-        box.sides = 2;
-        box.extent = c.extent;
-        box.offset = {c.src_offset, c.dst_offset};
-        box.stride = {c.src_stride, c.dst_stride};
-        exec_detail::split_box(box, maps, 0, lc.parts);
+        exec_detail::split_box(c, 2, maps, 0, lc.parts);
         plan_local_ += c.bytes();
         local_.push_back(std::move(lc));
         continue;
@@ -1097,9 +1014,9 @@ std::vector<std::pair<bool, bool>> Executor<T>::pair_modes(const Pair& p) const 
   std::vector<std::pair<bool, bool>> out(p.copies.size());
   for (std::size_t i = 0; i < p.copies.size(); ++i) {
     const Copy& c = copies_[p.copies[i].copy];
-    out[i].first = in_place(c.bytes(), dense_run(c.rank, c.extent.data(), c.src_stride.data()) && !(p.send ? mine[i] : theirs[i]),
+    out[i].first = in_place(c.bytes(), dense_run(c.rank, c.extents(), c.strides(0)) && !(p.send ? mine[i] : theirs[i]),
                             opt_.zero_copy_min);
-    out[i].second = in_place(c.bytes(), dense_run(c.rank, c.extent.data(), c.dst_stride.data()) && !(p.send ? theirs[i] : mine[i]),
+    out[i].second = in_place(c.bytes(), dense_run(c.rank, c.extents(), c.strides(1)) && !(p.send ? theirs[i] : mine[i]),
                              opt_.zero_copy_min);
   }
   // Bucketing: past max_direct_messages, the smaller in-place copies are
@@ -1323,7 +1240,7 @@ void Executor<T>::for_each_range(const Message& m, F&& f) const {
     for (const Part& part : s.parts) {
       const std::int64_t lo = std::max(a, part.first), hi = std::min(b, part.first + part.count);
       if (lo >= hi) continue;
-      BoxSide box{data, part.offset[0], part.stride[0].data()};
+      BoxSide box{data, part.src_offset, part.strides(0)};
       f(E, part, box, lo - part.first, hi - lo, at + (lo - a) * s.element_bytes);
     }
     at += seg.count * s.element_bytes;
@@ -1333,13 +1250,13 @@ void Executor<T>::for_each_range(const Message& m, F&& f) const {
 template <class T>
 void Executor<T>::pack(const Message& m, std::byte* out) const {
   for_each_range(m, [&](std::size_t E, const Part& part, const BoxSide& box, std::int64_t first, std::int64_t count,
-                        std::int64_t at) { pack_range(E, part.rank, part.extent.data(), box, first, count, out + at); });
+                        std::int64_t at) { pack_range(E, part.rank, part.extents(), box, first, count, out + at); });
 }
 
 template <class T>
 void Executor<T>::unpack(const Message& m, const std::byte* in) const {
   for_each_range(m, [&](std::size_t E, const Part& part, const BoxSide& box, std::int64_t first, std::int64_t count,
-                        std::int64_t at) { unpack_range(E, part.rank, part.extent.data(), box, first, count, in + at); });
+                        std::int64_t at) { unpack_range(E, part.rank, part.extents(), box, first, count, in + at); });
 }
 
 template <class T>
@@ -1350,8 +1267,8 @@ cuda::BoxBatch Executor<T>::device_batch(const std::vector<std::size_t>& staged,
     std::byte* stream = device_staging_ + m.staging_offset;
     for_each_range(m, [&](std::size_t E, const Part& part, const BoxSide& box, std::int64_t first, std::int64_t count, std::int64_t at) {
       const auto e = static_cast<std::int64_t>(E);
-      batch.add(packing ? cuda::pack_copy(box.base, box.offset, part.rank, part.extent.data(), box.stride, first, count, stream + at, e, e)
-                        : cuda::unpack_copy(box.base, box.offset, part.rank, part.extent.data(), box.stride, first, count, stream + at, e, e),
+      batch.add(packing ? cuda::pack_copy(box.base, box.offset, part.rank, part.extents(), box.stride, first, count, stream + at, e, e)
+                        : cuda::unpack_copy(box.base, box.offset, part.rank, part.extents(), box.stride, first, count, stream + at, e, e),
                 e);
     });
   }
@@ -1390,8 +1307,8 @@ void Executor<T>::upload_device_batches() {
   local_bytes_ = 0;
   for (const LocalCopy& lc : local_)
     for (const Part& part : lc.parts) {
-      local.add(cuda::box_copy(lc.src->data, part.offset[0], part.stride[0].data(), lc.dst->data, part.offset[1], part.stride[1].data(),
-                               part.rank, part.extent.data(), lc.element_bytes, lc.element_bytes),
+      local.add(cuda::box_copy(lc.src->data, part.src_offset, part.strides(0), lc.dst->data, part.dst_offset, part.strides(1),
+                               part.rank, part.extents(), lc.element_bytes, lc.element_bytes),
                 lc.element_bytes);
       local_bytes_ += part.count * lc.element_bytes;
     }
@@ -1765,9 +1682,9 @@ ExecutorStats Executor<T>::run(std::uint64_t version, const StreamOrder& order) 
       }
       for (const LocalCopy& lc : local_) {
         for (const Part& part : lc.parts) {
-          BoxSide s{lc.src->data, part.offset[0], part.stride[0].data()};
-          BoxSide d{lc.dst->data, part.offset[1], part.stride[1].data()};
-          copy_box(static_cast<std::size_t>(lc.element_bytes), part.rank, part.extent.data(), s, d);
+          BoxSide s{lc.src->data, part.src_offset, part.strides(0)};
+          BoxSide d{lc.dst->data, part.dst_offset, part.strides(1)};
+          copy_box(static_cast<std::size_t>(lc.element_bytes), part.rank, part.extents(), s, d);
           st.local_bytes += part.count * lc.element_bytes;
         }
       }

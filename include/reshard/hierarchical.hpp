@@ -548,15 +548,15 @@ inline StagedSchedule stage_hierarchical(Schedule direct, const Layout& src, con
             const auto ud = static_cast<std::size_t>(d);
             const std::int64_t lo = std::max(ob.lo[ud], qb.lo[ud]), hi = std::min({ob.hi[ud], qb.hi[ud], m[ud]});
             empty = lo >= hi;
-            c.extent[ud] = hi - lo;
-            c.src_stride[ud] = ob.stride[ud];
-            c.dst_stride[ud] = qb.stride[ud];
+            c.extent(ud) = hi - lo;
+            c.src_stride(ud) = ob.stride[ud];
+            c.dst_stride(ud) = qb.stride[ud];
             c.src_offset += lo * ob.stride[ud];
             c.dst_offset += lo * qb.stride[ud];
           }
           if (empty) continue;
           c.rank = ts.rank();
-          collapse(c);
+          c.collapse();
           piece.push_back(c);
         }
       std::sort(piece.begin(), piece.end(), [](const Copy& a, const Copy& b) { return a.dst_offset < b.dst_offset; });

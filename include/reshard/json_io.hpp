@@ -605,7 +605,7 @@ inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const 
     if (c.rank < 0 || c.rank > kMaxBoxRank) fail("{}: copy {} has box rank {}", who, i, c.rank);
     std::int64_t b = c.element_bytes;
     for (int d = 0; d < c.rank; ++d)
-      if (__builtin_mul_overflow(b, c.extent[static_cast<std::size_t>(d)], &b))
+      if (__builtin_mul_overflow(b, c.extent(d), &b))
         fail("{}: copy {} has a byte count that overflows 64 bits", who, i);
     if (__builtin_add_overflow(c.is_local() ? local_bytes : bytes, b, c.is_local() ? &local_bytes : &bytes))
       fail("{}: the schedule's byte count overflows 64 bits", who);
@@ -619,11 +619,11 @@ inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const 
     const fmt::format_int f(v);
     buf.append(f.data(), f.size());
   };
-  auto list = [&](const std::array<std::int64_t, kMaxBoxRank>& a, std::size_t r) {
+  auto list = [&](const Copy& c, int side) {  // side -1: the extents
     buf.push_back('[');
-    for (std::size_t d = 0; d < r; ++d) {
+    for (int d = 0; d < c.rank; ++d) {
       if (d) buf.push_back(',');
-      num(a[d]);
+      num(side < 0 ? c.extent(d) : c.stride(side, d));
     }
     buf.push_back(']');
   };
@@ -634,7 +634,6 @@ inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const 
   put("{\"format\":\"reshard.schedule/1\",\"copies\":[");
   for (std::size_t i = 0; i < s.copies.size(); ++i) {
     const Copy& c = s.copies[i];
-    const auto r = static_cast<std::size_t>(c.rank);
     put(i ? ",\n{\"src_rank\":" : "\n{\"src_rank\":");
     num(c.src_rank);
     put(",\"dst_rank\":");
@@ -648,11 +647,11 @@ inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const 
     put(",\"dst_offset\":");
     num(c.dst_offset);
     put(",\"extent\":");
-    list(c.extent, r);
+    list(c, -1);
     put(",\"src_stride\":");
-    list(c.src_stride, r);
+    list(c, 0);
     put(",\"dst_stride\":");
-    list(c.dst_stride, r);
+    list(c, 1);
     put(",\"element_bytes\":");
     num(c.element_bytes);
     if (stage && stage[i] > 0) {

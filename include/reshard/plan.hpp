@@ -1105,16 +1105,7 @@ class Planner {
   static void emit_box(Copy& cp, std::int64_t so, std::int64_t doff, int r, const WideDims& ext, const WideDims& sst,
                        const WideDims& dst, detail::CopySink& out) {
     const int outer = std::max(0, r - kMaxBoxRank);
-    const int old = cp.rank;  // cp is reused: dims past the new rank must read 0
-    cp.rank = r - outer;
-    for (int k = 0; k < cp.rank; ++k) {
-      const auto uk = static_cast<std::size_t>(k), uo = static_cast<std::size_t>(outer + k);
-      cp.extent[uk] = ext[uo];
-      cp.src_stride[uk] = sst[uo];
-      cp.dst_stride[uk] = dst[uo];
-    }
-    for (auto k = static_cast<std::size_t>(cp.rank); k < static_cast<std::size_t>(old); ++k)
-      cp.extent[k] = cp.src_stride[k] = cp.dst_stride[k] = 0;
+    cp.assign(r - outer, ext.data() + outer, sst.data() + outer, dst.data() + outer);  // cp is reused: assign clears past the rank
     std::array<std::int64_t, 2 * kMaxTensorRank> i{};
     while (true) {
       cp.src_offset = so;

@@ -327,16 +327,16 @@ class QuantRefit {
   /// copy's box on one side.
   template <class F>
   static void for_each_offset(const Copy& c, bool src_side, F&& f) {
-    const auto& st = src_side ? c.src_stride : c.dst_stride;
+    const int side = src_side ? 0 : 1;
     std::array<std::int64_t, kMaxBoxRank> i{};
     while (true) {
-      std::int64_t o = src_side ? c.src_offset : c.dst_offset;
-      for (int k = 0; k < c.rank; ++k) o += i[static_cast<std::size_t>(k)] * st[static_cast<std::size_t>(k)];
+      std::int64_t o = c.offset(side);
+      for (int k = 0; k < c.rank; ++k) o += i[static_cast<std::size_t>(k)] * c.stride(side, k);
       f(o);
       int k = c.rank - 1;
       for (; k >= 0; --k) {
         const auto uk = static_cast<std::size_t>(k);
-        if (++i[uk] < c.extent[uk]) break;
+        if (++i[uk] < c.extent(k)) break;
         i[uk] = 0;
       }
       if (k < 0) break;

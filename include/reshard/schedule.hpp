@@ -5,18 +5,13 @@
 //   dst[dst_offset + sum i_k*dst_stride_k] = src[src_offset + sum i_k*src_stride_k]
 // (offsets and strides in elements).
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace reshard {
+#include "strided_box.hpp"
 
-/// Most dims a copy box can have. A piece of a tensor of rank n can need up
-/// to 2n dims (a periodic run set becomes count x length); the planner cuts
-/// such rare pieces into several copies of at most kMaxBoxRank dims, so that
-/// every Copy stays small (a full plan holds millions of them).
-inline constexpr int kMaxBoxRank = 8;
+namespace reshard {
 
 /// Where a copy into a quantized destination tensor is quantized (docs/fp8.md).
 enum class CopyQuant : std::uint8_t {
@@ -26,62 +21,18 @@ enum class CopyQuant : std::uint8_t {
   scale,     ///< scale entries of sender-quantized tiles: src offsets name each tile's first element
 };
 
-/// A strided box copy between two local buffers.
-struct Copy {
-  std::int64_t src_rank = 0, dst_rank = 0;
+/// A strided box copy between two local buffers: the box (offsets, extents
+/// and strides in elements) with its route. 112 bytes for up to two dims.
+struct Copy : StridedBox {
   std::int32_t src_buffer = 0, dst_buffer = 0;  ///< ids into each layout's local_buffers()
   std::int32_t tensor = 0;                      ///< destination-layout tensor id
   std::int32_t element_bytes = 1;
-  std::int64_t src_offset = 0, dst_offset = 0;
-  std::int32_t rank = 0;                        ///< number of box dims
   CopyQuant quant = CopyQuant::none;            ///< into a quantized destination: see CopyQuant
-  std::array<std::int64_t, kMaxBoxRank> extent{}, src_stride{}, dst_stride{};
+  std::int64_t src_rank = 0, dst_rank = 0;
 
-  std::int64_t elements() const {
-    std::int64_t n = 1;
-    for (int d = 0; d < rank; ++d) n *= extent[static_cast<std::size_t>(d)];
-    return n;
-  }
   std::int64_t bytes() const { return elements() * element_bytes; }
   bool is_local() const { return src_rank == dst_rank; }
-  /// Both sides one contiguous run (rank <= 1 with unit strides).
-  bool contiguous() const {
-    return rank == 0 || (rank == 1 && src_stride[0] == 1 && dst_stride[0] == 1);
-  }
 };
-
-/// Drops unit dims and merges dims that are contiguous on both sides, in
-/// place on dims [0, rank) of three parallel arrays; returns the new rank
-/// (>= 1: a single element keeps one unit dim so the box has a shape). Dims
-/// past the new rank are left as they were.
-template <class Ext>
-int collapse_dims(int rank, Ext& extent, Ext& src_stride, Ext& dst_stride) {
-  int r = 0;
-  for (int d = 0; d < rank; ++d) {
-    const auto ud = static_cast<std::size_t>(d);
-    if (extent[ud] == 1) continue;
-    if (r > 0) {
-      const auto up = static_cast<std::size_t>(r - 1);
-      if (src_stride[up] == src_stride[ud] * extent[ud] && dst_stride[up] == dst_stride[ud] * extent[ud]) {
-        extent[up] *= extent[ud];
-        src_stride[up] = src_stride[ud];
-        dst_stride[up] = dst_stride[ud];
-        continue;
-      }
-    }
-    const auto ur = static_cast<std::size_t>(r);
-    extent[ur] = extent[ud];
-    src_stride[ur] = src_stride[ud];
-    dst_stride[ur] = dst_stride[ud];
-    ++r;
-  }
-  if (r == 0) {
-    extent[0] = 1;
-    src_stride[0] = dst_stride[0] = 1;
-    r = 1;
-  }
-  return r;
-}
 
 struct ScheduleStats {
   std::int64_t bytes = 0;        ///< between different ranks
@@ -139,94 +90,12 @@ struct Schedule {
   }
 };
 
-/// collapse_dims on a copy: a contiguous piece becomes one 1-D run.
-/// Dims past the rank are zeroed, so equal boxes compare equal as structs.
-inline void collapse(Copy& c) {
-  const int old = c.rank;
-  c.rank = collapse_dims(c.rank, c.extent, c.src_stride, c.dst_stride);
-  for (int d = c.rank; d < old; ++d) {
-    const auto ud = static_cast<std::size_t>(d);
-    c.extent[ud] = c.src_stride[ud] = c.dst_stride[ud] = 0;
-  }
-}
-
 namespace detail {
 inline bool same_route(const Copy& a, const Copy& b) {
   return a.src_rank == b.src_rank && a.dst_rank == b.dst_rank && a.src_buffer == b.src_buffer &&
          a.dst_buffer == b.dst_buffer && a.element_bytes == b.element_bytes && a.tensor == b.tensor &&
          a.quant == b.quant;
 }
-inline bool same_shape(const Copy& a, const Copy& b, int from) {
-  if (a.rank != b.rank) return false;
-  for (int d = from; d < a.rank; ++d) {
-    const auto ud = static_cast<std::size_t>(d);
-    if (a.extent[ud] != b.extent[ud] || a.src_stride[ud] != b.src_stride[ud] ||
-        a.dst_stride[ud] != b.dst_stride[ud])
-      return false;
-  }
-  return true;
-}
-/// Dims [af, a.rank) of a equal dims [bf, b.rank) of b.
-inline bool same_dims(const Copy& a, int af, const Copy& b, int bf) {
-  if (a.rank - af != b.rank - bf) return false;
-  for (int d = 0; d < a.rank - af; ++d) {
-    const auto ua = static_cast<std::size_t>(af + d), ub = static_cast<std::size_t>(bf + d);
-    if (a.extent[ua] != b.extent[ub] || a.src_stride[ua] != b.src_stride[ub] || a.dst_stride[ua] != b.dst_stride[ub])
-      return false;
-  }
-  return true;
-}
-/// b starts where a's outermost dim would take its next step, on both sides.
-inline bool next_step(const Copy& a, const Copy& b) {
-  return b.src_offset == a.src_offset + a.extent[0] * a.src_stride[0] &&
-         b.dst_offset == a.dst_offset + a.extent[0] * a.dst_stride[0];
-}
-/// b continues a along a's outermost dim on both sides (b's own outermost
-/// dim may be a unit one, whose strides mean nothing).
-inline bool extends(const Copy& a, const Copy& b) {
-  if (!same_shape(a, b, 1)) return false;
-  if (b.extent[0] != 1 && (a.src_stride[0] != b.src_stride[0] || a.dst_stride[0] != b.dst_stride[0])) return false;
-  return next_step(a, b);
-}
-/// b is one more slice of a's outermost dim: b's box is a's inner box.
-inline bool adds_slice(const Copy& a, const Copy& b) {
-  return a.rank == b.rank + 1 && same_dims(a, 1, b, 0) && next_step(a, b);
-}
-}  // namespace detail
-
-namespace detail {
-/// Merges b into a when their union is one box: b continues a along its
-/// outermost dim, is one more slice of that dim, or is an equal box at some
-/// distance (which becomes a new outer dim).
-inline bool merge_into(Copy& a, const Copy& b) {
-  if (extends(a, b)) {
-    a.extent[0] += b.extent[0];
-  } else if (a.rank == 1 && a.extent[0] == 1 && b.rank == 1 && b.src_offset == a.src_offset + b.src_stride[0] &&
-             b.dst_offset == a.dst_offset + b.dst_stride[0]) {
-    // a single element that b's run continues backwards (a's strides mean nothing)
-    a.extent[0] = b.extent[0] + 1;
-    a.src_stride[0] = b.src_stride[0];
-    a.dst_stride[0] = b.dst_stride[0];
-  } else if (adds_slice(a, b)) {
-    a.extent[0] += 1;
-  } else {
-    const std::int64_t ds = b.src_offset - a.src_offset, dd = b.dst_offset - a.dst_offset;
-    if (!same_shape(a, b, 0) || a.rank >= kMaxBoxRank || ds == 0 || dd == 0) return false;
-    for (int d = a.rank; d > 0; --d) {
-      const auto ud = static_cast<std::size_t>(d);
-      a.extent[ud] = a.extent[ud - 1];
-      a.src_stride[ud] = a.src_stride[ud - 1];
-      a.dst_stride[ud] = a.dst_stride[ud - 1];
-    }
-    a.extent[0] = 2;
-    a.src_stride[0] = ds;
-    a.dst_stride[0] = dd;
-    ++a.rank;
-  }
-  collapse(a);
-  return true;
-}
-
 /// Appends c to out, then merges the last box into the one before it while
 /// both have one route and form one box (merge_into): a merged box is tried
 /// again against the one before it, so runs that grow into equal boxes stack
@@ -245,7 +114,7 @@ inline void coalesce(std::vector<Copy>& copies) {
   std::vector<Copy> out;
   out.reserve(copies.size());
   for (auto& c : copies) {
-    collapse(c);
+    c.collapse();
     detail::push_coalesced(out, 0, c);
   }
   copies.swap(out);

@@ -133,8 +133,8 @@ class Traffic {
   /// zero_copy_min, and the runs its staged sides copy.
   CopyShape shape_of(const Copy& c) const {
     const std::int64_t zcm = place_->topology().zero_copy_min, b = c.bytes();
-    const std::int64_t src_runs = contiguous_runs(c.rank, c.extent.data(), c.src_stride.data());
-    const std::int64_t dst_runs = contiguous_runs(c.rank, c.extent.data(), c.dst_stride.data());
+    const std::int64_t src_runs = contiguous_runs(c.rank, c.extents(), c.strides(0));
+    const std::int64_t dst_runs = contiguous_runs(c.rank, c.extents(), c.strides(1));
     // One run is dense_run (message_rule.hpp): the same walk, not done twice.
     const bool src_in_place = in_place(b, src_runs == 1, zcm), dst_in_place = in_place(b, dst_runs == 1, zcm);
     auto runs = [](bool in_place_side, std::int64_t r) {
