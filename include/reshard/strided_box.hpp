@@ -60,6 +60,7 @@ int collapse_dims(int rank, Ext& extent, Ext& src_stride, Ext& dst_stride) {
   return r;
 }
 
+/// A box of `rank` dims on two sides: see the top of this file.
 class StridedBox {
  public:
   static constexpr int kInlineRank = 2;
@@ -107,8 +108,7 @@ class StridedBox {
   /// copy kernels take).
   const std::int64_t* extents() const { return array(0); }
   const std::int64_t* strides(int side) const { return array(1 + side); }
-  /// Room for dims [0, r) (r <= kMaxBoxRank), then the arrays to write.
-  std::int64_t* extents_for(int r) { return array_for(0, r); }
+  /// Room for dims [0, r) (r <= kMaxBoxRank), then one side's strides to write.
   std::int64_t* strides_for(int side, int r) { return array_for(1 + side, r); }
 
   std::int64_t elements() const {
@@ -119,7 +119,7 @@ class StridedBox {
   /// Both sides one contiguous run (rank <= 1 with unit strides).
   bool contiguous() const { return rank == 0 || (rank == 1 && src_stride(0) == 1 && dst_stride(0) == 1); }
 
-  /// Sets rank and dims from three arrays of r values.
+  /// Sets rank and dims from three arrays of r values (not this box's own).
   void assign(int r, const std::int64_t* ext, const std::int64_t* ss, const std::int64_t* ds) {
     reserve(r);
     rank = r;
