@@ -118,6 +118,14 @@ TEST_CASE("a strided box stores any rank up to kMaxBoxRank; copies and moves kee
         CHECK(!(assigned == b));
         CHECK(moved == b);
       }
+      StridedBox one_sided;  // b's destination side as side 0, the other side 0
+      one_sided.assign_side(b, 1);
+      PlainBox want = p;
+      want.src_offset = p.dst_offset;
+      want.src_stride = p.dst_stride;
+      want.dst_offset = 0;
+      want.dst_stride = {};
+      CHECK(elements_of(plain(one_sided)) == elements_of(want));
       StridedBox raw;
       raw.assign(rank, p.extent.data(), p.src_stride.data(), p.dst_stride.data());
       raw.src_offset = p.src_offset;

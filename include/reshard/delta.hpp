@@ -811,11 +811,13 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
                                   c.tensor, p.send ? "source" : "destination", p.send ? c.src_buffer : c.dst_buffer);
       g.base = b ? b->data : nullptr;
       const int side = p.send ? 0 : 1;
-      const std::array<std::int64_t, kMaxBoxRank> none{};
-      const std::int64_t one = 1;
-      if (c.rank > 0) g.assign(c.rank, c.extents(), c.strides(side), none.data());
-      else g.assign(1, &one, &one, none.data());  // a rank-0 copy is one element
-      g.src_offset = c.offset(side);
+      if (c.rank > 0) {
+        g.assign_side(c, side);
+      } else {  // a rank-0 copy is one element
+        const std::int64_t one = 1, none = 0;
+        g.assign(1, &one, &one, &none);
+        g.src_offset = c.offset(side);
+      }
       g.first = s.elements;
       g.count = c.elements();
       std::array<std::int64_t, kMaxBoxRank> dense{};

@@ -642,10 +642,8 @@ void Executor<T>::build_side(const Copy& c, std::size_t index, bool src_side, Si
   const int side = src_side ? 0 : 1;
   out.dense_run = exec_detail::contiguous(c.rank, c.extents(), c.strides(side));
   const exec_detail::ViewMap map = exec_detail::ViewMap::of(b);
-  StridedBox box;  // this side's box, as side 0 of a one-sided box
-  const std::array<std::int64_t, kMaxBoxRank> none{};
-  box.assign(c.rank, c.extents(), c.strides(side), none.data());
-  box.src_offset = c.offset(side);
+  StridedBox box;
+  box.assign_side(c, side);
   const exec_detail::ViewMap* maps[1] = {&map};
   exec_detail::split_box(box, 1, maps, 0, out.parts);
   out.direct = out.dense_run && out.parts.size() == 1 &&

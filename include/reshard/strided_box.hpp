@@ -131,6 +131,15 @@ class StridedBox {
     zero_past_rank();
   }
 
+  /// Side `side` of b as this box's side 0 (offset, extents, strides), the
+  /// other side 0: the one-sided box the executor and the delta streams walk.
+  void assign_side(const StridedBox& b, int side) {
+    const std::int64_t none[kMaxBoxRank] = {};
+    assign(b.rank, b.extents(), b.strides(side), none);
+    src_offset = b.offset(side);
+    dst_offset = 0;
+  }
+
   /// collapse_dims on the box; dims past the new rank read 0 and a box that
   /// fits inline again moves back inline.
   void collapse() {
