@@ -144,6 +144,10 @@ class QueueTransport {
   void deregister_memory(RegionHandle h) {
     std::lock_guard lk(w_->m_);
     if (h.id < w_->regions_[me_].size()) w_->regions_[me_][h.id] = {nullptr, 0};
+    // Copies happen at match time under m_: only this rank's unmatched ops can still touch the region.
+    for (auto* queues : {&w_->sends_, &w_->recvs_})
+      for (auto& [key, halves] : *queues)
+        std::erase_if(halves, [&](const QueueWorld::Half& x) { return x.group->slot == me_ && x.group->ops[x.op].region.id == h.id; });
   }
 
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {

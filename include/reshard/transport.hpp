@@ -23,7 +23,15 @@
 //    weights themselves (zero-copy pieces) or the executor's staging. The
 //    executor registers in setup and deregisters when it is set up again or
 //    destroyed, never while one of its runs is in flight. It holds each
-//    registration as a RegisteredRegion (below: RAII, move-only).
+//    registration as a RegisteredRegion (below: RAII, move-only). A failed
+//    run drops its requests unwaited (see "Requests"), so a deregistration
+//    may find ops still pending on the region, and the caller frees the
+//    memory right after: once deregister_memory returns, the transport never
+//    reads or writes the region again. It cancels what is pending there and
+//    waits for copies or receives already running into it (UCX: cancelled
+//    tagged receives progressed to their end; local: queued copy tasks
+//    dropped, running ones waited for); a peer's op matched with a cancelled
+//    one fails (local) or never completes here.
 //
 //  * lifetime (optional): `Lifetime lifetime() const` watches this endpoint
 //    object and whatever holds its registrations (a world, an inner

@@ -144,6 +144,7 @@ class LocalWorld {
     Pending send, recv;
     std::size_t bytes = 0;
     std::size_t tasks_left = 0;  // guarded by m_
+    bool cancelled = false;      // guarded by m_: a side's region was deregistered (both sides completed with an error)
   };
   struct Task {
     std::shared_ptr<Transfer> transfer;
@@ -169,10 +170,47 @@ class LocalWorld {
     regs.push_back(Region{static_cast<std::byte*>(p), bytes, true});
     return RegionHandle{static_cast<std::uint32_t>(regs.size() - 1)};
   }
+  /// Once it returns, no thread reads or writes the region any more: its
+  /// ops still queued are dropped, transfers over it that are matched but
+  /// not done fail on both sides (the peer's wait throws, naming this), and
+  /// copies of them already running are waited for. A rank whose refit
+  /// failed drops its requests unwaited and frees its staging right after.
   void deregister_memory(std::size_t me, RegionHandle h) {
-    std::lock_guard lk(m_);
+    std::unique_lock lk(m_);
     auto& regs = endpoints_[me].regions;
-    if (h.id < regs.size()) regs[h.id].live = false;
+    if (h.id >= regs.size() || !regs[h.id].live) return;
+    regs[h.id].live = false;
+    const std::int64_t rank = ranks_[me];
+    auto on_region = [&](const Pending& p) { return p.group->rank == rank && p.group->ops[p.op].region.id == h.id; };
+    for (auto* queues : {&sends_, &recvs_})
+      for (auto it = queues->begin(); it != queues->end();) {
+        std::erase_if(it->second, on_region);
+        it = it->second.empty() ? queues->erase(it) : std::next(it);
+      }
+    auto touches = [&](const Transfer& t) { return on_region(t.send) || on_region(t.recv); };
+    Wakeups wake;
+    auto cancel = [&](Transfer& t) {
+      if (t.cancelled) return;
+      t.cancelled = true;
+      const Pending& mine = on_region(t.send) ? t.send : t.recv;
+      const auto msg = fmt::format("local transport: rank {} deregistered region {} while its {} was in flight", rank, h.id,
+                                   describe(mine.group->ops[mine.op], rank));
+      for (Pending* p : {&t.send, &t.recv}) {
+        if (p->group->error.empty()) p->group->error = msg;
+        complete(*p);
+      }
+      wake.parties(t, *this);
+    };
+    for (Transfer* t : copying_)
+      if (touches(*t)) cancel(*t);
+    std::erase_if(tasks_, [&](const Task& task) {
+      if (!touches(*task.transfer)) return false;
+      cancel(*task.transfer);
+      return true;
+    });
+    copy_end_.wait(lk, [&] { return std::none_of(copying_.begin(), copying_.end(), [&](Transfer* t) { return touches(*t); }); });
+    lk.unlock();
+    wake.notify(*this, me);
   }
   std::vector<std::span<const std::byte>> registered(std::size_t me) const {
     std::lock_guard lk(m_);
@@ -336,10 +374,16 @@ class LocalWorld {
         Task task = std::move(tasks_.front());
         tasks_.pop_front();
         ++active_copiers_;
+        copying_.push_back(task.transfer.get());
         lk.unlock();
         opt_.copy(task.transfer->recv.ptr + task.offset, task.transfer->send.ptr + task.offset, task.bytes);
         lk.lock();
         --active_copiers_;
+        copying_.erase(std::find(copying_.begin(), copying_.end(), task.transfer.get()));
+        if (task.transfer->cancelled) {
+          copy_end_.notify_all();  // a deregistration waits for this copy
+          continue;
+        }
         if (--task.transfer->tasks_left == 0) {
           finish_transfer(*task.transfer);
           wake.parties(*task.transfer, *this);
@@ -520,6 +564,8 @@ class LocalWorld {
   std::vector<Endpoint> endpoints_;
   std::map<Key, std::deque<Pending>> sends_, recvs_;
   std::deque<Task> tasks_;
+  std::vector<Transfer*> copying_;       ///< the transfer of each task being copied now (outside m_)
+  std::condition_variable copy_end_;     ///< a copy of a cancelled transfer ended
   int active_copiers_ = 0;
   bool aborted_ = false;
   std::string abort_reason_;

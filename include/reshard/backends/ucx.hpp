@@ -913,6 +913,21 @@ inline void UcxTransport::deregister_memory(RegionHandle h) {
       ++k;
     }
   }
+  // Tagged receives still in flight into the region (a failed refit drops
+  // its requests unwaited) are cancelled and progressed to their end: UCX
+  // would otherwise write into memory the caller frees next.
+  if (worker_) {
+    auto into_region = [&](const Pending* p) { return p->kind == Pending::tag_recv && p->req && ops_[p->op].op.region.id == h.id; };
+    bool cancelled = false;
+    for (Pending* p : std::vector<Pending*>(live_.begin(), live_.end()))
+      if (into_region(p)) {
+        ucp_request_cancel(worker_, p->req);
+        cancelled = true;
+      }
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    while (cancelled && std::any_of(live_.begin(), live_.end(), into_region) && Clock::now() < until)
+      if (ucp_worker_progress(worker_) == 0) sched_yield();
+  }
   if (it->second.memh && worker_) ucp_mem_unmap(ctx_, it->second.memh);
   regions_.erase(it);
 }
