@@ -61,6 +61,7 @@ enum class Flaw {
   wrong_any,         ///< wait_any returns 0 whenever anything completed
   reversed_gather,   ///< all_gather returns the blobs in reverse world order
   post_is_batch,     ///< (with batches) every post() is a batch of its own, flush does nothing
+  deaf_deregister,   ///< deregister_memory leaves the region's unmatched ops matchable (and written)
 };
 
 class QueueWorld {
@@ -145,6 +146,7 @@ class QueueTransport {
     std::lock_guard lk(w_->m_);
     if (h.id < w_->regions_[me_].size()) w_->regions_[me_][h.id] = {nullptr, 0};
     // Copies happen at match time under m_: only this rank's unmatched ops can still touch the region.
+    if (w_->flaw_ == Flaw::deaf_deregister) return;
     for (auto* queues : {&w_->sends_, &w_->recvs_})
       for (auto& [key, halves] : *queues)
         std::erase_if(halves, [&](const QueueWorld::Half& x) { return x.group->slot == me_ && x.group->ops[x.op].region.id == h.id; });

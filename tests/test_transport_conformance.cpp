@@ -89,6 +89,7 @@ TYPE_TO_STRING(FaultInjectingHarness);
 TYPE_TO_STRING(QueueHarness);
 
 RESHARD_TRANSPORT_CONFORMANCE(LocalHarness, FaultInjectingHarness, QueueHarness, BatchQueueHarness);
+TEST_CASE_TEMPLATE_INVOKE(conformance_deregister, LocalHarness, FaultInjectingHarness, QueueHarness, BatchQueueHarness);
 
 TEST_CASE("transport conformance: every case fails on a transport that breaks its rule") {
   auto red = [](Flaw f, const auto& c, const std::string& flaw, bool batches = false) {
@@ -112,6 +113,7 @@ TEST_CASE("transport conformance: every case fails on a transport that breaks it
   red(Flaw::stale_replay, conformance::Replays{}, "stale_replay");
   red(Flaw::wrong_any, conformance::WaitAny{}, "wrong_any");
   red(Flaw::reversed_gather, conformance::AllGatherOrder{}, "reversed_gather");
+  red(Flaw::deaf_deregister, conformance::DeregisterEndsAccess{}, "deaf_deregister");
   conformance::Batches impatient;
   impatient.patience = std::chrono::milliseconds(2000);  // it deadlocks: fail at this deadline
   red(Flaw::post_is_batch, impatient, "post_is_batch", true);

@@ -583,6 +583,51 @@ struct PairwiseExchange {
   }
 };
 
+/// A receive dropped unwaited and its region deregistered (what a failed
+/// executor does before freeing its staging) is never written afterwards:
+/// the sender, which posts only once the receiver deregistered, may complete
+/// or fail by its deadline, but the bytes painted over the region after the
+/// deregistration survive. Not run on UCX's put protocol (a ready signal
+/// already sent cannot be revoked; docs/design.md).
+struct DeregisterEndsAccess {
+  static constexpr int ranks = 2;
+  static constexpr const char* name = "a deregistered region is never written again, even by an op pending on it";
+  static constexpr std::size_t N = 4096;
+  static constexpr unsigned char kPaint = 0xA5;
+  template <class T>
+  void operator()(T& t) const {
+    const std::size_t i = me(t);
+    std::vector<unsigned char> buf(N, 0);
+    if (i == 0) fill(buf, 0, N, 77);
+    const RegionHandle r = t.register_memory(buf.data(), buf.size(), MemoryKind::host);
+    const TransferOp op = i == 0 ? TransferOp{OpKind::send, rank_at(t, 1), 13, r, 0, N} : TransferOp{OpKind::recv, rank_at(t, 0), 13, r, 0, N};
+    t.prepare(std::span(&op, 1), in(20s));
+    if (i == 1) {
+      {
+        auto q = t.post(std::span(&op, 1));
+        reshard::flush_batch(t, in(20s));
+      }  // dropped unwaited
+      t.deregister_memory(r);
+      std::fill(buf.begin(), buf.end(), kPaint);
+      t.all_gather({}, in(20s));  // the sender posts only now
+      t.all_gather({}, in(20s));  // and is done
+      const auto kept = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
+      RESHARD_CONFORM(kept == N, "rank {}: {} of {} bytes of a deregistered region were written afterwards", t.rank(), N - kept, N);
+      return;
+    }
+    t.all_gather({}, in(20s));
+    const auto t0 = Clock::now();
+    (void)transport_error_of([&] {  // completing (an eager send) and failing (no receive) are both allowed
+      auto q = t.post(std::span(&op, 1));
+      reshard::flush_batch(t, in(2s));
+      t.wait(q, in(2s));
+    });
+    RESHARD_CONFORM(seconds_since(t0) < 6, "rank {}: the send to a dropped receive took {:.1f} s to end (deadline 2 s)", t.rank(), seconds_since(t0));
+    t.all_gather({}, in(20s));
+    t.deregister_memory(r);
+  }
+};
+
 /// Runs one case on harness H and turns a failure into a doctest failure.
 template <class H, class Case>
 void check(const Case& c, H h = {}) {
@@ -629,8 +674,13 @@ TEST_CASE_TEMPLATE_DEFINE("transport conformance: the pairwise exchange delivers
                           conformance_pairwise_exchange) {
   conformance::check<H>(conformance::PairwiseExchange{});
 }
+TEST_CASE_TEMPLATE_DEFINE("transport conformance: a deregistered region is never written again, even by an op pending on it", H,
+                          conformance_deregister) {
+  conformance::check<H>(conformance::DeregisterEndsAccess{});
+}
 
-/// Every case on every harness named.
+/// Every case on every harness named (conformance_deregister apart: UCX's
+/// put protocol does not meet it, so each harness list invokes it itself).
 #define RESHARD_TRANSPORT_CONFORMANCE(...)                            \
   TEST_CASE_TEMPLATE_INVOKE(conformance_matching, __VA_ARGS__);      \
   TEST_CASE_TEMPLATE_INVOKE(conformance_equal_keys, __VA_ARGS__);    \
