@@ -1403,7 +1403,12 @@ inline void UcxTransport::pump() {
     ready_queue_.clear();
     for (auto o : q) {
       Op& op = ops_[o];
-      if (op.stage == Stage::wait_ready && op.signals >= op.posts && op.error.empty()) start_puts(o);
+      if (op.stage != Stage::wait_ready || op.signals < op.posts || !op.error.empty()) continue;
+      // Aborted (here or by a peer's message): no new puts, a failed peer may free the memory it offered.
+      if (aborted_)
+        fail_op(o, abort_reason_);
+      else
+        start_puts(o);
     }
   }
   // Data put: one flush per peer for all of it.
