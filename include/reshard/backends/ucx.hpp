@@ -340,6 +340,24 @@ class UcxTransport {
   template <class Done, class Describe>
   void wait_until(Done&& done, Describe&& describe, Deadline deadline, const char* what);
   void sleep_a_little(Clock::time_point until);
+  /// Teardown paths: progresses the worker until done() or `until` (no sleeping, no throwing).
+  template <class Done>
+  void progress_until(Clock::time_point until, Done&& done) {
+    while (!done() && Clock::now() < until)
+      if (ucp_worker_progress(worker_) == 0) sched_yield();
+  }
+  /// Cancels the tagged receives in flight that `which` selects (their
+  /// callbacks end them during progress); true when there was one.
+  template <class Which>
+  bool cancel_receives(Which&& which) {
+    bool any = false;
+    for (Pending* p : std::vector<Pending*>(live_.begin(), live_.end()))  // a cancel may complete at once
+      if (p->kind == Pending::tag_recv && p->req && which(p)) {
+        ucp_request_cancel(worker_, p->req);
+        any = true;
+      }
+    return any;
+  }
 
   Bootstrap boot_;
   UcxOptions opt_;
@@ -477,13 +495,8 @@ inline UcxTransport::UcxTransport(Bootstrap bootstrap, UcxOptions opt) : boot_(s
 
 inline UcxTransport::~UcxTransport() {
   if (!worker_) return;
-  auto progress_until = [&](Clock::time_point until, auto&& done) {
-    while (!done() && Clock::now() < until)
-      if (ucp_worker_progress(worker_) == 0) sched_yield();
-  };
   // Receives still posted (a failed refit) are cancelled; sends get a moment.
-  for (Pending* p : std::vector<Pending*>(live_.begin(), live_.end()))
-    if (p->kind == Pending::tag_recv && p->req) ucp_request_cancel(worker_, p->req);
+  cancel_receives([](const Pending*) { return true; });
   progress_until(Clock::now() + std::chrono::milliseconds(aborted_ ? 100 : 1000), [&] { return live_.empty(); });
   for (auto& p : peers_)
     for (auto& [id, rk] : p->rkeys) ucp_rkey_destroy(rk);
@@ -916,18 +929,9 @@ inline void UcxTransport::deregister_memory(RegionHandle h) {
   // Tagged receives still in flight into the region (a failed refit drops
   // its requests unwaited) are cancelled and progressed to their end: UCX
   // would otherwise write into memory the caller frees next.
-  if (worker_) {
-    auto into_region = [&](const Pending* p) { return p->kind == Pending::tag_recv && p->req && ops_[p->op].op.region.id == h.id; };
-    bool cancelled = false;
-    for (Pending* p : std::vector<Pending*>(live_.begin(), live_.end()))
-      if (into_region(p)) {
-        ucp_request_cancel(worker_, p->req);
-        cancelled = true;
-      }
-    const auto until = Clock::now() + std::chrono::seconds(1);
-    while (cancelled && std::any_of(live_.begin(), live_.end(), into_region) && Clock::now() < until)
-      if (ucp_worker_progress(worker_) == 0) sched_yield();
-  }
+  auto into_region = [&](const Pending* p) { return p->kind == Pending::tag_recv && p->req && ops_[p->op].op.region.id == h.id; };
+  if (worker_ && cancel_receives(into_region))
+    progress_until(Clock::now() + std::chrono::seconds(1), [&] { return std::none_of(live_.begin(), live_.end(), into_region); });
   if (it->second.memh && worker_) ucp_mem_unmap(ctx_, it->second.memh);
   regions_.erase(it);
 }
