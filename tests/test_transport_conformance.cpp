@@ -89,7 +89,6 @@ TYPE_TO_STRING(FaultInjectingHarness);
 TYPE_TO_STRING(QueueHarness);
 
 RESHARD_TRANSPORT_CONFORMANCE(LocalHarness, FaultInjectingHarness, QueueHarness, BatchQueueHarness);
-TEST_CASE_TEMPLATE_INVOKE(conformance_deregister, LocalHarness, FaultInjectingHarness, QueueHarness, BatchQueueHarness);
 
 TEST_CASE("transport conformance: every case fails on a transport that breaks its rule") {
   auto red = [](Flaw f, const auto& c, const std::string& flaw, bool batches = false) {

@@ -28,10 +28,10 @@
 //    may find ops still pending on the region, and the caller frees the
 //    memory right after: once deregister_memory returns, the transport never
 //    reads or writes the region again. It cancels what is pending there and
-//    waits for copies or receives already running into it (UCX: cancelled
-//    tagged receives progressed to their end; local: queued copy tasks
-//    dropped, running ones waited for); a peer's op matched with a cancelled
-//    one fails (local) or never completes here.
+//    waits (bounded) for copies, receives or puts already running into it
+//    (UCX: tagged receives cancelled; put senders revoked, each answering once
+//    its puts landed; local: queued copy tasks dropped, running ones waited
+//    for); a peer's op matched with one cancelled fails (local, UCX puts).
 //
 //  * lifetime (optional): `Lifetime lifetime() const` watches this endpoint
 //    object and whatever holds its registrations (a world, an inner

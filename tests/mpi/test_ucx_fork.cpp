@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstring>
 #include <regex>
+#include <sstream>
+#include <thread>
 
 #include <doctest/doctest.h>
 
@@ -116,6 +118,106 @@ TEST_CASE("ucx: sends and receives move bytes, replay after replay, with both pr
       EXPECT(peers == want);
     }, uo);
   }
+}
+
+TEST_CASE("ucx put: a receiver deregistering while the sender's puts are in flight waits for them to stop; nothing lands afterwards") {
+  // Host puts over loopback are emulated with messages that land while the
+  // receiver progresses: it drops its receive as soon as the first bytes
+  // arrive, with most of the 16 MiB still in flight, and deregisters.
+  UcxOptions uo;
+  uo.protocol = UcxProtocol::put;
+  uo.put_chunk = 64 << 10;  // 256 puts
+  static constexpr std::size_t N = std::size_t{16} << 20;
+  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
+  const auto reports = run_ok(2, [](int r, UcxTransport& t, const auto& report) {
+    std::vector<unsigned char> buf(N, r == 0 ? kData : 0);
+    const RegionHandle h = t.register_memory(buf.data(), N, MemoryKind::host);
+    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 7, h, 0, N} : TransferOp{OpKind::recv, 0, 7, h, 0, N};
+    t.prepare(std::span(&op, 1), in(10s));
+    if (r == 0) {
+      auto q = t.post(std::span(&op, 1));
+      report(fails([&] { t.wait(q, in(10s)); }));
+      t.all_gather({}, in(10s));
+      return;
+    }
+    bool done = false;
+    {
+      auto q = t.post(std::span(&op, 1));
+      while (buf[0] != kData && !done) done = t.test(q);
+    }  // dropped unwaited
+    const auto landed = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kData));
+    t.deregister_memory(h);
+    std::fill(buf.begin(), buf.end(), kPaint);
+    t.all_gather({}, in(10s));  // the sender's wait has ended
+    const auto kept = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
+    report(fmt::format("completed {} landed {} kept {}", done, landed, kept));
+  }, uo);
+  INFO(reports[0]);
+  INFO(reports[1]);
+  CHECK(reports[1].find("completed false") != std::string::npos);  // else the case tested nothing
+  CHECK(reports[1].find(fmt::format("landed {} ", N)) == std::string::npos);
+  CHECK(reports[1].find(fmt::format("kept {}", N)) != std::string::npos);
+  // The sender learns why its send ended.
+  CHECK(reports[0].find("rank 1 deregistered the memory of the matching receive") != std::string::npos);
+}
+
+TEST_CASE("ucx put: revokes end promptly: two ranks revoking each other's receives, and a sender that gave up") {
+  UcxOptions uo;
+  uo.protocol = UcxProtocol::put;
+  uo.stall_timeout = 20s;  // a revoke left unanswered would hold deregister_memory this long
+  // Each rank receives from the other and never posts its send: both
+  // deregister at once and each must answer the other's revoke while it waits.
+  const auto mutual = run_ok(2, [](int r, UcxTransport& t, const auto& report) {
+    std::vector<unsigned char> in_buf(4096), out_buf(4096, 1);
+    const RegionHandle hi = t.register_memory(in_buf.data(), in_buf.size(), MemoryKind::host);
+    const RegionHandle ho = t.register_memory(out_buf.data(), out_buf.size(), MemoryKind::host);
+    const TransferOp ops[] = {{OpKind::recv, 1 - r, 3, hi, 0, 4096}, {OpKind::send, 1 - r, 3, ho, 0, 4096}};
+    t.prepare(ops, in(10s));
+    { auto q = t.post(std::span(ops, 1)); }  // a receive posted (ready sent), dropped
+    t.all_gather({}, in(10s));
+    const auto t0 = Clock::now();
+    t.deregister_memory(hi);
+    report(fmt::format("{:.3f}", std::chrono::duration<double>(Clock::now() - t0).count()));
+    // The send was revoked: posting it names why.
+    report(fails([&] { auto q = t.post(std::span(ops + 1, 1)); }));
+    t.deregister_memory(ho);
+  }, uo);
+  for (const auto& rep : mutual) {
+    INFO(rep);
+    CHECK(std::stod(rep) < 5.0);
+    CHECK(rep.find("deregistered the memory of the matching receive") != std::string::npos);
+  }
+  // Rank 0 gives up and then does not progress: its abort (sent after its
+  // puts were flushed) is the answer, rank 1 does not wait for another.
+  auto outs = fork_world::run(2, [&](int r, Bootstrap& boot, const auto& report) {
+    UcxTransport t(std::move(boot), uo);
+    std::vector<unsigned char> buf(4096, 1);
+    const RegionHandle h = t.register_memory(buf.data(), buf.size(), MemoryKind::host);
+    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 5, h, 0, 4096} : TransferOp{OpKind::recv, 0, 5, h, 0, 4096};
+    t.prepare(std::span(&op, 1), in(10s));
+    if (r == 0) {
+      t.all_gather({}, in(10s));
+      t.abort("rank 0 stops here");
+      std::this_thread::sleep_for(8s);
+      return 0;
+    }
+    { auto q = t.post(std::span(&op, 1)); }
+    t.all_gather({}, in(10s));
+    report(fails([&] { t.all_gather({}, in(10s)); }));  // hears the abort
+    const auto t0 = Clock::now();
+    t.deregister_memory(h);
+    report(fmt::format("{:.3f}", std::chrono::duration<double>(Clock::now() - t0).count()));
+    return 0;
+  }, fork_world::Options{30s, false});
+  INFO(fork_world::describe(outs));
+  REQUIRE(outs[1].exited);
+  CHECK(outs[1].code == 0);
+  std::stringstream ss(outs[1].report);
+  std::string heard, took;
+  std::getline(ss, heard);
+  std::getline(ss, took);
+  CHECK(heard.find("rank 0 stops here") != std::string::npos);
+  CHECK(std::stod(took) < 5.0);
 }
 
 TEST_CASE("ucx: prepare fails on every rank, with a message naming sizes, ranks and tag, when the programs disagree") {

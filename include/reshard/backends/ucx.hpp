@@ -60,6 +60,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -151,7 +152,10 @@ namespace ucx_detail {
 
 constexpr std::uint32_t kMagic = 0x52534855;  // "RSHU"
 constexpr unsigned kAmId = 0x5253;
-enum class AmType : std::uint16_t { ready = 1, done = 2, abort = 3, probe = 4, exchange = 5 };
+// revoke: a receiver is deregistering memory it offered for puts (payload:
+// the sender's op ids and epochs); revoked: the sender answers that nothing of
+// it puts into that memory any more (the same payload echoed).
+enum class AmType : std::uint16_t { ready = 1, done = 2, abort = 3, probe = 4, exchange = 5, revoke = 6, revoked = 7 };
 
 struct AmHeader {
   std::uint32_t magic = kMagic;
@@ -250,6 +254,9 @@ class UcxTransport {
     Stage stage = Stage::idle;
     std::uint32_t chunks_left = 0;
     std::string error;            ///< failure of the current post
+    bool revoked = false;         ///< put send: the receiver deregistered its memory
+    bool ack_owed = false;        ///< put send: that revoke is answered once no put of it is in flight
+    std::uint64_t ack_epoch = 0;
   };
   struct Item {
     std::uint32_t op = 0;
@@ -331,6 +338,8 @@ class UcxTransport {
   /// Progresses the worker and the protocol once; true if anything moved.
   bool progress();
   void start_puts(std::uint32_t op);
+  /// Flushes the data endpoint to a peer (its puts have landed); then `ops` move on to their completion signal.
+  void flush_data(std::size_t peer, std::vector<std::uint32_t> ops);
   void send_signal(std::size_t peer, ucx_detail::AmType type, const std::vector<std::uint32_t>& ops,
                    const std::vector<std::uint64_t>& uid_epochs);
   void start_tag(std::uint32_t op);
@@ -340,11 +349,16 @@ class UcxTransport {
   template <class Done, class Describe>
   void wait_until(Done&& done, Describe&& describe, Deadline deadline, const char* what);
   void sleep_a_little(Clock::time_point until);
-  /// Teardown paths: progresses the worker until done() or `until` (no sleeping, no throwing).
+  /// Teardown paths: progresses the worker until done() or `until` (no
+  /// sleeping, no throwing, no new endpoints), still answering revokes: a
+  /// peer's deregistration waits for that.
   template <class Done>
   void progress_until(Clock::time_point until, Done&& done) {
-    while (!done() && Clock::now() < until)
-      if (ucp_worker_progress(worker_) == 0) sched_yield();
+    while (!done() && Clock::now() < until) {
+      const unsigned moved = ucp_worker_progress(worker_);
+      answer_revokes(false);
+      if (moved == 0) sched_yield();
+    }
   }
   /// Cancels the tagged receives in flight that `which` selects (their
   /// callbacks end them during progress); true when there was one.
@@ -358,6 +372,19 @@ class UcxTransport {
       }
     return any;
   }
+  /// Put protocol: tells the senders of the receives `recvs` that were posted
+  /// and not completed (a ready signal may have let them put) that their
+  /// memory is going away, and waits until each sender confirms it puts
+  /// nothing more into it, died, or gave up (it flushes before it says so);
+  /// past the stall timeout this transport aborts, naming the silent peer.
+  void revoke_receives(std::span<const std::uint32_t> recvs, std::string_view memory);
+  /// A revoke for the put send `uid` from `peer` arrived.
+  void on_revoke(std::size_t peer, std::uint64_t uid, std::uint64_t epoch);
+  /// Answers the revokes whose puts are no longer in flight.
+  void settle_revokes();
+  /// Sends the answers settle_revokes() queued (over endpoints already open unless `may_connect`).
+  void answer_revokes(bool may_connect);
+  bool puts_in_flight(std::uint32_t op) const;
 
   Bootstrap boot_;
   UcxOptions opt_;
@@ -378,6 +405,10 @@ class UcxTransport {
   std::vector<std::uint32_t> ready_queue_;                          ///< put sends whose receiver is ready
   std::map<std::size_t, std::vector<std::uint32_t>> flush_queue_;   ///< put sends whose data was put, by peer
   std::map<std::size_t, std::vector<std::uint32_t>> signal_queue_;  ///< put sends whose data landed, by peer
+  std::map<std::size_t, std::vector<std::uint64_t>> revoked_queue_;  ///< revokes answered, by peer: (uid, epoch) pairs
+  std::vector<std::uint32_t> acks_owed_;                             ///< revoked put sends with puts still in flight
+  std::set<std::pair<std::size_t, std::uint64_t>> revoking_;          ///< (peer, its send's uid): revokes not yet answered
+  std::unordered_set<std::int64_t> gave_up_;                          ///< ranks whose abort arrived
   std::unordered_set<Pending*> live_;  ///< operations UCX still owns
   int probe_left_ = 0;
   ucs_status_t probe_status_ = UCS_OK;
@@ -495,8 +526,11 @@ inline UcxTransport::UcxTransport(Bootstrap bootstrap, UcxOptions opt) : boot_(s
 
 inline UcxTransport::~UcxTransport() {
   if (!worker_) return;
-  // Receives still posted (a failed refit) are cancelled; sends get a moment.
+  // Receives still posted (a failed refit) are cancelled or revoked; sends get a moment.
   cancel_receives([](const Pending*) { return true; });
+  std::vector<std::uint32_t> registered;
+  for (const auto& [uid, op] : by_uid_) registered.push_back(op);
+  revoke_receives(registered, "its memory");
   progress_until(Clock::now() + std::chrono::milliseconds(aborted_ ? 100 : 1000), [&] { return live_.empty(); });
   for (auto& p : peers_)
     for (auto& [id, rk] : p->rkeys) ucp_rkey_destroy(rk);
@@ -586,6 +620,7 @@ inline void UcxTransport::handle_am(const ucx_detail::AmHeader& h, const std::by
   using ucx_detail::AmType;
   const auto type = static_cast<AmType>(h.type);
   if (type == AmType::abort) {
+    gave_up_.insert(h.from);
     if (!aborted_) {
       aborted_ = true;
       abort_reason_ = fmt::format("ucx transport: rank {}: rank {} gave up: {}", me_, h.from,
@@ -607,10 +642,20 @@ inline void UcxTransport::handle_am(const ucx_detail::AmHeader& h, const std::by
     return;
   }
   if (len % 16 != 0) return;
+  const auto from = index_.find(h.from);
+  if (from == index_.end()) return;
   for (std::size_t k = 0; k < len; k += 16) {
     std::uint64_t uid, epoch;
     std::memcpy(&uid, data + k, 8);
     std::memcpy(&epoch, data + k + 8, 8);
+    if (type == AmType::revoke) {
+      on_revoke(from->second, uid, epoch);
+      continue;
+    }
+    if (type == AmType::revoked) {
+      revoking_.erase({from->second, uid});
+      continue;
+    }
     auto it = by_uid_.find(uid);
     if (it == by_uid_.end()) continue;  // an op deregistered meanwhile
     Op& o = ops_[it->second];
@@ -680,7 +725,7 @@ inline void UcxTransport::finish(Pending* p, ucs_status_t st, std::size_t recv_l
           fail_op(op, fmt::format("flushing the endpoint to rank {} failed: {}", peers_[o.peer]->rank, peer_text(o.peer)));
           continue;
         }
-        if (!o.error.empty()) continue;
+        if (!o.error.empty() || o.revoked) continue;  // a revoked one fails once settle_revokes() answers it
         o.stage = Stage::signalling;
         signal_queue_[o.peer].push_back(op);
       }
@@ -749,6 +794,7 @@ inline void UcxTransport::finish(Pending* p, ucs_status_t st, std::size_t recv_l
       --probe_left_;
       break;
   }
+  if (!acks_owed_.empty() && (p->kind == Pending::put_chunk || p->kind == Pending::flush)) settle_revokes();
 }
 
 // --- helpers ---------------------------------------------------------------
@@ -872,6 +918,80 @@ inline void UcxTransport::fail_op(std::uint32_t op, const std::string& why) {
   ++events_;
 }
 
+inline bool UcxTransport::puts_in_flight(std::uint32_t op) const {
+  for (const Pending* p : live_)
+    if ((p->kind == Pending::put_chunk && p->op == op) || (p->kind == Pending::flush && std::find(p->ops.begin(), p->ops.end(), op) != p->ops.end()))
+      return true;
+  const auto q = flush_queue_.find(ops_[op].peer);
+  return q != flush_queue_.end() && std::find(q->second.begin(), q->second.end(), op) != q->second.end();
+}
+
+inline void UcxTransport::on_revoke(std::size_t peer, std::uint64_t uid, std::uint64_t epoch) {
+  const auto it = by_uid_.find(uid);
+  if (it == by_uid_.end() || ops_[it->second].peer != peer || ops_[it->second].op.kind != OpKind::send) {
+    // Not a send of this rank's any more (its region went first): nothing of it is put.
+    auto& q = revoked_queue_[peer];
+    q.push_back(uid);
+    q.push_back(epoch);
+    return;
+  }
+  Op& o = ops_[it->second];
+  o.revoked = true;
+  o.ack_epoch = std::max(o.ack_epoch, epoch);
+  if (!o.ack_owed) {
+    o.ack_owed = true;
+    acks_owed_.push_back(it->second);
+  }
+  settle_revokes();
+}
+
+inline void UcxTransport::settle_revokes() {
+  std::erase_if(acks_owed_, [&](std::uint32_t op) {
+    if (puts_in_flight(op)) return false;  // answered once they have landed (flushed) or failed
+    Op& o = ops_[op];
+    fail_op(op, fmt::format("rank {} deregistered the memory of the matching receive", peers_[o.peer]->rank));
+    auto& q = revoked_queue_[o.peer];
+    q.push_back(o.uid);
+    q.push_back(o.ack_epoch);
+    o.ack_owed = false;
+    return true;
+  });
+}
+
+inline void UcxTransport::revoke_receives(std::span<const std::uint32_t> recvs, std::string_view memory) {
+  if (opt_.protocol != UcxProtocol::put || !worker_) return;
+  std::map<std::size_t, std::pair<std::vector<std::uint32_t>, std::vector<std::uint64_t>>> msgs;
+  std::vector<std::pair<std::size_t, std::uint64_t>> awaited;
+  for (auto i : recvs) {
+    const Op& o = ops_[i];
+    if (o.op.kind != OpKind::recv || o.completed >= o.posts || peers_[o.peer]->failed) continue;
+    auto& m = msgs[o.peer].second;
+    m.push_back(o.remote_uid);
+    m.push_back(o.posts);
+    awaited.emplace_back(o.peer, o.remote_uid);
+    revoking_.insert(awaited.back());
+  }
+  if (awaited.empty()) return;
+  for (auto& [peer, m] : msgs) send_signal(peer, ucx_detail::AmType::revoke, m.first, m.second);
+  auto silent = [&](const std::pair<std::size_t, std::uint64_t>& a) {
+    const Peer& p = *peers_[a.first];
+    return revoking_.count(a) && !p.failed && !gave_up_.count(p.rank);
+  };
+  const auto until = Clock::now() + opt_.stall_timeout;
+  while (std::any_of(awaited.begin(), awaited.end(), silent) && Clock::now() < until) {
+    try {
+      if (!progress()) sleep_a_little(until);  // progress() also answers the peers' revokes (both may be revoking)
+    } catch (...) {
+      // a peer failing shows in its Peer; keep listening until the bound
+    }
+  }
+  const auto left = std::find_if(awaited.begin(), awaited.end(), silent);
+  if (left != awaited.end())
+    abort(fmt::format("rank {} released {} although rank {} had not confirmed within {} ms that it puts nothing more into it", me_, memory,
+                      peers_[left->first]->rank, opt_.stall_timeout.count()));
+  for (const auto& a : awaited) revoking_.erase(a);
+}
+
 inline bool UcxTransport::group_done(const Group& g) const {
   bool all = true;
   for (const auto& it : g.items) {
@@ -917,21 +1037,32 @@ inline RegionHandle UcxTransport::register_memory(void* p, std::size_t bytes, Me
 inline void UcxTransport::deregister_memory(RegionHandle h) {
   auto it = regions_.find(h.id);
   if (it == regions_.end()) return;
-  // Ops over the region die with it.
+  // Ops over the region die with it; one still in flight (a failed refit
+  // drops its requests unwaited) fails, so no completion signal is sent for it.
+  std::vector<std::uint32_t> dying;
   for (auto k = by_key_.begin(); k != by_key_.end();) {
     if (std::get<3>(k->first) == h.id) {
-      for (auto op : k->second.ops) by_uid_.erase(ops_[op].uid);
+      for (auto op : k->second.ops) {
+        by_uid_.erase(ops_[op].uid);
+        dying.push_back(op);
+        if (ops_[op].completed < ops_[op].posts)
+          fail_op(op, fmt::format("rank {} deregistered region {} while it was in flight", me_, h.id));
+      }
       k = by_key_.erase(k);
     } else {
       ++k;
     }
   }
-  // Tagged receives still in flight into the region (a failed refit drops
-  // its requests unwaited) are cancelled and progressed to their end: UCX
-  // would otherwise write into memory the caller frees next.
+  // Then nothing may touch the memory the caller frees next: tagged receives
+  // into it are cancelled, the senders of put receives confirm they stopped
+  // putting into it, and this rank's own puts out of it end.
   auto into_region = [&](const Pending* p) { return p->kind == Pending::tag_recv && p->req && ops_[p->op].op.region.id == h.id; };
   if (worker_ && cancel_receives(into_region))
     progress_until(Clock::now() + std::chrono::seconds(1), [&] { return std::none_of(live_.begin(), live_.end(), into_region); });
+  revoke_receives(dying, fmt::format("region {}", h.id));
+  auto out_of_region = [&](const Pending* p) { return p->kind == Pending::put_chunk && ops_[p->op].op.region.id == h.id; };
+  if (worker_)
+    progress_until(Clock::now() + std::chrono::seconds(1), [&] { return std::none_of(live_.begin(), live_.end(), out_of_region); });
   if (it->second.memh && worker_) ucp_mem_unmap(ctx_, it->second.memh);
   regions_.erase(it);
 }
@@ -1365,6 +1496,20 @@ inline void UcxTransport::start_puts(std::uint32_t o) {
   }
 }
 
+inline void UcxTransport::flush_data(std::size_t peer, std::vector<std::uint32_t> ops) {
+  auto* p = new Pending{};
+  p->kind = Pending::flush;
+  p->t = this;
+  p->peer = peer;
+  p->ops = std::move(ops);
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.cb.send = &UcxTransport::on_send_done;
+  prm.user_data = p;
+  ++traffic_.flushes;
+  launch(p, [&] { return ucp_ep_flush_nbx(peers_[peer]->data, &prm); });
+}
+
 inline void UcxTransport::send_signal(std::size_t peer, ucx_detail::AmType type, const std::vector<std::uint32_t>& ops,
                                       const std::vector<std::uint64_t>& uid_epochs) {
   auto* p = new Pending{};
@@ -1419,19 +1564,7 @@ inline void UcxTransport::pump() {
   while (!flush_queue_.empty()) {
     auto q = std::move(flush_queue_);
     flush_queue_.clear();
-    for (auto& [peer, list] : q) {
-      auto* p = new Pending{};
-      p->kind = Pending::flush;
-      p->t = this;
-      p->peer = peer;
-      p->ops = std::move(list);
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      prm.cb.send = &UcxTransport::on_send_done;
-      prm.user_data = p;
-      ++traffic_.flushes;
-      launch(p, [&] { return ucp_ep_flush_nbx(peers_[peer]->data, &prm); });
-    }
+    for (auto& [peer, list] : q) flush_data(peer, std::move(list));
   }
   // Data landed: one completion signal per peer.
   while (!signal_queue_.empty()) {
@@ -1445,6 +1578,16 @@ inline void UcxTransport::pump() {
       }
       send_signal(peer, ucx_detail::AmType::done, list, ue);
     }
+  }
+  answer_revokes(true);
+}
+
+inline void UcxTransport::answer_revokes(bool may_connect) {
+  while (!revoked_queue_.empty()) {
+    auto q = std::move(revoked_queue_);
+    revoked_queue_.clear();
+    for (auto& [peer, ue] : q)
+      if (may_connect || peers_[peer]->ep) send_signal(peer, ucx_detail::AmType::revoked, {}, ue);
   }
 }
 
@@ -1560,6 +1703,17 @@ inline void UcxTransport::abort(std::string_view why) noexcept {
     aborted_ = true;
     abort_reason_ = fmt::format("ucx transport: rank {} gave up: {}", me_, why);
     const std::string text(why);
+    // Puts first land (bounded): a peer that hears this rank gave up stops
+    // waiting for it to answer a revoke (revoke_receives()), and this rank
+    // starts no puts from now on.
+    if (opt_.protocol == UcxProtocol::put) {
+      const auto until = Clock::now() + opt_.abort_linger;
+      for (std::size_t i = 0; i < peers_.size(); ++i)
+        if (i != my_index_ && !peers_[i]->failed && peers_[i]->data) flush_data(i, {});
+      auto flushing = [](const Pending* p) { return p->kind == Pending::flush || p->kind == Pending::put_chunk; };
+      while (std::any_of(live_.begin(), live_.end(), flushing) && Clock::now() < until)
+        if (ucp_worker_progress(worker_) == 0) sleep_a_little(until);
+    }
     for (std::size_t i = 0; i < peers_.size(); ++i) {
       if (i == my_index_ || peers_[i]->failed) continue;
       ucp_ep_h ep = nullptr;
@@ -1578,9 +1732,9 @@ inline void UcxTransport::abort(std::string_view why) noexcept {
       send_am(p, ep);
     }
     // Give the messages a moment to leave (bounded; peers may be dead).
-    const auto until = Clock::now() + opt_.abort_linger;
-    while (!live_.empty() && Clock::now() < until)
-      if (ucp_worker_progress(worker_) == 0) sleep_a_little(until);
+    const auto sent_by = Clock::now() + opt_.abort_linger;
+    while (!live_.empty() && Clock::now() < sent_by)
+      if (ucp_worker_progress(worker_) == 0) sleep_a_little(sent_by);
   } catch (...) {
     aborted_ = true;
   }
