@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
     run_case(conformance::Batches{});
     run_case(conformance::AllGatherOrder{});
     run_case(conformance::PairwiseExchange{});
+    run_case(conformance::DeregisterEndsAccess{});
   }
   MPI_Finalize();
   return ok ? 0 : 1;

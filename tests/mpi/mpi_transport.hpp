@@ -94,8 +94,21 @@ class MpiTransport {
     regions_.emplace_back(static_cast<std::byte*>(p), bytes);
     return RegionHandle{static_cast<std::uint32_t>(regions_.size() - 1)};
   }
+  /// Receives still posted into the region (a failed run drops its requests
+  /// unwaited) are cancelled and completed first, so MPI never writes it
+  /// afterwards; their group fails. Sends are left to finish (MPI-4
+  /// deprecates cancelling them).
   void deregister_memory(RegionHandle h) {
-    if (h.id < regions_.size()) regions_[h.id] = {nullptr, 0};
+    if (h.id >= regions_.size()) return;
+    for (auto& g : live_)
+      for (std::size_t i = 0; i < g->reqs.size(); ++i)
+        if (g->reqs[i] != MPI_REQUEST_NULL && g->ops[i].kind == OpKind::recv && g->ops[i].region.id == h.id) {
+          MPI_Cancel(&g->reqs[i]);
+          MPI_Wait(&g->reqs[i], MPI_STATUS_IGNORE);  // a cancelled receive, or one already matched, completes locally
+          if (g->error.empty())
+            g->error = fmt::format("mpi transport: rank {}: region {} was deregistered while its {} was pending", me_, h.id, describe(g->ops[i]));
+        }
+    regions_[h.id] = {nullptr, 0};
   }
 
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> blob, Deadline deadline) {
