@@ -929,7 +929,8 @@ inline bool UcxTransport::puts_in_flight(std::uint32_t op) const {
 inline void UcxTransport::on_revoke(std::size_t peer, std::uint64_t uid, std::uint64_t epoch) {
   const auto it = by_uid_.find(uid);
   if (it == by_uid_.end() || ops_[it->second].peer != peer || ops_[it->second].op.kind != OpKind::send) {
-    // Not a send of this rank's any more (its region went first): nothing of it is put.
+    // Not a send of this rank's any more: its region went first, and that
+    // deregistration waited for its puts to land.
     auto& q = revoked_queue_[peer];
     q.push_back(uid);
     q.push_back(epoch);
@@ -1060,9 +1061,19 @@ inline void UcxTransport::deregister_memory(RegionHandle h) {
   if (worker_ && cancel_receives(into_region))
     progress_until(Clock::now() + std::chrono::seconds(1), [&] { return std::none_of(live_.begin(), live_.end(), into_region); });
   revoke_receives(dying, fmt::format("region {}", h.id));
-  auto out_of_region = [&](const Pending* p) { return p->kind == Pending::put_chunk && ops_[p->op].op.region.id == h.id; };
-  if (worker_)
-    progress_until(Clock::now() + std::chrono::seconds(1), [&] { return std::none_of(live_.begin(), live_.end(), out_of_region); });
+  // This rank's puts out of it end and land (a flush; 1 s bound): a receiver
+  // that revokes after this is answered that nothing of them is put.
+  std::set<std::size_t> putting_to;
+  for (auto op : dying)
+    if (ops_[op].op.kind == OpKind::send && !peers_[ops_[op].peer]->failed && puts_in_flight(op)) putting_to.insert(ops_[op].peer);
+  if (worker_ && !putting_to.empty()) {
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    auto out_of_region = [&](const Pending* p) { return p->kind == Pending::put_chunk && ops_[p->op].op.region.id == h.id; };
+    progress_until(until, [&] { return std::none_of(live_.begin(), live_.end(), out_of_region); });
+    for (auto peer : putting_to) flush_data(peer, {});
+    auto flushing = [&](const Pending* p) { return p->kind == Pending::flush && p->ops.empty() && putting_to.count(p->peer); };
+    progress_until(until, [&] { return std::none_of(live_.begin(), live_.end(), flushing); });
+  }
   if (it->second.memh && worker_) ucp_mem_unmap(ctx_, it->second.memh);
   regions_.erase(it);
 }
