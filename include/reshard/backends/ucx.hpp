@@ -254,8 +254,7 @@ class UcxTransport {
     Stage stage = Stage::idle;
     std::uint32_t chunks_left = 0;
     std::string error;            ///< failure of the current post
-    bool revoked = false;         ///< put send: the receiver deregistered its memory
-    bool ack_owed = false;        ///< put send: that revoke is answered once no put of it is in flight
+    bool ack_owed = false;        ///< put send: the receiver revoked it; answered (and failed) once no put of it is in flight
     std::uint64_t ack_epoch = 0;
   };
   struct Item {
@@ -359,6 +358,13 @@ class UcxTransport {
       answer_revokes(false);
       if (moved == 0) sched_yield();
     }
+  }
+  /// Flushes the data endpoints to `peers` and progresses until those
+  /// flushes end or `until`: the puts started to them before have landed.
+  void land_puts(const std::set<std::size_t>& peers, Clock::time_point until) {
+    for (auto peer : peers) flush_data(peer, {});
+    auto landing = [&](const Pending* p) { return p->kind == Pending::flush && p->ops.empty() && peers.count(p->peer); };
+    progress_until(until, [&] { return std::none_of(live_.begin(), live_.end(), landing); });
   }
   /// Cancels the tagged receives in flight that `which` selects (their
   /// callbacks end them during progress); true when there was one.
@@ -725,7 +731,7 @@ inline void UcxTransport::finish(Pending* p, ucs_status_t st, std::size_t recv_l
           fail_op(op, fmt::format("flushing the endpoint to rank {} failed: {}", peers_[o.peer]->rank, peer_text(o.peer)));
           continue;
         }
-        if (!o.error.empty() || o.revoked) continue;  // a revoked one fails once settle_revokes() answers it
+        if (!o.error.empty() || o.ack_owed) continue;  // a revoked one fails once settle_revokes() answers it
         o.stage = Stage::signalling;
         signal_queue_[o.peer].push_back(op);
       }
@@ -937,7 +943,6 @@ inline void UcxTransport::on_revoke(std::size_t peer, std::uint64_t uid, std::ui
     return;
   }
   Op& o = ops_[it->second];
-  o.revoked = true;
   o.ack_epoch = std::max(o.ack_epoch, epoch);
   if (!o.ack_owed) {
     o.ack_owed = true;
@@ -961,19 +966,19 @@ inline void UcxTransport::settle_revokes() {
 
 inline void UcxTransport::revoke_receives(std::span<const std::uint32_t> recvs, std::string_view memory) {
   if (opt_.protocol != UcxProtocol::put || !worker_) return;
-  std::map<std::size_t, std::pair<std::vector<std::uint32_t>, std::vector<std::uint64_t>>> msgs;
+  std::map<std::size_t, std::vector<std::uint64_t>> msgs;  ///< by peer: (its send's uid, epoch) pairs
   std::vector<std::pair<std::size_t, std::uint64_t>> awaited;
   for (auto i : recvs) {
     const Op& o = ops_[i];
     if (o.op.kind != OpKind::recv || o.completed >= o.posts || peers_[o.peer]->failed) continue;
-    auto& m = msgs[o.peer].second;
+    auto& m = msgs[o.peer];
     m.push_back(o.remote_uid);
     m.push_back(o.posts);
     awaited.emplace_back(o.peer, o.remote_uid);
     revoking_.insert(awaited.back());
   }
   if (awaited.empty()) return;
-  for (auto& [peer, m] : msgs) send_signal(peer, ucx_detail::AmType::revoke, m.first, m.second);
+  for (auto& [peer, m] : msgs) send_signal(peer, ucx_detail::AmType::revoke, {}, m);
   auto silent = [&](const std::pair<std::size_t, std::uint64_t>& a) {
     const Peer& p = *peers_[a.first];
     return revoking_.count(a) && !p.failed && !gave_up_.count(p.rank);
@@ -1066,14 +1071,7 @@ inline void UcxTransport::deregister_memory(RegionHandle h) {
   std::set<std::size_t> putting_to;
   for (auto op : dying)
     if (ops_[op].op.kind == OpKind::send && !peers_[ops_[op].peer]->failed && puts_in_flight(op)) putting_to.insert(ops_[op].peer);
-  if (worker_ && !putting_to.empty()) {
-    const auto until = Clock::now() + std::chrono::seconds(1);
-    auto out_of_region = [&](const Pending* p) { return p->kind == Pending::put_chunk && ops_[p->op].op.region.id == h.id; };
-    progress_until(until, [&] { return std::none_of(live_.begin(), live_.end(), out_of_region); });
-    for (auto peer : putting_to) flush_data(peer, {});
-    auto flushing = [&](const Pending* p) { return p->kind == Pending::flush && p->ops.empty() && putting_to.count(p->peer); };
-    progress_until(until, [&] { return std::none_of(live_.begin(), live_.end(), flushing); });
-  }
+  if (worker_ && !putting_to.empty()) land_puts(putting_to, Clock::now() + std::chrono::seconds(1));
   if (it->second.memh && worker_) ucp_mem_unmap(ctx_, it->second.memh);
   regions_.erase(it);
 }
@@ -1718,12 +1716,10 @@ inline void UcxTransport::abort(std::string_view why) noexcept {
     // waiting for it to answer a revoke (revoke_receives()), and this rank
     // starts no puts from now on.
     if (opt_.protocol == UcxProtocol::put) {
-      const auto until = Clock::now() + opt_.abort_linger;
+      std::set<std::size_t> putting_to;
       for (std::size_t i = 0; i < peers_.size(); ++i)
-        if (i != my_index_ && !peers_[i]->failed && peers_[i]->data) flush_data(i, {});
-      auto flushing = [](const Pending* p) { return p->kind == Pending::flush || p->kind == Pending::put_chunk; };
-      while (std::any_of(live_.begin(), live_.end(), flushing) && Clock::now() < until)
-        if (ucp_worker_progress(worker_) == 0) sleep_a_little(until);
+        if (i != my_index_ && !peers_[i]->failed && peers_[i]->data) putting_to.insert(i);
+      land_puts(putting_to, Clock::now() + opt_.abort_linger);
     }
     for (std::size_t i = 0; i < peers_.size(); ++i) {
       if (i == my_index_ || peers_[i]->failed) continue;
