@@ -31,6 +31,7 @@ namespace oracle {
 using reshard::BufferKind;
 using reshard::DimSpec;
 using reshard::Layout;
+using reshard::LayoutSpec;
 using reshard::Mesh;
 using reshard::Split;
 using reshard::TensorSpec;
@@ -153,14 +154,14 @@ inline DimSpec dim_spec(const TensorSpec& t, int d) {
   return t.dims.empty() ? DimSpec{} : t.dims[static_cast<std::size_t>(d)];
 }
 
-inline bool in_stage(const Layout& L, std::int64_t pos, const TensorSpec& t) {
+inline bool in_stage(const LayoutSpec& L, std::int64_t pos, const TensorSpec& t) {
   for (const auto& s : t.stage)
     if (coordinate(L.mesh, pos, s.axis) != s.coord) return false;
   return true;
 }
 
 /// H_d for every dim of tensor t on a position; empty when outside the stage.
-inline std::vector<std::vector<std::int64_t>> held_sets(const Layout& L, std::int64_t pos, int t) {
+inline std::vector<std::vector<std::int64_t>> held_sets(const LayoutSpec& L, std::int64_t pos, int t) {
   const auto& ts = L.tensors[static_cast<std::size_t>(t)];
   std::vector<std::vector<std::int64_t>> h;
   if (!in_stage(L, pos, ts)) return h;
@@ -180,7 +181,7 @@ inline bool holds_any(const std::vector<std::vector<std::int64_t>>& h) {
 
 /// Elements of tensor t's local array on a position (padding included), and
 /// of them the real tensor elements, by arithmetic.
-inline std::pair<std::int64_t, std::int64_t> held_elements(const Layout& L, std::int64_t pos, int t) {
+inline std::pair<std::int64_t, std::int64_t> held_elements(const LayoutSpec& L, std::int64_t pos, int t) {
   const auto& ts = L.tensors[static_cast<std::size_t>(t)];
   if (!in_stage(L, pos, ts)) return {0, 0};
   std::int64_t all = 1, real = 1;

@@ -48,14 +48,14 @@ inline auto copy_multiset(const std::vector<Copy>& cs) {
   return v;
 }
 
-/// A reference to a whole axis.
-inline AxisRef ax(const Layout& L, const std::string& name) {
+/// A reference to a whole axis (of a LayoutSpec or a Layout).
+inline AxisRef ax(const LayoutSpec& L, const std::string& name) {
   const int a = L.mesh.axis_index(name);
   if (a < 0) fail("test layout: no axis '{}'", name);
   return AxisRef{a, 1, L.mesh.axes[static_cast<std::size_t>(a)].size};
 }
 /// A sub-axis {axis, stride, size}.
-inline AxisRef sub(const Layout& L, const std::string& name, std::int64_t stride, std::int64_t size) {
+inline AxisRef sub(const LayoutSpec& L, const std::string& name, std::int64_t stride, std::int64_t size) {
   return AxisRef{ax(L, name).axis, stride, size};
 }
 
@@ -75,15 +75,15 @@ inline DimSpec padded(DimSpec d, std::int64_t pad_to) {
   return d;
 }
 
-inline Layout mesh_layout(std::vector<Axis> axes, std::int64_t first_rank = 0, std::vector<std::int64_t> ranks = {}) {
-  Layout L;
+inline LayoutSpec mesh_layout(std::vector<Axis> axes, std::int64_t first_rank = 0, std::vector<std::int64_t> ranks = {}) {
+  LayoutSpec L;
   L.mesh.axes = std::move(axes);
   L.mesh.first_rank = first_rank;
   L.mesh.ranks = std::move(ranks);
   return L;
 }
 
-inline TensorSpec& add_tensor(Layout& L, std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims = {},
+inline TensorSpec& add_tensor(LayoutSpec& L, std::string name, std::vector<std::int64_t> shape, std::vector<DimSpec> dims = {},
                               DType dtype = DType::bf16) {
   L.tensors.push_back(tensor_spec(std::move(name), std::move(shape), dtype, std::move(dims)));
   return L.tensors.back();
@@ -92,17 +92,16 @@ inline TensorSpec& add_tensor(Layout& L, std::string name, std::vector<std::int6
 /// A validated layout on a mesh of `axes` holding one tensor "w".
 inline Layout one_tensor(std::vector<Axis> axes, std::vector<std::int64_t> shape, std::int64_t first_rank = 0,
                          std::vector<DimSpec> dims = {}, DType dtype = DType::bf16) {
-  Layout L = mesh_layout(std::move(axes), first_rank);
+  LayoutSpec L = mesh_layout(std::move(axes), first_rank);
   add_tensor(L, "w", std::move(shape), std::move(dims), dtype);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
-inline void add_concat(Layout& L, std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
+inline void add_concat(LayoutSpec& L, std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
   L.buffers.push_back(concat_buffer(std::move(name), std::move(parts), dim, interleave));
 }
 
-inline void add_flat(Layout& L, std::string name, std::vector<std::string> parts, DimSpec flat) {
+inline void add_flat(LayoutSpec& L, std::string name, std::vector<std::string> parts, DimSpec flat) {
   BufferSpec b;
   b.name = std::move(name);
   b.parts = std::move(parts);

@@ -121,10 +121,11 @@ inline Case random_case(std::uint64_t seed) {
   const std::int64_t ddp = 1 + static_cast<std::int64_t>(r() % 2), dtp = 1 + static_cast<std::int64_t>(r() % 3);
   const bool colocate = r() % 3 == 0;
   const DType sdt = std::array{DType::bf16, DType::f16, DType::f32}[r() % 3];
-  Layout src, dst;
-  src.mesh.axes = {{"dp", sdp}, {"tp", stp}};
-  dst.mesh.axes = {{"dp", ddp}, {"tp", dtp}};
-  dst.mesh.first_rank = colocate ? 0 : sdp * stp;
+  LayoutSpec src_spec;
+  LayoutSpec dst_spec;
+  src_spec.mesh.axes = {{"dp", sdp}, {"tp", stp}};
+  dst_spec.mesh.axes = {{"dp", ddp}, {"tp", dtp}};
+  dst_spec.mesh.first_rank = colocate ? 0 : sdp * stp;
   const std::int64_t E = 1 + static_cast<std::int64_t>(r() % 3);
   const std::int64_t R = 1 + static_cast<std::int64_t>(r() % 23), C = 1 + static_cast<std::int64_t>(r() % (mx ? 90 : 30));
   const bool experts = r() % 2 == 0, fused = r() % 2 == 0;
@@ -141,7 +142,7 @@ inline Case random_case(std::uint64_t seed) {
     // Source: tp cuts rows anywhere (then receivers quantize) or on tile boundaries.
     const bool aligned = r() % 2 == 0;
     s.dims[static_cast<std::size_t>(n - 2)] = sizes_over(1, stp, aligned ? tile_cuts(r, R, br, stp) : any_cuts(r, R, stp));
-    src.tensors.push_back(s);
+    src_spec.tensors.push_back(s);
     TensorSpec d;
     d.name = name;
     d.shape = shape;
@@ -156,7 +157,7 @@ inline Case random_case(std::uint64_t seed) {
     q.block = mx ? std::vector<std::int64_t>{32} : std::vector<std::int64_t>{br, bc};
     q.scale = name + "_scale";
     d.quant = q;
-    dst.tensors.push_back(d);
+    dst_spec.tensors.push_back(d);
     TensorSpec sc;
     sc.name = q.scale;
     sc.dtype = mx ? DType::u8 : DType::f32;
@@ -170,18 +171,18 @@ inline Case random_case(std::uint64_t seed) {
       auto& ds = sc.dims[static_cast<std::size_t>(n - nb + k)];
       for (auto& z : ds.sizes) z = (z + b - 1) / b;
     }
-    dst.tensors.push_back(sc);
+    dst_spec.tensors.push_back(sc);
     return d.dims;
   };
   const auto gate_dims = add("gate");
   if (fused) {
     // up: same cuts as gate on the destination so the two fuse.
-    const std::size_t before = dst.tensors.size();
+    const std::size_t before = dst_spec.tensors.size();
     add("up");
-    dst.tensors[before].dims = gate_dims;
-    auto& sc = dst.tensors[before + 1];
+    dst_spec.tensors[before].dims = gate_dims;
+    auto& sc = dst_spec.tensors[before + 1];
     sc.dims = gate_dims;
-    const auto& q = *dst.tensors[before].quant;
+    const auto& q = *dst_spec.tensors[before].quant;
     const int n = static_cast<int>(sc.shape.size()), nb = static_cast<int>(q.block.size());
     for (int k = 0; k < nb; ++k)
       for (auto& z : sc.dims[static_cast<std::size_t>(n - nb + k)].sizes) z = (z + q.block[static_cast<std::size_t>(k)] - 1) / q.block[static_cast<std::size_t>(k)];
@@ -189,13 +190,13 @@ inline Case random_case(std::uint64_t seed) {
     b.name = "gate_up";
     b.parts = {"gate", "up"};
     b.dim = experts && gate_dims[0].is_cut() ? 1 : 0;
-    dst.buffers.push_back(b);
+    dst_spec.buffers.push_back(b);
   }
   // A plain tensor beside them.
-  src.tensors.push_back(tensor("norm", {R}, {}, sdt));
-  dst.tensors.push_back(tensor("norm", {R}, {}, sdt));
-  src.validate();
-  dst.validate();
+  src_spec.tensors.push_back(tensor("norm", {R}, {}, sdt));
+  dst_spec.tensors.push_back(tensor("norm", {R}, {}, sdt));
+  Layout src(std::move(src_spec));
+  Layout dst(std::move(dst_spec));
   return {std::move(src), std::move(dst), what};
 }
 

@@ -365,7 +365,7 @@ class SideBuilder {
     L.buffers.push_back(std::move(b));
   }
 
-  Layout L;
+  reshard::LayoutSpec L;
 
  private:
   R& r_;
@@ -523,19 +523,17 @@ std::optional<RandomLayoutPair> draft_layout_pair(R& r, const RandomOptions& o =
       for (const auto& g : flat_groups) sb.make_flat(g);
       return std::move(sb.L);
     };
-    Layout src = build_side(false);
-    Layout dst = build_side(true);
+    reshard::LayoutSpec src = build_side(false);
+    reshard::LayoutSpec dst = build_side(true);
     src.origin = "src.json";
     dst.origin = "dst.json";
     out.ranks = place_ranks(r, src.mesh, dst.mesh);
     try {
-      src.validate();
-      dst.validate();
+      out.src = reshard::Layout(std::move(src));
+      out.dst = reshard::Layout(std::move(dst));
     } catch (const reshard::LayoutError&) {
       return std::nullopt;
     }
-    out.src = std::move(src);
-    out.dst = std::move(dst);
     return out;
   }
 }

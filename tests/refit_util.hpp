@@ -33,12 +33,11 @@ constexpr std::byte kSrcPad{0xA5}, kDstPad{0x5A};
 
 /// A validated layout over one mesh axis of `size` ranks from `first`.
 inline Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<TensorSpec> ts) {
-  Layout L;
+  LayoutSpec L;
   L.mesh.axes = {{axis, size}};
   L.mesh.first_rank = first;
   L.tensors = std::move(ts);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 /// A dim cut evenly over the whole of mesh axis 0.
 inline DimSpec cut(std::int64_t size) {

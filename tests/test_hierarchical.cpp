@@ -90,17 +90,17 @@ TEST_CASE("dp replicas in one NVLink domain: the network carries each byte once,
   // Source: tp=2 on ranks 0-1. Destination: dp=4 x tp=2 on ranks 2-9; with
   // 4-GPU domains and separate placement, the destination is on GPUs 4-11:
   // domains 1 and 2, two dp replicas each.
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "w", {64, 32}, {cut({ax(src, "tp")}), {}});
-  add_tensor(src, "b", {64}, {cut({ax(src, "tp")})});
-  add_tensor(src, "n", {32}, {{}});
-  src.validate();
-  Layout dst = mesh_layout({{"dp", 4}, {"tp", 2}}, 2);
-  add_tensor(dst, "w", {64, 32}, {{}, cut({ax(dst, "tp")})});
-  add_tensor(dst, "b", {64}, {cut({ax(dst, "tp")})});
-  add_tensor(dst, "n", {32}, {{}});
-  add_concat(dst, "wb", {"b", "n"});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "w", {64, 32}, {cut({ax(src_spec, "tp")}), {}});
+  add_tensor(src_spec, "b", {64}, {cut({ax(src_spec, "tp")})});
+  add_tensor(src_spec, "n", {32}, {{}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"dp", 4}, {"tp", 2}}, 2);
+  add_tensor(dst_spec, "w", {64, 32}, {{}, cut({ax(dst_spec, "tp")})});
+  add_tensor(dst_spec, "b", {64}, {cut({ax(dst_spec, "tp")})});
+  add_tensor(dst_spec, "n", {32}, {{}});
+  add_concat(dst_spec, "wb", {"b", "n"});
+  Layout dst(std::move(dst_spec));
   const Topology topo = small_topology(2, 4, PlacementKind::separate);
   const RankPlacement place(topo, src, dst);
   CHECK(place.gpu(2) == 4);
@@ -133,12 +133,12 @@ TEST_CASE("dp replicas in one NVLink domain: the network carries each byte once,
 TEST_CASE("prefer_near hands copies to a replica in the destination's domain, and spreads them") {
   // Source dp=2 x tp=2: ranks 0-1 and 2-3 are replicas. Destination tp=2 on
   // ranks 4-5. Placement: ranks 2,3,4,5 share domain 1.
-  Layout src = mesh_layout({{"dp", 2}, {"tp", 2}});
-  add_tensor(src, "w", {8, 64}, {cut({ax(src, "tp")}), {}});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 2}}, 4);
-  add_tensor(dst, "w", {8, 64}, {{}, cut({ax(dst, "tp")})});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 2}, {"tp", 2}});
+  add_tensor(src_spec, "w", {8, 64}, {cut({ax(src_spec, "tp")}), {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 4);
+  add_tensor(dst_spec, "w", {8, 64}, {{}, cut({ax(dst_spec, "tp")})});
+  Layout dst(std::move(dst_spec));
   Topology topo = small_topology(2, 4, PlacementKind::explicit_gpus);
   topo.rank_gpus = {0, 1, 4, 5, 6, 7};
   const RankPlacement place(topo, src, dst);
@@ -265,12 +265,12 @@ TEST_CASE("choose_senders picks the senders of a plain scan over all replicas (p
 }
 
 TEST_CASE("the staged oracle catches reads before writes, wrong layouts and duplicate fan-out") {
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "w", {16, 8}, {cut({ax(src, "tp")}), {}});
-  src.validate();
-  Layout dst = mesh_layout({{"dp", 4}, {"tp", 2}}, 2);
-  add_tensor(dst, "w", {16, 8}, {cut({ax(dst, "tp")}), {}});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "w", {16, 8}, {cut({ax(src_spec, "tp")}), {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"dp", 4}, {"tp", 2}}, 2);
+  add_tensor(dst_spec, "w", {16, 8}, {cut({ax(dst_spec, "tp")}), {}});
+  Layout dst(std::move(dst_spec));
   const RankPlacement place(small_topology(4, 4, PlacementKind::separate), src, dst);
   HierarchicalOptions ho;
   ho.pipeline = 1;

@@ -33,7 +33,7 @@ Layout placed(const Placement& p, const std::vector<std::int64_t>& shape, std::i
               std::vector<std::int64_t> ranks = {}, DType dtype = DType::bf16) {
   std::vector<Axis> axes;
   for (std::size_t a = 0; a < p.mesh.size(); ++a) axes.push_back({fmt::format("m{}", a), p.mesh[a]});
-  Layout L = mesh_layout(axes, first, std::move(ranks));
+  LayoutSpec L = mesh_layout(axes, first, std::move(ranks));
   std::vector<DimSpec> dims(shape.size());
   for (std::size_t a = 0; a < p.mesh.size(); ++a)
     if (p.shard[a] >= 0) dims[static_cast<std::size_t>(p.shard[a])].axes.push_back(AxisRef{static_cast<int>(a), 1, p.mesh[a]});
@@ -41,8 +41,7 @@ Layout placed(const Placement& p, const std::vector<std::int64_t>& shape, std::i
   for (std::size_t d = 0; d < dims.size(); ++d)
     if (dims[d].is_cut() && shape[d] % dims[d].parts() != 0) dims[d].split = Split::balanced;
   add_tensor(L, "t", shape, dims, dtype);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 std::int64_t world(const Placement& p) {

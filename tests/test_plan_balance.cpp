@@ -86,56 +86,56 @@ TEST_CASE("balance: colocated dp=4,tp=2 -> tp=8 on the same ranks (local pieces 
 }
 
 TEST_CASE("balance: a many-tensor model, pp=2,dp=2,tp=2 -> tp=4 (stages, column and row parallel, norms)") {
-  Layout src = mesh_layout({{"pp", 2}, {"dp", 2}, {"tp", 2}});
-  Layout dst = mesh_layout({{"tp", 4}}, 8);
+  LayoutSpec src_spec = mesh_layout({{"pp", 2}, {"dp", 2}, {"tp", 2}});
+  LayoutSpec dst_spec = mesh_layout({{"tp", 4}}, 8);
   const AxisRef s_tp{2, 1, 2}, d_tp{0, 1, 4};
   for (int layer = 0; layer < 4; ++layer) {
     const std::int64_t stage = layer / 2;
     auto name = [&](const char* w) { return fmt::format("layers.{}.{}", layer, w); };
-    add_tensor(src, name("qkv"), {768, 256}, {cut({s_tp}), {}}).stage = {{0, stage}};
-    add_tensor(src, name("o"), {256, 512}, {{}, cut({s_tp})}).stage = {{0, stage}};
-    add_tensor(src, name("norm"), {256}, {}).stage = {{0, stage}};
-    add_tensor(dst, name("qkv"), {768, 256}, {cut({d_tp}), {}});
-    add_tensor(dst, name("o"), {256, 512}, {{}, cut({d_tp})});
-    add_tensor(dst, name("norm"), {256}, {});
+    add_tensor(src_spec, name("qkv"), {768, 256}, {cut({s_tp}), {}}).stage = {{0, stage}};
+    add_tensor(src_spec, name("o"), {256, 512}, {{}, cut({s_tp})}).stage = {{0, stage}};
+    add_tensor(src_spec, name("norm"), {256}, {}).stage = {{0, stage}};
+    add_tensor(dst_spec, name("qkv"), {768, 256}, {cut({d_tp}), {}});
+    add_tensor(dst_spec, name("o"), {256, 512}, {{}, cut({d_tp})});
+    add_tensor(dst_spec, name("norm"), {256}, {});
   }
-  src.validate();
-  dst.validate();
+  Layout src(std::move(src_spec));
+  Layout dst(std::move(dst_spec));
   check_balanced(src, dst);
 }
 
 TEST_CASE("balance: cyclic experts replicated over dp=2 -> linear experts over ep=4") {
-  Layout src = mesh_layout({{"dp", 2}, {"ep", 4}});
-  add_tensor(src, "experts.w1", {16, 128, 64}, {cyclic({AxisRef{1, 1, 4}}, 1), {}, {}});
-  src.validate();
-  Layout dst = mesh_layout({{"ep", 4}}, 8);
-  add_tensor(dst, "experts.w1", {16, 128, 64}, {cut({AxisRef{0, 1, 4}}), {}, {}});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 2}, {"ep", 4}});
+  add_tensor(src_spec, "experts.w1", {16, 128, 64}, {cyclic({AxisRef{1, 1, 4}}, 1), {}, {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"ep", 4}}, 8);
+  add_tensor(dst_spec, "experts.w1", {16, 128, 64}, {cut({AxisRef{0, 1, 4}}), {}, {}});
+  Layout dst(std::move(dst_spec));
   check_balanced(src, dst);
 }
 
 TEST_CASE("balance: linear experts on dp=3 replicas -> cyclic experts over ep=4 (slabs by needed rows)") {
   // Each receiver needs every 4th expert: the bounding window of its piece
   // has gaps, so slabs must be cut by the rows needed, not by the window.
-  Layout src = mesh_layout({{"dp", 3}});
-  add_tensor(src, "experts.w1", {16, 128, 64});
-  src.validate();
-  Layout dst = mesh_layout({{"ep", 4}}, 3);
-  add_tensor(dst, "experts.w1", {16, 128, 64}, {cyclic({AxisRef{0, 1, 4}}, 1), {}, {}});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 3}});
+  add_tensor(src_spec, "experts.w1", {16, 128, 64});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"ep", 4}}, 3);
+  add_tensor(dst_spec, "experts.w1", {16, 128, 64}, {cyclic({AxisRef{0, 1, 4}}, 1), {}, {}});
+  Layout dst(std::move(dst_spec));
   check_balanced(src, dst);
 }
 
 TEST_CASE("balance: a flat parameter buffer replicated over dp=4 (Megatron's param buffer) -> tp=2") {
-  Layout src = mesh_layout({{"dp", 4}, {"tp", 2}});
-  add_tensor(src, "w1", {512, 512}, {cut({AxisRef{1, 1, 2}}), {}});
-  add_tensor(src, "w2", {512, 256}, {{}, cut({AxisRef{1, 1, 2}})});
-  add_flat(src, "params", {"w1", "w2"}, DimSpec{});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 2}}, 8);
-  add_tensor(dst, "w1", {512, 512}, {{}, cut({AxisRef{0, 1, 2}})});
-  add_tensor(dst, "w2", {512, 256}, {cut({AxisRef{0, 1, 2}}), {}});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 4}, {"tp", 2}});
+  add_tensor(src_spec, "w1", {512, 512}, {cut({AxisRef{1, 1, 2}}), {}});
+  add_tensor(src_spec, "w2", {512, 256}, {{}, cut({AxisRef{1, 1, 2}})});
+  add_flat(src_spec, "params", {"w1", "w2"}, DimSpec{});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 8);
+  add_tensor(dst_spec, "w1", {512, 512}, {{}, cut({AxisRef{0, 1, 2}})});
+  add_tensor(dst_spec, "w2", {512, 256}, {cut({AxisRef{0, 1, 2}}), {}});
+  Layout dst(std::move(dst_spec));
   check_balanced(src, dst);
 }
 
@@ -158,15 +158,15 @@ TEST_CASE("balance: sweep of replicated sources dp x tp -> tp' (same and cross d
               CAPTURE(sdim);
               CAPTURE(ddim);
               CAPTURE(colocated);
-              Layout src = mesh_layout({{"dp", dp}, {"tp", tp}});
+              LayoutSpec src_spec = mesh_layout({{"dp", dp}, {"tp", tp}});
               std::vector<DimSpec> sd(2), dd(2);
               sd[static_cast<std::size_t>(sdim)] = cut({AxisRef{1, 1, tp}});
-              add_tensor(src, "w", {240, 192}, sd, DType::f32);
-              src.validate();
-              Layout dst = mesh_layout({{"tp", tp2}}, colocated ? 0 : dp * tp);
+              add_tensor(src_spec, "w", {240, 192}, sd, DType::f32);
+              Layout src(std::move(src_spec));
+              LayoutSpec dst_spec = mesh_layout({{"tp", tp2}}, colocated ? 0 : dp * tp);
               dd[static_cast<std::size_t>(ddim)] = cut({AxisRef{0, 1, tp2}});
-              add_tensor(dst, "w", {240, 192}, dd, DType::f32);
-              dst.validate();
+              add_tensor(dst_spec, "w", {240, 192}, dd, DType::f32);
+              Layout dst(std::move(dst_spec));
               const auto c = plan_and_check(src, dst, opt);
               REQUIRE_MESSAGE(c.result.ok, c.result.fault);
               const auto b = oracle::balance(src, dst, c.schedule);
@@ -231,16 +231,16 @@ ReplicatedCase replicated_case(std::uint64_t seed) {
     return cut({a}, kind == 2 ? Split::chunk : Split::balanced);
   };
   const int sdim = r.chance(0.8) ? 0 : 1, ddim = r.chance(0.7) ? 0 : 1;
-  c.src = mesh_layout({{"dp", dp}, {"tp", tp}});
+  LayoutSpec src = mesh_layout({{"dp", dp}, {"tp", tp}});
   std::vector<DimSpec> sd(shape.size()), dd(shape.size());
   sd[static_cast<std::size_t>(sdim)] = spec(AxisRef{1, 1, tp}, shape[static_cast<std::size_t>(sdim)]);
-  add_tensor(c.src, "w", shape, sd, dtype);
-  c.src.validate();
+  add_tensor(src, "w", shape, sd, dtype);
+  c.src = Layout(std::move(src));
   const bool colocated = r.chance(0.25);
-  c.dst = mesh_layout({{"dp", dp2}, {"tp", tp2}}, colocated ? 0 : dp * tp);
+  LayoutSpec dst = mesh_layout({{"dp", dp2}, {"tp", tp2}}, colocated ? 0 : dp * tp);
   dd[static_cast<std::size_t>(ddim)] = spec(AxisRef{1, 1, tp2}, shape[static_cast<std::size_t>(ddim)]);
-  add_tensor(c.dst, "w", shape, dd, dtype);
-  c.dst.validate();
+  add_tensor(dst, "w", shape, dd, dtype);
+  c.dst = Layout(std::move(dst));
   c.what = fmt::format("seed {}: dp={} x tp={} (dim {}) -> dp={} x tp={} (dim {}), shape [{}]{}\nsrc: {}\ndst: {}", seed, dp, tp,
                        sdim, dp2, tp2, ddim, fmt::join(shape, ", "), colocated ? ", colocated" : "",
                        oracle::describe(c.src), oracle::describe(c.dst));
@@ -253,12 +253,12 @@ TEST_CASE("balance: few unequal pieces over many replicas (dp=3,tp=2 [61,7] chun
   // The tp-0 replicas hold 31 rows; the destination pieces they serve are 13,
   // 12 and 6 rows: one each, whole, puts 91 elements on one replica where
   // its group's even share is 72.3.
-  Layout src = mesh_layout({{"dp", 3}, {"tp", 2}});
-  add_tensor(src, "w", {61, 7}, {cut({AxisRef{1, 1, 2}}, Split::chunk), {}}, DType::f32);
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 5}}, 6);
-  add_tensor(dst, "w", {61, 7}, {cut({AxisRef{0, 1, 5}}, Split::balanced), {}}, DType::f32);
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 3}, {"tp", 2}});
+  add_tensor(src_spec, "w", {61, 7}, {cut({AxisRef{1, 1, 2}}, Split::chunk), {}}, DType::f32);
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 5}}, 6);
+  add_tensor(dst_spec, "w", {61, 7}, {cut({AxisRef{0, 1, 5}}, Split::balanced), {}}, DType::f32);
+  Layout dst(std::move(dst_spec));
   PlanOptions rotation;
   rotation.balance_limit = 0;
   const auto before = planned_balance(src, dst, rotation);
@@ -383,12 +383,12 @@ TEST_CASE("coalescing: a same-dim contiguous reshard is one copy per peer pair")
     CHECK(peer_pairs(s) == 4);
   }
   SUBCASE("tp=3 balanced -> tp=2 chunk on a 3-D tensor") {
-    Layout src = mesh_layout({{"tp", 3}});
-    add_tensor(src, "w", {29, 6, 5}, {cut({AxisRef{0, 1, 3}}, Split::balanced), {}, {}});
-    src.validate();
-    Layout dst = mesh_layout({{"tp", 2}}, 3);
-    add_tensor(dst, "w", {29, 6, 5}, {cut({AxisRef{0, 1, 2}}, Split::chunk), {}, {}});
-    dst.validate();
+    LayoutSpec src_spec = mesh_layout({{"tp", 3}});
+    add_tensor(src_spec, "w", {29, 6, 5}, {cut({AxisRef{0, 1, 3}}, Split::balanced), {}, {}});
+    Layout src(std::move(src_spec));
+    LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 3);
+    add_tensor(dst_spec, "w", {29, 6, 5}, {cut({AxisRef{0, 1, 2}}, Split::chunk), {}, {}});
+    Layout dst(std::move(dst_spec));
     const auto c = plan_and_check(src, dst);
     REQUIRE_MESSAGE(c.result.ok, c.result.fault);
     CHECK(static_cast<std::int64_t>(c.schedule.copies.size()) == peer_pairs(c.schedule));
@@ -405,12 +405,12 @@ TEST_CASE("coalescing: a same-dim contiguous reshard is one copy per peer pair")
     }
   }
   SUBCASE("cyclic experts -> linear experts: one strided copy per peer pair") {
-    Layout src = mesh_layout({{"ep", 4}});
-    add_tensor(src, "w", {16, 8, 4}, {cyclic({AxisRef{0, 1, 4}}, 1), {}, {}});
-    src.validate();
-    Layout dst = mesh_layout({{"ep", 2}}, 4);
-    add_tensor(dst, "w", {16, 8, 4}, {cut({AxisRef{0, 1, 2}}), {}, {}});
-    dst.validate();
+    LayoutSpec src_spec = mesh_layout({{"ep", 4}});
+    add_tensor(src_spec, "w", {16, 8, 4}, {cyclic({AxisRef{0, 1, 4}}, 1), {}, {}});
+    Layout src(std::move(src_spec));
+    LayoutSpec dst_spec = mesh_layout({{"ep", 2}}, 4);
+    add_tensor(dst_spec, "w", {16, 8, 4}, {cut({AxisRef{0, 1, 2}}), {}, {}});
+    Layout dst(std::move(dst_spec));
     const auto c = plan_and_check(src, dst);
     REQUIRE_MESSAGE(c.result.ok, c.result.fault);
     CHECK(c.schedule.copies.size() == 8);
@@ -430,12 +430,12 @@ TEST_CASE("coalescing: copies are collapsed to the fewest dims") {
     CHECK(s.copies.size() == 8);
   }
   SUBCASE("4-D tensor cut on its last dim -> cut on its first: two dims per copy") {
-    Layout src = mesh_layout({{"tp", 2}});
-    add_tensor(src, "w", {4, 3, 5, 8}, {{}, {}, {}, cut({AxisRef{0, 1, 2}})});
-    src.validate();
-    Layout dst = mesh_layout({{"tp", 2}}, 2);
-    add_tensor(dst, "w", {4, 3, 5, 8}, {cut({AxisRef{0, 1, 2}}), {}, {}, {}});
-    dst.validate();
+    LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+    add_tensor(src_spec, "w", {4, 3, 5, 8}, {{}, {}, {}, cut({AxisRef{0, 1, 2}})});
+    Layout src(std::move(src_spec));
+    LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 2);
+    add_tensor(dst_spec, "w", {4, 3, 5, 8}, {cut({AxisRef{0, 1, 2}}), {}, {}, {}});
+    Layout dst(std::move(dst_spec));
     const auto c = plan_and_check(src, dst);
     REQUIRE_MESSAGE(c.result.ok, c.result.fault);
     require_collapsed(c.schedule);
@@ -447,13 +447,13 @@ TEST_CASE("coalescing: copies are collapsed to the fewest dims") {
     }
   }
   SUBCASE("identical layouts: every copy is one contiguous run") {
-    Layout L = mesh_layout({{"dp", 2}, {"tp", 2}});
-    add_tensor(L, "a", {6, 10, 4}, {{}, cut({AxisRef{1, 1, 2}}), {}});
-    add_tensor(L, "b", {12, 7}, {cut({AxisRef{0, 1, 2}, AxisRef{1, 1, 2}}), {}});
-    L.validate();
-    Layout D = L;
-    D.mesh.first_rank = 4;
-    D.validate();
+    LayoutSpec L_spec = mesh_layout({{"dp", 2}, {"tp", 2}});
+    add_tensor(L_spec, "a", {6, 10, 4}, {{}, cut({AxisRef{1, 1, 2}}), {}});
+    add_tensor(L_spec, "b", {12, 7}, {cut({AxisRef{0, 1, 2}, AxisRef{1, 1, 2}}), {}});
+    Layout L(std::move(L_spec));
+    LayoutSpec D_spec = L;
+    D_spec.mesh.first_rank = 4;
+    Layout D(std::move(D_spec));
     const auto s = plan(L, D);
     require_collapsed(s);
     for (const auto& c : s.copies) CHECK(c.contiguous());

@@ -47,28 +47,26 @@ std::vector<std::string> names(const Layout& L, const std::vector<oracle::Slot>&
 /// Megatron linear_qkv on [dp, tp]: per query group [q_g; k_g; v_g], i.e.
 /// concat(q, k, v) with interleave = local query groups.
 Layout megatron_qkv(std::int64_t dp, std::int64_t tp, std::int64_t nh, std::int64_t ng, std::int64_t hd, std::int64_t H) {
-  Layout L = mesh_layout({{"dp", dp}, {"tp", tp}});
+  LayoutSpec L = mesh_layout({{"dp", dp}, {"tp", tp}});
   const AxisRef t{1, 1, tp};
   add_tensor(L, "q", {nh * hd, H}, {cut({t}), {}});
   add_tensor(L, "k", {ng * hd, H}, {cut({t}), {}});
   add_tensor(L, "v", {ng * hd, H}, {cut({t}), {}});
   add_concat(L, "linear_qkv", {"q", "k", "v"}, 0, ng / tp);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 /// vLLM qkv_proj on [tp]: [q_r; k_r; v_r]; kv heads replicated over
 /// tp / ng ranks when tp > ng (k shard index = rank / replicas).
 Layout vllm_qkv(std::int64_t tp, std::int64_t first, std::int64_t nh, std::int64_t ng, std::int64_t hd, std::int64_t H) {
-  Layout L = mesh_layout({{"tp", tp}}, first);
+  LayoutSpec L = mesh_layout({{"tp", tp}}, first);
   const AxisRef t{0, 1, tp};
   const AxisRef kv = tp > ng ? AxisRef{0, tp / ng, ng} : t;
   add_tensor(L, "q", {nh * hd, H}, {cut({t}), {}});
   add_tensor(L, "k", {ng * hd, H}, {cut({kv}), {}});
   add_tensor(L, "v", {ng * hd, H}, {cut({kv}), {}});
   add_concat(L, "qkv_proj", {"q", "k", "v"});
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 }  // namespace
@@ -77,51 +75,51 @@ Layout vllm_qkv(std::int64_t tp, std::int64_t first, std::int64_t nh, std::int64
 // The oracle's reading of the contract, on slots written out by hand.
 
 TEST_CASE("oracle: concat with interleave lays out G rounds of each part's slices") {
-  Layout L = mesh_layout({{"x", 1}});
-  add_tensor(L, "q", {4});
-  add_tensor(L, "k", {2});
-  add_concat(L, "qk", {"q", "k"}, 0, 2);
-  L.validate();
+  LayoutSpec L_spec = mesh_layout({{"x", 1}});
+  add_tensor(L_spec, "q", {4});
+  add_tensor(L_spec, "k", {2});
+  add_concat(L_spec, "qk", {"q", "k"}, 0, 2);
+  Layout L(std::move(L_spec));
   CHECK(names(L, slots_of(L, 0, "qk")) == std::vector<std::string>{"q[0]", "q[1]", "k[0]", "q[2]", "q[3]", "k[1]"});
 }
 
 TEST_CASE("oracle: concat along dim 1 of 2-D parts, one part empty on a rank") {
-  Layout L = mesh_layout({{"tp", 2}});
-  add_tensor(L, "a", {2, 2});
-  add_tensor(L, "b", {2, 1}, {{}, cut({AxisRef{0, 1, 2}}, Split::chunk)});  // rank 1 holds nothing of b
-  add_concat(L, "ab", {"a", "b"}, 1);
-  L.validate();
+  LayoutSpec L_spec = mesh_layout({{"tp", 2}});
+  add_tensor(L_spec, "a", {2, 2});
+  add_tensor(L_spec, "b", {2, 1}, {{}, cut({AxisRef{0, 1, 2}}, Split::chunk)});  // rank 1 holds nothing of b
+  add_concat(L_spec, "ab", {"a", "b"}, 1);
+  Layout L(std::move(L_spec));
   CHECK(names(L, slots_of(L, 0, "ab")) == std::vector<std::string>{"a[0,0]", "a[0,1]", "b[0,0]", "a[1,0]", "a[1,1]", "b[1,0]"});
   CHECK(names(L, slots_of(L, 1, "ab")) == std::vector<std::string>{"a[0,0]", "a[0,1]", "a[1,0]", "a[1,1]"});
 }
 
 TEST_CASE("oracle: flat buffer cut with chunk over dp, with padding parts") {
-  Layout L = mesh_layout({{"dp", 2}});
-  add_tensor(L, "a", {2, 2});
-  add_tensor(L, "b", {3}, {padded(DimSpec{}, 4)});
-  add_flat(L, "bucket", {"a", "b"}, cut({AxisRef{0, 1, 2}}, Split::chunk));
-  L.validate();
+  LayoutSpec L_spec = mesh_layout({{"dp", 2}});
+  add_tensor(L_spec, "a", {2, 2});
+  add_tensor(L_spec, "b", {3}, {padded(DimSpec{}, 4)});
+  add_flat(L_spec, "bucket", {"a", "b"}, cut({AxisRef{0, 1, 2}}, Split::chunk));
+  Layout L(std::move(L_spec));
   // sequence: a00 a01 a10 a11 b0 b1 b2 pad (L = 8), chunk of 4 each
   CHECK(names(L, slots_of(L, 0, "bucket")) == std::vector<std::string>{"a[0,0]", "a[0,1]", "a[1,0]", "a[1,1]"});
   CHECK(names(L, slots_of(L, 1, "bucket")) == std::vector<std::string>{"b[0]", "b[1]", "b[2]", "pad"});
 }
 
 TEST_CASE("oracle: cyclic blocks, sub-axes and pad_to") {
-  Layout L = mesh_layout({{"ep", 4}});
+  LayoutSpec L_spec = mesh_layout({{"ep", 4}});
   // dim 0: block-cyclic B=2 over the high digit of ep (ep / 2), padded to 10
-  add_tensor(L, "e", {9}, {padded(cyclic({AxisRef{0, 2, 2}}, 2), 10)});
-  L.validate();
+  add_tensor(L_spec, "e", {9}, {padded(cyclic({AxisRef{0, 2, 2}}, 2), 10)});
+  Layout L(std::move(L_spec));
   // part 0 (ep 0,1): blocks 0, 2, 4 -> 0 1 4 5 8 9(pad); part 1 (ep 2,3): 2 3 6 7
   CHECK(names(L, slots_of(L, 1, "e")) == std::vector<std::string>{"e[0]", "e[1]", "e[4]", "e[5]", "e[8]", "pad"});
   CHECK(names(L, slots_of(L, 2, "e")) == std::vector<std::string>{"e[2]", "e[3]", "e[6]", "e[7]"});
 }
 
 TEST_CASE("oracle: stage and explicit sizes") {
-  Layout L = mesh_layout({{"pp", 2}, {"tp", 3}});
+  LayoutSpec L_spec = mesh_layout({{"pp", 2}, {"tp", 3}});
   DimSpec s = cut({AxisRef{1, 1, 3}}, Split::sizes);
   s.sizes = {0, 3, 2};
-  add_tensor(L, "w", {5}, {s}).stage = {{0, 1}};
-  L.validate();
+  add_tensor(L_spec, "w", {5}, {s}).stage = {{0, 1}};
+  Layout L(std::move(L_spec));
   const auto r0 = oracle::local_slots(L, 1);  // pp 0: outside the stage
   CHECK_FALSE(r0.present[0]);
   const auto r4 = oracle::local_slots(L, 3);  // pp 1, tp 0: empty part
@@ -164,9 +162,9 @@ TEST_CASE("oracle: every planted fault is caught") {
 
 TEST_CASE("oracle: a network copy of data the receiver already holds is not minimal") {
   // Colocated identical replicated layouts: every copy should be local.
-  Layout L = mesh_layout({{"dp", 2}});
-  add_tensor(L, "w", {4, 4});
-  L.validate();
+  LayoutSpec L_spec = mesh_layout({{"dp", 2}});
+  add_tensor(L_spec, "w", {4, 4});
+  Layout L(std::move(L_spec));
   auto s = plan(L, L);
   REQUIRE(oracle::check_schedule(L, L, s).ok);
   REQUIRE(s.stats.bytes == 0);
@@ -183,12 +181,12 @@ TEST_CASE("oracle: a network copy of data the receiver already holds is not mini
 }
 
 TEST_CASE("oracle: stats that disagree with the copies are a fault") {
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "w", {4, 4}, {cut({AxisRef{0, 1, 2}}), {}});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 2}}, 2);
-  add_tensor(dst, "w", {4, 4}, {{}, cut({AxisRef{0, 1, 2}})});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "w", {4, 4}, {cut({AxisRef{0, 1, 2}}), {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 2);
+  add_tensor(dst_spec, "w", {4, 4}, {{}, cut({AxisRef{0, 1, 2}})});
+  Layout dst(std::move(dst_spec));
   auto s = plan(src, dst);
   REQUIRE(oracle::check_schedule(src, dst, s).ok);
   s.stats.bytes += 2;
@@ -216,29 +214,28 @@ TEST_CASE("megatron linear_qkv (per-group interleave) -> vLLM qkv_proj") {
 }
 
 TEST_CASE("megatron linear_fc1 [gate_t; up_t] tp=2 -> vLLM gate_up_proj tp=4") {
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "gate", {24, 8}, {cut({AxisRef{0, 1, 2}}), {}});
-  add_tensor(src, "up", {24, 8}, {cut({AxisRef{0, 1, 2}}), {}});
-  add_concat(src, "linear_fc1", {"gate", "up"});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 4}}, 2);
-  add_tensor(dst, "gate", {24, 8}, {cut({AxisRef{0, 1, 4}}), {}});
-  add_tensor(dst, "up", {24, 8}, {cut({AxisRef{0, 1, 4}}), {}});
-  add_concat(dst, "gate_up_proj", {"gate", "up"});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "gate", {24, 8}, {cut({AxisRef{0, 1, 2}}), {}});
+  add_tensor(src_spec, "up", {24, 8}, {cut({AxisRef{0, 1, 2}}), {}});
+  add_concat(src_spec, "linear_fc1", {"gate", "up"});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 4}}, 2);
+  add_tensor(dst_spec, "gate", {24, 8}, {cut({AxisRef{0, 1, 4}}), {}});
+  add_tensor(dst_spec, "up", {24, 8}, {cut({AxisRef{0, 1, 4}}), {}});
+  add_concat(dst_spec, "gate_up_proj", {"gate", "up"});
+  Layout dst(std::move(dst_spec));
   const auto s = require_correct(src, dst);
   CHECK(s.copies.size() == 8);  // one run of gate and one of up per receiver
 }
 
 TEST_CASE("tp=2 -> tp=4 and tp=4 -> tp=2, column and row parallel") {
   auto make = [](std::int64_t tp, std::int64_t first) {
-    Layout L = mesh_layout({{"tp", tp}}, first);
+    LayoutSpec L = mesh_layout({{"tp", tp}}, first);
     const AxisRef t{0, 1, tp};
     add_tensor(L, "col", {32, 12}, {cut({t}), {}});
     add_tensor(L, "row", {12, 32}, {{}, cut({t})});
     add_tensor(L, "norm", {12});
-    L.validate();
-    return L;
+    return Layout(std::move(L));
   };
   SUBCASE("tp=2 -> tp=4") {
     const auto s = require_correct(make(2, 0), make(4, 2));
@@ -251,12 +248,12 @@ TEST_CASE("tp=2 -> tp=4 and tp=4 -> tp=2, column and row parallel") {
 }
 
 TEST_CASE("cyclic (round-robin) experts -> linear experts with expert TP") {
-  Layout src = mesh_layout({{"ep", 4}});
-  add_tensor(src, "experts.w13", {8, 6, 4}, {cyclic({AxisRef{0, 1, 4}}, 1), {}, {}});
-  src.validate();
-  Layout dst = mesh_layout({{"ep", 2}, {"tp", 2}}, 4);
-  add_tensor(dst, "experts.w13", {8, 6, 4}, {cut({AxisRef{0, 1, 2}}), cut({AxisRef{1, 1, 2}}), {}});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"ep", 4}});
+  add_tensor(src_spec, "experts.w13", {8, 6, 4}, {cyclic({AxisRef{0, 1, 4}}, 1), {}, {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"ep", 2}, {"tp", 2}}, 4);
+  add_tensor(dst_spec, "experts.w13", {8, 6, 4}, {cut({AxisRef{0, 1, 2}}), cut({AxisRef{1, 1, 2}}), {}});
+  Layout dst(std::move(dst_spec));
   const auto s = require_correct(src, dst);
   // Each receiver gets its 4 experts' halves: from every source rank one strided copy.
   CHECK(s.copies.size() == 16);
@@ -264,21 +261,19 @@ TEST_CASE("cyclic (round-robin) experts -> linear experts with expert TP") {
 
 TEST_CASE("flat ZeRO bucket over dp -> tensors, and tensors -> flat bucket") {
   auto bucket = [](std::int64_t dp, Split split, std::int64_t first) {
-    Layout L = mesh_layout({{"dp", dp}}, first);
+    LayoutSpec L = mesh_layout({{"dp", dp}}, first);
     add_tensor(L, "a", {10, 6});
     add_tensor(L, "b", {7});
     add_tensor(L, "c", {3, 5}, {}, DType::bf16);
     add_flat(L, "bucket0", {"a", "b", "c"}, cut({AxisRef{0, 1, dp}}, split));
-    L.validate();
-    return L;
+    return Layout(std::move(L));
   };
   auto tensors = [](std::int64_t first) {
-    Layout L = mesh_layout({{"tp", 2}}, first);
+    LayoutSpec L = mesh_layout({{"tp", 2}}, first);
     add_tensor(L, "a", {10, 6}, {cut({AxisRef{0, 1, 2}}), {}});
     add_tensor(L, "b", {7});
     add_tensor(L, "c", {3, 5}, {{}, cut({AxisRef{0, 1, 2}}, Split::balanced)});
-    L.validate();
-    return L;
+    return Layout(std::move(L));
   };
   SUBCASE("bucket (chunk over dp=4) -> tensors") { require_correct(bucket(4, Split::chunk, 0), tensors(4)); }
   SUBCASE("bucket (balanced over dp=3) -> tensors") { require_correct(bucket(3, Split::balanced, 0), tensors(3)); }
@@ -288,26 +283,26 @@ TEST_CASE("flat ZeRO bucket over dp -> tensors, and tensors -> flat bucket") {
 
 TEST_CASE("padded vocabulary: Megatron pads to 128*tp, vLLM to 64, on both sides different") {
   const std::int64_t vocab = 1100, H = 8;
-  Layout src = mesh_layout({{"dp", 2}, {"tp", 2}});
-  add_tensor(src, "embed", {vocab, H}, {padded(cut({AxisRef{1, 1, 2}}), 1280), {}});  // 640 rows per rank
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 4}}, 4);
-  add_tensor(dst, "embed", {vocab, H}, {padded(cut({AxisRef{0, 1, 4}}), 1152), {}});  // 288 rows per rank
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 2}, {"tp", 2}});
+  add_tensor(src_spec, "embed", {vocab, H}, {padded(cut({AxisRef{1, 1, 2}}), 1280), {}});  // 640 rows per rank
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 4}}, 4);
+  add_tensor(dst_spec, "embed", {vocab, H}, {padded(cut({AxisRef{0, 1, 4}}), 1152), {}});  // 288 rows per rank
+  Layout dst(std::move(dst_spec));
   const auto s = require_correct(src, dst);
   CHECK(s.stats.bytes == vocab * H * 2);  // padding rows never move
   SUBCASE("and back") { require_correct(dst, src); }
 }
 
 TEST_CASE("colocated: tp=4 -> dp=2,tp=2 on the same four ranks") {
-  Layout src = mesh_layout({{"tp", 4}});
-  add_tensor(src, "w", {16, 8}, {cut({AxisRef{0, 1, 4}}), {}});
-  add_tensor(src, "o", {8, 16}, {{}, cut({AxisRef{0, 1, 4}})});
-  src.validate();
-  Layout dst = mesh_layout({{"dp", 2}, {"tp", 2}});
-  add_tensor(dst, "w", {16, 8}, {cut({AxisRef{1, 1, 2}}), {}});
-  add_tensor(dst, "o", {8, 16}, {{}, cut({AxisRef{1, 1, 2}})});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 4}});
+  add_tensor(src_spec, "w", {16, 8}, {cut({AxisRef{0, 1, 4}}), {}});
+  add_tensor(src_spec, "o", {8, 16}, {{}, cut({AxisRef{0, 1, 4}})});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"dp", 2}, {"tp", 2}});
+  add_tensor(dst_spec, "w", {16, 8}, {cut({AxisRef{1, 1, 2}}), {}});
+  add_tensor(dst_spec, "o", {8, 16}, {{}, cut({AxisRef{1, 1, 2}})});
+  Layout dst(std::move(dst_spec));
   const auto s = require_correct(src, dst);
   CHECK(s.stats.local_bytes > 0);
   // Receivers 0 and 3 already hold a quarter of each tensor (half of what
@@ -317,12 +312,12 @@ TEST_CASE("colocated: tp=4 -> dp=2,tp=2 on the same four ranks") {
 }
 
 TEST_CASE("permuted and non-contiguous rank lists") {
-  Layout src = mesh_layout({{"dp", 2}, {"tp", 2}}, 0, {9, 3, 12, 0});
-  add_tensor(src, "w", {12, 10}, {cut({AxisRef{1, 1, 2}}), {}});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 3}}, 0, {12, 7, 3});  // partly overlapping, reversed order
-  add_tensor(dst, "w", {12, 10}, {{}, cut({AxisRef{0, 1, 3}}, Split::chunk)});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 2}, {"tp", 2}}, 0, {9, 3, 12, 0});
+  add_tensor(src_spec, "w", {12, 10}, {cut({AxisRef{1, 1, 2}}), {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 3}}, 0, {12, 7, 3});  // partly overlapping, reversed order
+  add_tensor(dst_spec, "w", {12, 10}, {{}, cut({AxisRef{0, 1, 3}}, Split::chunk)});
+  Layout dst(std::move(dst_spec));
   const auto s = require_correct(src, dst);
   for (const auto& c : s.copies) {
     CHECK((c.src_rank == 9 || c.src_rank == 3 || c.src_rank == 12 || c.src_rank == 0));
@@ -336,19 +331,19 @@ TEST_CASE("ranks too far apart to pack into one sort key are still sorted and pl
   // sorts field by field. The result must be what the oracle wants,
   // and one-rank plans the full plan's copies in its order.
   const std::int64_t far = std::int64_t{1} << 62;
-  Layout src = mesh_layout({{"tp", 2}}, 0, {0, far});
-  Layout dst = mesh_layout({{"tp", 4}}, 5);
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}}, 0, {0, far});
+  LayoutSpec dst_spec = mesh_layout({{"tp", 4}}, 5);
   std::vector<std::string> reversed;
   for (int t = 0; t < 8; ++t) {
-    add_tensor(src, fmt::format("w{}", t), {8, 6}, {cut({AxisRef{0, 1, 2}}), {}});
-    add_tensor(dst, fmt::format("w{}", t), {8, 6}, {{}, cut({AxisRef{0, 1, 4}}, Split::chunk)});
+    add_tensor(src_spec, fmt::format("w{}", t), {8, 6}, {cut({AxisRef{0, 1, 2}}), {}});
+    add_tensor(dst_spec, fmt::format("w{}", t), {8, 6}, {{}, cut({AxisRef{0, 1, 4}}, Split::chunk)});
     reversed.insert(reversed.begin(), fmt::format("w{}", t));
   }
   // One destination buffer in reverse tensor order: the planner meets the
   // tensors (and the two senders by turns) out of the order it must list.
-  add_concat(dst, "b", reversed);
-  src.validate();
-  dst.validate();
+  add_concat(dst_spec, "b", reversed);
+  Layout src(std::move(src_spec));
+  Layout dst(std::move(dst_spec));
   const Schedule full = require_correct(src, dst);
   auto order = [](const Copy& c) {
     return std::make_tuple(c.dst_rank, c.dst_buffer, c.src_rank, c.src_buffer, c.tensor, c.dst_offset);
@@ -379,17 +374,17 @@ TEST_CASE("a large batch met out of order is listed in the planner's order, one-
   // reverse order, 4 rounds each): the destination's 1200 emitted copies
   // alternate senders and repeat routes, so the key sort (by radix at this
   // size) has real work.
-  Layout src = mesh_layout({{"tp", 2}});
-  Layout dst = mesh_layout({{"tp", 1}}, 2);
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  LayoutSpec dst_spec = mesh_layout({{"tp", 1}}, 2);
   std::vector<std::string> reversed;
   for (int t = 0; t < 300; ++t) {
-    add_tensor(src, fmt::format("w{}", t), {4, 6}, {cut({AxisRef{0, 1, 2}}), {}});
-    add_tensor(dst, fmt::format("w{}", t), {4, 6});
+    add_tensor(src_spec, fmt::format("w{}", t), {4, 6}, {cut({AxisRef{0, 1, 2}}), {}});
+    add_tensor(dst_spec, fmt::format("w{}", t), {4, 6});
     reversed.insert(reversed.begin(), fmt::format("w{}", t));
   }
-  add_concat(dst, "b", reversed, 0, 4);
-  src.validate();
-  dst.validate();
+  add_concat(dst_spec, "b", reversed, 0, 4);
+  Layout src(std::move(src_spec));
+  Layout dst(std::move(dst_spec));
   for (bool coalesce : {true, false}) {
     PlanOptions opt;
     opt.coalesce = coalesce;
@@ -415,26 +410,25 @@ TEST_CASE("a large batch met out of order is listed in the planner's order, one-
 
 TEST_CASE("pipeline stages: pp=2 (layers split by stage) -> pp=1, and pp=1 -> pp=3") {
   auto make = [](std::int64_t pp, std::int64_t tp, std::int64_t first) {
-    Layout L = mesh_layout({{"pp", pp}, {"tp", tp}}, first);
+    LayoutSpec L = mesh_layout({{"pp", pp}, {"tp", tp}}, first);
     for (int layer = 0; layer < 6; ++layer) {
       auto& t = add_tensor(L, fmt::format("layers.{}.w", layer), {8, 6}, {cut({AxisRef{1, 1, tp}}), {}});
       if (pp > 1) t.stage = {{0, layer * pp / 6}};
     }
-    L.validate();
-    return L;
+    return Layout(std::move(L));
   };
   SUBCASE("pp=2,tp=2 -> tp=4") { require_correct(make(2, 2, 0), make(1, 4, 4)); }
   SUBCASE("tp=2 -> pp=3,tp=2") { require_correct(make(1, 2, 0), make(3, 2, 2)); }
 }
 
 TEST_CASE("source-only tensors are ignored; a destination tensor missing from the source is an error") {
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "a", {4});
-  add_tensor(src, "extra", {4});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 1}}, 2);
-  add_tensor(dst, "a", {4});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "a", {4});
+  add_tensor(src_spec, "extra", {4});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 1}}, 2);
+  add_tensor(dst_spec, "a", {4});
+  Layout dst(std::move(dst_spec));
   require_correct(src, dst);
   CHECK_THROWS_AS(plan(dst, src), LayoutError);
 }
@@ -461,16 +455,15 @@ TEST_CASE("a piece needing more than kMaxBoxRank box dims is cut into several co
   // destination part in 2 runs of 2 on every dim, which merge on neither side
   // (local extents 8 and 6), so the piece has 10 box dims.
   const std::vector<Axis> axes{{"a", 2}, {"b", 2}, {"c", 2}, {"d", 2}, {"e", 2}};
-  Layout src = mesh_layout(axes), dst = mesh_layout(axes, 32);
+  LayoutSpec src_spec = mesh_layout(axes), dst_spec = mesh_layout(axes, 32);
   std::vector<DimSpec> sdims, ddims;
   for (int d = 0; d < 5; ++d) {
     sdims.push_back(cyclic({AxisRef{d, 1, 2}}, 4));
     ddims.push_back(cyclic({AxisRef{d, 1, 2}}, 2));
   }
-  add_tensor(src, "w", {12, 12, 12, 12, 12}, sdims);
-  add_tensor(dst, "w", {12, 12, 12, 12, 12}, ddims);
-  src.validate();
-  dst.validate();
+  add_tensor(src_spec, "w", {12, 12, 12, 12, 12}, sdims);
+  add_tensor(dst_spec, "w", {12, 12, 12, 12, 12}, ddims);
+  Layout src(std::move(src_spec)), dst(std::move(dst_spec));
   static_assert(2 * 5 > kMaxBoxRank);
   const Schedule s = require_correct(src, dst);
   int widest = 0;

@@ -1,5 +1,4 @@
 // Hand-checked plans: the copies a few small layout pairs must produce.
-#include <functional>
 #include <map>
 #include <random>
 
@@ -14,12 +13,11 @@ using namespace reshard;
 namespace {
 Layout one_axis(const std::string& axis, std::int64_t size, std::int64_t first, std::vector<std::int64_t> shape,
                 std::vector<DimSpec> dims) {
-  Layout L;
+  LayoutSpec L;
   L.mesh.axes = {{axis, size}};
   L.mesh.first_rank = first;
   L.tensors.push_back(tensor_spec("w", std::move(shape), DType::bf16, std::move(dims)));
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 DimSpec cut(std::int64_t size) {
   DimSpec d;
@@ -129,78 +127,66 @@ TEST_CASE("FlatIndex keeps every key's value through growth, with keys alike in 
   CHECK(index.slot(7 << 3) == 5);
 }
 
-TEST_CASE("a layout written after validate() reads as not validated, and plan() refuses it naming the side") {
-  auto src = one_axis("tp", 2, 0, {8, 4}, {cut(2), {}});
-  auto dst = one_axis("tp", 4, 0, {8, 4}, {{}, cut(4)});
+// Each kind of field a caller writes, as a concept: true for a LayoutSpec,
+// and it must be false for a Layout (a validated one is read-only).
+template <class L>
+concept writes_shape = requires(L& l) { l.tensors[0].shape[0] = 16; };
+template <class L>
+concept writes_tensor_list = requires(L& l) { l.tensors.push_back(TensorSpec{}); };
+template <class L>
+concept writes_cut = requires(L& l) { l.tensors[0].dims[0].split = Split::cyclic; };
+template <class L>
+concept writes_mesh = requires(L& l) {
+  l.mesh.axes[0].size = 4;
+  l.mesh.first_rank = 2;
+};
+template <class L>
+concept writes_buffer = requires(L& l) { l.buffers[0].parts.push_back("w"); };
+template <class L>
+concept writes_quant = requires(L& l) { l.tensors[0].quant->block = {4, 4}; };
+template <class L>
+concept writes_origin = requires(L& l) { l.origin = "elsewhere.json"; };
+template <class L>
+concept writes_any = writes_shape<L> || writes_tensor_list<L> || writes_cut<L> || writes_mesh<L> || writes_buffer<L> ||
+                     writes_quant<L> || writes_origin<L>;
+static_assert(writes_shape<LayoutSpec> && writes_tensor_list<LayoutSpec> && writes_cut<LayoutSpec> && writes_mesh<LayoutSpec> &&
+                  writes_buffer<LayoutSpec> && writes_quant<LayoutSpec> && writes_origin<LayoutSpec>,
+              "the concepts below must be able to hold");
+static_assert(!writes_any<Layout>, "a validated Layout's fields must not be writable");
+
+TEST_CASE("a validated layout is read-only: copies keep their own state, a changed spec is validated anew, an empty one is refused") {
+  const auto src = one_axis("tp", 2, 0, {8, 4}, {cut(2), {}});
+  const auto dst = one_axis("tp", 4, 0, {8, 4}, {{}, cut(4)});
   REQUIRE(src.validated());
-  const std::uint64_t before = src.description_hash();
-  // Each kind of field the caller writes: any one change makes the resolved state stale.
-  std::vector<std::function<void(Layout&)>> writes = {
-      [](Layout& L) { L.tensors[0].shape[0] = 16; },
-      [](Layout& L) { L.tensors[0].dims[0].axes[0].size = 1; },
-      [](Layout& L) { L.tensors[0].dtype = DType::f32; },
-      [](Layout& L) { L.tensors[0].name.push_back('2'); },
-      [](Layout& L) { L.tensors[0].stage.push_back(StageCoord{0, 1}); },
-      [](Layout& L) { L.mesh.axes[0].size = 4; },
-      [](Layout& L) { L.tensors[0].dims[0].split = Split::cyclic; },
-      [](Layout& L) { L.tensors[0].dims[0].block = 2; },
-      [](Layout& L) { L.tensors[0].dims[0].pad_to = 10; },
-      [](Layout& L) { L.tensors[0].dims[0].sizes = {3, 5}; },
-      [](Layout& L) { L.mesh.first_rank = 2; },
-      [](Layout& L) { L.mesh.ranks = {5, 7}; },
-      [](Layout& L) { L.buffers.push_back(concat_buffer("wb", {"w"})); },
-      [](Layout& L) { L.tensors[0].quant = QuantSpec{}; },
-  };
-  for (std::size_t k = 0; k < writes.size(); ++k) {
-    CAPTURE(k);
-    Layout changed = src;
-    CHECK(changed.validated());
-    writes[k](changed);
-    CHECK(changed.description_hash() != before);
-    CHECK_FALSE(changed.validated());
-    CHECK(changed.changed_since_validation());
-    const std::string e = test_util::error_of([&] { (void)plan(changed, dst); });
-    CHECK(e.find("the source layout") != std::string::npos);
-    CHECK(e.find("changed after validate()") != std::string::npos);
+  // The field views of a copy, an assigned and a moved layout are their own.
+  Layout copied = src;
+  Layout assigned;
+  assigned = src;
+  Layout moved = std::move(copied);
+  for (const Layout* L : {&assigned, &moved}) {
+    CHECK(&L->tensors == &L->spec().tensors);
+    CHECK(&L->mesh == &L->spec().mesh);
+    CHECK(&L->tensors != &src.tensors);
+    CHECK(L->validated());
+    CHECK(L->tensors[0].shape == std::vector<std::int64_t>{8, 4});
+    CHECK(plan(*L, dst).copies.size() == plan(src, dst).copies.size());
   }
-  // The fields of a buffer and of a quantized tensor, on a layout that has them.
-  Layout with_buffer = src;
-  with_buffer.buffers.push_back(concat_buffer("wb", {"w"}));
-  with_buffer.tensors[0].quant = QuantSpec{QuantScheme::block, {2, 2}, "w_scale"};
-  const std::uint64_t base = with_buffer.description_hash();
-  std::vector<std::function<void(Layout&)>> deeper = {
-      [](Layout& L) { L.buffers[0].name.push_back('2'); },
-      [](Layout& L) { L.buffers[0].parts.push_back("w"); },
-      [](Layout& L) { L.buffers[0].interleave = 2; },
-      [](Layout& L) { L.buffers[0].dim = 1; },
-      [](Layout& L) { L.buffers[0].kind = BufferKind::flat; },
-      [](Layout& L) { L.buffers[0].flat = cut(2); },
-      [](Layout& L) { L.tensors[0].quant->block = {4, 4}; },
-      [](Layout& L) { L.tensors[0].quant->scale.push_back('2'); },
-      [](Layout& L) { L.tensors[0].quant->scheme = QuantScheme::mx; },
-  };
-  for (std::size_t k = 0; k < deeper.size(); ++k) {
-    CAPTURE(k);
-    Layout changed = with_buffer;
-    deeper[k](changed);
-    CHECK(changed.description_hash() != base);
-  }
-  // Validating again makes it plannable (where the change is itself valid).
-  Layout grown = src;
-  grown.tensors[0].shape[0] = 16;
-  grown.validate();
-  CHECK(grown.validated());
-  auto grown_dst = one_axis("tp", 4, 0, {16, 4}, {{}, cut(4)});
-  CHECK(plan(grown, grown_dst).copies.size() > 0);
-  // Resolved fields and the origin are not the caller's description.
-  Layout renamed = src;
-  renamed.origin = "elsewhere.json";
-  CHECK(renamed.validated());
-  // A layout never validated is told apart from a changed one.
-  Layout fresh;
-  fresh.mesh.axes = {{"tp", 2}};
-  fresh.tensors.push_back(tensor_spec("w", {8, 4}, DType::bf16));
-  const std::string e = test_util::error_of([&] { (void)plan(src, fresh); });
-  CHECK(e.find("the destination layout") != std::string::npos);
-  CHECK(e.find("not validated") != std::string::npos);
+  // A change is a copy of the spec, validated: the original stays as it was.
+  LayoutSpec grown_spec = src.spec();
+  grown_spec.tensors[0].shape[0] = 16;
+  const Layout grown(std::move(grown_spec));
+  CHECK(src.tensors[0].shape[0] == 8);
+  CHECK(grown.tensors[0].shape[0] == 16);
+  CHECK(plan(grown, one_axis("tp", 4, 0, {16, 4}, {{}, cut(4)})).copies.size() > 0);
+  // plan() takes a LayoutSpec too, validating it (as the Resharder does).
+  CHECK(plan(src.spec(), LayoutSpec(dst)).copies.size() == plan(src, dst).copies.size());
+  LayoutSpec bad = src.spec();
+  bad.tensors[0].dims[0].axes[0].axis = 3;
+  CHECK_THROWS_AS(Layout{bad}, LayoutError);
+  // Moved-from and default-constructed layouts are empty: plan() names the side.
+  CHECK_FALSE(copied.validated());  // NOLINT(bugprone-use-after-move): what a move leaves is the point
+  const std::string e = test_util::error_of([&] { (void)plan(src, copied); });
+  CHECK(e.find("the destination layout is empty") != std::string::npos);
+  const std::string f = test_util::error_of([&] { (void)plan(Layout{}, dst); });
+  CHECK(f.find("the source layout is empty") != std::string::npos);
 }

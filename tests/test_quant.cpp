@@ -224,23 +224,24 @@ TEST_CASE("quantized refits on the device path (emulated streams, both kinds of 
 }
 
 TEST_CASE("sender-side quantization sends FP8: 1 byte per element plus the scales") {
-  Layout src, dst;
-  src.mesh.axes = {{"tp", 2}};
-  dst.mesh.axes = {{"tp", 4}};
-  dst.mesh.first_rank = 2;
+  LayoutSpec src_spec;
+  LayoutSpec dst_spec;
+  src_spec.mesh.axes = {{"tp", 2}};
+  dst_spec.mesh.axes = {{"tp", 4}};
+  dst_spec.mesh.first_rank = 2;
   TensorSpec s = tensor("w", {256, 256}, {cut(2), DimSpec{}}, DType::bf16);
-  src.tensors = {s};
+  src_spec.tensors = {s};
   TensorSpec d = tensor("w", {256, 256}, {cut(4), DimSpec{}}, DType::fp8e4m3);
   d.quant = QuantSpec{QuantScheme::block, {128, 128}, "w_scale_inv"};
   DimSpec chunk = cut(4);
   chunk.split = Split::chunk;
-  dst.tensors = {d, tensor("w_scale_inv", {2, 2}, {chunk, DimSpec{}}, DType::f32)};
-  CHECK_THROWS_WITH_AS(dst.validate(), doctest::Contains("cuts tiles of 128 along dim 0"), LayoutError);
-  dst.mesh.axes = {{"tp", 2}};
-  dst.tensors[0].dims = {cut(2), DimSpec{}};
-  dst.tensors[1].dims = {cut(2), DimSpec{}};
-  src.validate();
-  dst.validate();
+  dst_spec.tensors = {d, tensor("w_scale_inv", {2, 2}, {chunk, DimSpec{}}, DType::f32)};
+  CHECK_THROWS_WITH_AS(Layout{dst_spec}, doctest::Contains("cuts tiles of 128 along dim 0"), LayoutError);
+  dst_spec.mesh.axes = {{"tp", 2}};
+  dst_spec.tensors[0].dims = {cut(2), DimSpec{}};
+  dst_spec.tensors[1].dims = {cut(2), DimSpec{}};
+  Layout src(std::move(src_spec));
+  Layout dst(std::move(dst_spec));
   const Schedule p = plan(src, dst);
   CHECK(p.stats.bytes == 256 * 256 + 4 * 4);
   for (const auto& c : p.copies) CHECK(c.quant != CopyQuant::receiver);

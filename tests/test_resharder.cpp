@@ -24,14 +24,13 @@ namespace {
 
 Layout make_layout(std::vector<Axis> axes, std::int64_t first, std::vector<TensorSpec> tensors, std::vector<BufferSpec> buffers = {},
                    std::vector<std::int64_t> ranks = {}) {
-  Layout L;
+  LayoutSpec L;
   L.mesh.axes = std::move(axes);
   L.mesh.first_rank = first;
   L.mesh.ranks = std::move(ranks);
   L.tensors = std::move(tensors);
   L.buffers = std::move(buffers);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 DimSpec on(int axis, std::int64_t size, Split split = Split::even) {
   DimSpec d;

@@ -25,13 +25,14 @@ namespace {
 
 /// Ranks 0..n-1 on GPUs 0..n-1 (two layouts of n ranks each, colocated).
 struct World {
-  Layout a, b;
+  Layout a;
+  Layout b;
   Topology topo;
   RankPlacement place;
   World(std::int64_t n, std::int64_t per_node, std::int64_t domain) {
-    a = mesh_layout({{"x", n}});
-    add_tensor(a, "t", {n}, {cut({ax(a, "x")})});
-    a.validate();
+    LayoutSpec spec = mesh_layout({{"x", n}});
+    add_tensor(spec, "t", {n}, {cut({ax(spec, "x")})});
+    a = Layout(std::move(spec));
     b = a;
     topo.gpus_per_node = per_node;
     topo.nvlink_domain = domain;
@@ -211,12 +212,12 @@ TEST_CASE("a copy's shape: its form and the unit-stride runs of its staged sides
   // Rows of an 8x8 tensor over 2 ranks -> columns over 2 others: every
   // piece is 4 rows of a 4-wide half row at the source (4 runs), and 4
   // whole rows of the destination's 8x4 shard (one run).
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "w", {8, 8}, {cut({ax(src, "tp")}), {}});
-  src.validate();
-  Layout dst = mesh_layout({{"tp", 2}}, 2);
-  add_tensor(dst, "w", {8, 8}, {{}, cut({ax(dst, "tp")})});
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "w", {8, 8}, {cut({ax(src_spec, "tp")}), {}});
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 2);
+  add_tensor(dst_spec, "w", {8, 8}, {{}, cut({ax(dst_spec, "tp")})});
+  Layout dst(std::move(dst_spec));
   Topology topo;
   const RankPlacement place(topo, src, dst);
   Traffic tr(place);
@@ -329,12 +330,12 @@ TEST_CASE("lower bound: a destination domain takes each unique byte once over it
   // placement with 4-GPU domains: the destination is one domain of 4 GPUs
   // needing all of w once: 1 GB / (4 x 50 GB/s) = 5 ms; the source NICs:
   // 1 GB / (2 x 50 GB/s) = 10 ms (the bound).
-  Layout src = mesh_layout({{"tp", 2}});
-  add_tensor(src, "w", {1000, 250000}, {cut({ax(src, "tp")}), {}}, DType::f32);
-  src.validate();
-  Layout dst = mesh_layout({{"dp", 2}, {"tp", 2}}, 2);
-  add_tensor(dst, "w", {1000, 250000}, {{}, cut({ax(dst, "tp")})}, DType::f32);
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"tp", 2}});
+  add_tensor(src_spec, "w", {1000, 250000}, {cut({ax(src_spec, "tp")}), {}}, DType::f32);
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"dp", 2}, {"tp", 2}}, 2);
+  add_tensor(dst_spec, "w", {1000, 250000}, {{}, cut({ax(dst_spec, "tp")})}, DType::f32);
+  Layout dst(std::move(dst_spec));
   const Topology topo = four_gpu_domains_separate();
   const RankPlacement place(topo, src, dst);
   const auto lb = refit_lower_bound(src, dst, place);
@@ -367,14 +368,14 @@ TEST_CASE("FP8 destinations (quant): the simulator and the lower bound take the 
   // dp=2 x tp=2 in block FP8 (128x128 tiles, f32 scales), one 4-GPU domain
   // of its own. Every copy is sender-side: FP8 (1 byte per element) plus 4
   // bytes per tile cross.
-  Layout src = mesh_layout({{"dp", 2}, {"tp", 2}});
-  add_tensor(src, "w", {2048, 4096}, {cut({ax(src, "tp")}), {}}, DType::bf16);
-  src.validate();
-  Layout dst = mesh_layout({{"dp", 2}, {"tp", 2}}, 4);
-  add_tensor(dst, "w", {2048, 4096}, {cut({ax(dst, "tp")}), {}}, DType::fp8e4m3);
-  dst.tensors.back().quant = QuantSpec{QuantScheme::block, {128, 128}, "w_scale_inv"};
-  add_tensor(dst, "w_scale_inv", {16, 32}, {cut({ax(dst, "tp")}), {}}, DType::f32);
-  dst.validate();
+  LayoutSpec src_spec = mesh_layout({{"dp", 2}, {"tp", 2}});
+  add_tensor(src_spec, "w", {2048, 4096}, {cut({ax(src_spec, "tp")}), {}}, DType::bf16);
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"dp", 2}, {"tp", 2}}, 4);
+  add_tensor(dst_spec, "w", {2048, 4096}, {cut({ax(dst_spec, "tp")}), {}}, DType::fp8e4m3);
+  dst_spec.tensors.back().quant = QuantSpec{QuantScheme::block, {128, 128}, "w_scale_inv"};
+  add_tensor(dst_spec, "w_scale_inv", {16, 32}, {cut({ax(dst_spec, "tp")}), {}}, DType::f32);
+  Layout dst(std::move(dst_spec));
   const double fp8_bytes = 2048.0 * 4096 + 16 * 32 * 4;  // the tensor once, as the wire carries it
   const Topology topo = four_gpu_domains_separate();
   const RankPlacement place(topo, src, dst);
@@ -397,14 +398,14 @@ TEST_CASE("FP8 destinations (quant): the simulator and the lower bound take the 
 }
 
 TEST_CASE("FP8 on the inference side: decoder linear weights at 1 byte per element plus block scales") {
-  Layout L = mesh_layout({{"tp", 1}});
-  add_tensor(L, "model.embed_tokens.weight", {16, 8});
-  add_tensor(L, "model.layers.0.self_attn.o_proj.weight", {8, 8});
-  add_tensor(L, "model.layers.0.mlp.gate.weight", {4, 8});
-  add_tensor(L, "model.layers.0.input_layernorm.weight", {8});
-  add_tensor(L, "model.layers.1.mlp.experts.{0..3}.down_proj.weight", {4, 8, 8});
-  add_tensor(L, "lm_head.weight", {16, 8});
-  L.validate();
+  LayoutSpec L_spec = mesh_layout({{"tp", 1}});
+  add_tensor(L_spec, "model.embed_tokens.weight", {16, 8});
+  add_tensor(L_spec, "model.layers.0.self_attn.o_proj.weight", {8, 8});
+  add_tensor(L_spec, "model.layers.0.mlp.gate.weight", {4, 8});
+  add_tensor(L_spec, "model.layers.0.input_layernorm.weight", {8});
+  add_tensor(L_spec, "model.layers.1.mlp.experts.{0..3}.down_proj.weight", {4, 8, 8});
+  add_tensor(L_spec, "lm_head.weight", {16, 8});
+  Layout L(std::move(L_spec));
   const auto s = fp8_wire_scale(L);
   const double q = (1 + 4.0 / 16384) / 2;
   CHECK(s == std::vector<double>{1, q, 1, 1, q, 1});

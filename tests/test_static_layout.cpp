@@ -189,15 +189,15 @@ TEST_CASE("every dim spec lowers to the DimSpec one writes by hand") {
   L.add(st::Tensor<st::Replicated>("norm", {8}, bf));
   const Layout lo = L.lower();
 
-  Layout hand;
-  hand.origin = "<static layout>";
-  hand.mesh.axes = {{"ep", 2}, {"tp", 4}};
+  LayoutSpec hand_spec;
+  hand_spec.origin = "<static layout>";
+  hand_spec.mesh.axes = {{"ep", 2}, {"tp", 4}};
   const AxisRef ep = whole(0, 2), tp = whole(1, 4);
   auto with = [](DimSpec d, auto&& f) {
     f(d);
     return d;
   };
-  hand.tensors = {
+  hand_spec.tensors = {
       tensor("col", {16, 8}, bf, {cut({tp}), {}}),
       tensor("row", {8, 16}, bf, {{}, cut({tp})}),
       tensor("chunk", {10, 3}, bf, {cut({tp}, Split::chunk), {}}),
@@ -216,7 +216,7 @@ TEST_CASE("every dim spec lowers to the DimSpec one writes by hand") {
       tensor("two_on", {4, 3, 8}, bf, {cut({ep}), {}, cut({tp})}),
       tensor("norm", {8}, bf, {{}}),
   };
-  hand.validate();
+  Layout hand(std::move(hand_spec));
   expect_same_layout(lo, hand);
 }
 
@@ -229,12 +229,12 @@ TEST_CASE("static extents and runtime extents make one shape; stages lower to co
   CHECK(L.tensors()[static_cast<std::size_t>(q.index)].shape == std::vector<std::int64_t>{24, 16});
   L.add(st::Tensor<st::Replicated, st::Shape<16>>("n", {}, DType::f32).stage<"pp">(0));
   const Layout lo = L.lower();
-  Layout hand;
-  hand.origin = "<static layout>";
-  hand.mesh.axes = {{"pp", 2}, {"tp", 2}};
-  hand.tensors = {tensor("q", {24, 16}, DType::f16, {cut({whole(1, 2)}), {}}, {StageCoord{0, 1}}),
-                  tensor("n", {16}, DType::f32, {{}}, {StageCoord{0, 0}})};
-  hand.validate();
+  LayoutSpec hand_spec;
+  hand_spec.origin = "<static layout>";
+  hand_spec.mesh.axes = {{"pp", 2}, {"tp", 2}};
+  hand_spec.tensors = {tensor("q", {24, 16}, DType::f16, {cut({whole(1, 2)}), {}}, {StageCoord{0, 1}}),
+                       tensor("n", {16}, DType::f32, {{}}, {StageCoord{0, 0}})};
+  Layout hand(std::move(hand_spec));
   expect_same_layout(lo, hand);
   // The stage is real: the tensors live only on their pipeline stage.
   CHECK(lo.holds(3, 0));   // pp=1, tp=1
@@ -340,7 +340,7 @@ Layout static_train(std::int64_t dp) {
 }
 
 Layout hand_train(std::int64_t dp) {
-  Layout L;
+  LayoutSpec L;
   L.origin = "train";
   L.mesh.axes = {{"pp", 2}, {"dp", dp}, {"tp", 2}};
   const DType bf = DType::bf16;
@@ -370,8 +370,7 @@ Layout hand_train(std::int64_t dp) {
     L.tensors.push_back(tensor(p + "down", {kHidden, kFfn}, bf, {{}, tp}, s));
   }
   L.tensors.push_back(tensor("lm_head", {kVocab, kHidden}, bf, {vocab, {}}, {StageCoord{0, 1}}));
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 Layout static_infer(std::int64_t first_rank) {
@@ -402,7 +401,7 @@ Layout static_infer(std::int64_t first_rank) {
 }
 
 Layout hand_infer(std::int64_t first_rank) {
-  Layout L;
+  LayoutSpec L;
   L.origin = "infer";
   L.mesh.axes = {{"dp", 1}, {"tp", 4}};
   L.mesh.first_rank = first_rank;
@@ -431,8 +430,7 @@ Layout hand_infer(std::int64_t first_rank) {
     L.tensors.push_back(tensor(p + "down", {kHidden, kFfn}, bf, {{}, tp}));
   }
   L.tensors.push_back(tensor("lm_head", {kVocab, kHidden}, bf, {vocab, {}}));
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 }  // namespace
 
@@ -458,9 +456,9 @@ TEST_CASE("plans from lowered layouts equal plans from hand-built ones") {
 TEST_CASE("a static layout and a different hand-built one do not compare equal") {
   // Guards the comparisons above: a vocabulary padded differently is a different plan.
   const Layout src = static_train(1), dst = static_infer(4);
-  Layout other = hand_infer(4);
-  other.tensors[0].dims[0].pad_to = 1280;
-  other.validate();
+  LayoutSpec other_spec = hand_infer(4);
+  other_spec.tensors[0].dims[0].pad_to = 1280;
+  Layout other(std::move(other_spec));
   const Schedule a = plan(src, dst), b = plan(src, other);
   bool differs = a.copies.size() != b.copies.size();
   for (std::size_t i = 0; !differs && i < a.copies.size(); ++i)

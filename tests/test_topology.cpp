@@ -20,10 +20,9 @@ std::string error_of(const std::string& text) {
 }
 
 Layout side(std::int64_t n, std::int64_t first) {
-  Layout L = mesh_layout({{"tp", n}}, first);
+  LayoutSpec L = mesh_layout({{"tp", n}}, first);
   add_tensor(L, "w", {n}, {cut({ax(L, "tp")})});
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 }  // namespace

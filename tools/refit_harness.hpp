@@ -81,7 +81,7 @@ struct Fused {
 /// Decoder layer i's tensors (HF names) on stage `st`, column-parallel
 /// weights cut by `col` (k/v by `kvcut`), row-parallel ones on dim 1, and its
 /// fused qkv and gate/up buffers: both frameworks' layers differ only there.
-inline void add_layer(Layout& L, const ModelShape& m, int i, const DimSpec& col, const DimSpec& kvcut, const std::vector<StageCoord>& st,
+inline void add_layer(LayoutSpec& L, const ModelShape& m, int i, const DimSpec& col, const DimSpec& kvcut, const std::vector<StageCoord>& st,
                       const Fused& qkv, const Fused& gate_up) {
   const DimSpec none{};
   const DType dt = m.dtype;
@@ -102,7 +102,7 @@ inline void add_layer(Layout& L, const ModelShape& m, int i, const DimSpec& col,
 }
 
 /// The embedding on the first stage, the final norm and lm_head on the last.
-inline void add_ends(Layout& L, const ModelShape& m, const DimSpec& vocab, int pp) {
+inline void add_ends(LayoutSpec& L, const ModelShape& m, const DimSpec& vocab, int pp) {
   const DimSpec none{};
   L.tensors.push_back(tensor("model.embed_tokens.weight", {m.vocab, m.hidden}, {vocab, none}, m.dtype, {StageCoord{0, 0}}));
   L.tensors.push_back(tensor("model.norm.weight", {m.hidden}, {}, m.dtype, {StageCoord{0, pp - 1}}));
@@ -118,7 +118,7 @@ inline Layout megatron_layout(const ModelShape& m, int pp, int dp, int tp, std::
   using namespace detail;
   if (m.layers % pp != 0) fail("megatron layout: {} layers do not split evenly over pp={}", m.layers, pp);
   if (m.kv_heads % tp != 0) fail("megatron layout: tp={} must divide the {} query groups", tp, m.kv_heads);
-  Layout L;
+  LayoutSpec L;
   L.origin = fmt::format("megatron pp={},dp={},tp={}", pp, dp, tp);
   L.mesh.axes = {{"pp", pp}, {"dp", dp}, {"tp", tp}};
   L.mesh.first_rank = first_rank;
@@ -131,8 +131,7 @@ inline Layout megatron_layout(const ModelShape& m, int pp, int dp, int tp, std::
   DimSpec vocab = col;
   vocab.pad_to = round_up(m.vocab, 128 * tp);
   add_ends(L, m, vocab, pp);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 /// vLLM inference layout: mesh [pp, tp], qkv_proj = [q_r; k_r; v_r] (kv heads
@@ -143,7 +142,7 @@ inline Layout vllm_layout(const ModelShape& m, int tp, int pp, std::int64_t firs
   using namespace detail;
   if (tp > m.kv_heads ? tp % m.kv_heads != 0 : m.kv_heads % tp != 0)
     fail("vllm layout: tp={} and {} kv heads do not divide each other", tp, m.kv_heads);
-  Layout L;
+  LayoutSpec L;
   L.origin = fmt::format("vllm tp={},pp={}", tp, pp);
   L.mesh.axes = {{"pp", pp}, {"tp", tp}};
   L.mesh.first_rank = first_rank;
@@ -167,8 +166,7 @@ inline Layout vllm_layout(const ModelShape& m, int tp, int pp, std::int64_t firs
   vocab.pad_to = round_up(m.vocab, 64);
   if (vocab.pad_to % tp != 0) vocab.pad_to = round_up(m.vocab, 64 * tp);
   add_ends(L, m, vocab, pp);
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 /// Bytes a destination rank must receive over the network at least: its real

@@ -65,6 +65,7 @@
 #include "copy_kernels.hpp"
 #include "cuda/device_engine.hpp"
 #include "error.hpp"
+#include "hash.hpp"
 #include "layout.hpp"
 #include "message_rule.hpp"
 #include "peer_exchange.hpp"

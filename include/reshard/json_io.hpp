@@ -2,7 +2,7 @@
 // The JSON side of the file contract (CONTRACT.md §1 layout files, §2
 // schedules). The reader checks JSON types and shapes, maps axis names to
 // indices and rejects unknown fields, then leaves the semantic rules to
-// Layout::validate(). Every rejection is a LayoutError naming the file, the
+// Layout's validation. Every rejection is a LayoutError naming the file, the
 // tensor (or buffer) and the field, so a tool can print it as one line.
 // Compatible leniencies: an optional field set to null means it is absent;
 // a dimspec object may leave out "axes" (e.g. {"pad_to": P}: padded, not cut).
@@ -462,7 +462,7 @@ inline Layout parse_layout(const nlohmann::json& j, const std::string& origin) {
   const Where w{origin, "", ""};
   if (!j.is_object()) bad(w, "a layout file holds one object with 'mesh', 'tensors' and 'buffers'; got {}", describe(j));
   check_keys(j, w, {"mesh", "tensors", "buffers"});
-  Layout L;
+  LayoutSpec L;
   L.origin = origin;
   read_mesh(required(j, "mesh", w), L.mesh, w.at("mesh"));
   // The mesh first: axis names and sizes are needed to read the dimspecs.
@@ -476,8 +476,7 @@ inline Layout parse_layout(const nlohmann::json& j, const std::string& origin) {
     L.buffers.resize(buffers->size());
     for (std::size_t b = 0; b < buffers->size(); ++b) read_buffer((*buffers)[b], b, L.mesh, L.buffers[b], w.at("buffers"));
   }
-  L.validate();
-  return L;
+  return Layout(std::move(L));
 }
 
 /// Reads and validates a layout file. A missing file, unreadable file or

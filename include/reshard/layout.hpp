@@ -1,8 +1,9 @@
 #pragma once
 // Layout: one side of a refit (the training job or the inference job): a mesh,
 // the global tensors, how each is cut over the mesh, and which local buffers
-// hold the pieces (CONTRACT.md §1). validate() checks everything the contract
-// requires and resolves the cuts; the planner only ever sees validated layouts.
+// hold the pieces (CONTRACT.md §1). A LayoutSpec is what a caller writes; a
+// Layout is one validated (everything the contract requires, cuts resolved)
+// and read-only: the planner only ever sees validated layouts.
 #include <array>
 #include <concepts>
 #include <cstdint>
@@ -16,7 +17,6 @@
 #include "dim_spec.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
-#include "hash.hpp"
 #include "mesh.hpp"
 #include "quantize.hpp"
 
@@ -35,7 +35,7 @@ struct QuantSpec {
   std::vector<std::int64_t> block;  ///< tile extents of the trailing dims (mx: {32})
   std::string scale;                ///< name of the scale tensor (same layout)
 
-  // Resolved by Layout::validate().
+  // Resolved by validation (Layout's constructor).
   int scale_tensor = -1;
   /// Tile extent along dim d of a tensor of rank n (1 for the leading dims).
   std::int64_t tile(int d, int n) const {
@@ -52,7 +52,7 @@ struct TensorSpec {
   std::vector<StageCoord> stage;   ///< lives only where these coordinates match
   std::optional<QuantSpec> quant;  ///< destination only: FP8 with a scale tensor
 
-  // Resolved by Layout::validate().
+  // Resolved by validation (Layout's constructor).
   std::vector<DimCut> cuts;
   int scale_of = -1;  ///< >= 0: this is the scale tensor of that quantized tensor
   int buffer = -1;  ///< index into Layout::buffers, -1 = stored alone
@@ -76,7 +76,7 @@ struct BufferSpec {
   std::int64_t interleave = 1;  ///< concat rounds G
   DimSpec flat;                 ///< flat: how the flattened sequence is cut
 
-  // Resolved by Layout::validate().
+  // Resolved by validation (Layout's constructor).
   std::vector<int> part_ids;
 };
 
@@ -111,38 +111,77 @@ struct LocalBuffer {
   DType dtype = DType::f32;
 };
 
-class Layout {
- public:
+/// What a caller writes to describe one side: the mesh, the tensors, the
+/// buffers (CONTRACT.md §1). Writable and unchecked; Layout validates it.
+struct LayoutSpec {
   Mesh mesh;
   std::vector<TensorSpec> tensors;
   std::vector<BufferSpec> buffers;
   std::string origin = "<memory>";  ///< file name, for messages
+};
 
+/// A validated LayoutSpec, read-only from then on: what validation resolved
+/// (cuts, buffers, indexes) cannot go stale. Reads are field reads
+/// (`L.tensors[t].shape`) through const references; writes do not compile.
+/// To change a layout, copy spec(), edit it and validate the copy.
+class Layout {
+  struct State {
+    LayoutSpec spec;
+    bool validated = false;
+    std::unordered_map<std::string, int> tensor_index, buffer_index;
+    std::vector<LocalBuffer> local_buffers;
+    std::vector<int> tensor_buffer;
+    std::vector<int> tensor_slot;
+  };
+  State s_;  // declared before the views that refer into it
+
+ public:
+  const Mesh& mesh{s_.spec.mesh};
+  const std::vector<TensorSpec>& tensors{s_.spec.tensors};
+  const std::vector<BufferSpec>& buffers{s_.spec.buffers};
+  const std::string& origin{s_.spec.origin};
+
+  /// Empty and not validated (a slot to assign a layout to later).
+  Layout() = default;
   /// Validates and resolves; throws LayoutError naming origin, tensor, field.
-  inline void validate();
-  /// Validated, and not written since. The fields stay the caller's to
-  /// write, but what validate() resolved from them (cuts, buffers, indexes)
-  /// is then stale: every consumer asks this, and a layout changed after
-  /// validate() reads as not validated until validate() runs again.
-  bool validated() const { return validated_ && description_hash() == validated_hash_; }
-  /// validate() ran, and a field was written since (what plan() reports).
-  bool changed_since_validation() const { return validated_ && description_hash() != validated_hash_; }
-  /// A digest of everything the caller writes (mesh, tensors, buffers; not
-  /// what validate() resolves, not the origin).
-  inline std::uint64_t description_hash() const;
+  explicit Layout(LayoutSpec spec) {
+    s_.spec = std::move(spec);
+    validate();
+  }
+  // The views keep referring to this object's own state.
+  Layout(const Layout& o) : s_(o.s_) {}
+  Layout(Layout&& o) noexcept : s_(std::move(o.s_)) { o.s_.validated = false; }
+  Layout& operator=(const Layout& o) {
+    if (this != &o) s_ = o.s_;
+    return *this;
+  }
+  Layout& operator=(Layout&& o) noexcept {
+    if (this != &o) {
+      s_ = std::move(o.s_);
+      o.s_.validated = false;
+    }
+    return *this;
+  }
+
+  /// The description it was validated from (with what validation resolved);
+  /// `LayoutSpec s = layout;` copies it to change.
+  const LayoutSpec& spec() const { return s_.spec; }
+  operator const LayoutSpec&() const { return s_.spec; }  // NOLINT: implicit on purpose, a Layout is a description
+  /// False only for a default-constructed or moved-from layout.
+  bool validated() const { return s_.validated; }
 
   int find_tensor(std::string_view name) const {
-    auto it = tensor_index_.find(std::string(name));
-    return it == tensor_index_.end() ? -1 : it->second;
+    auto it = s_.tensor_index.find(std::string(name));
+    return it == s_.tensor_index.end() ? -1 : it->second;
   }
   int find_buffer(std::string_view name) const {
-    auto it = buffer_index_.find(std::string(name));
-    return it == buffer_index_.end() ? -1 : it->second;
+    auto it = s_.buffer_index.find(std::string(name));
+    return it == s_.buffer_index.end() ? -1 : it->second;
   }
-  const std::vector<LocalBuffer>& local_buffers() const { return local_buffers_; }
-  int buffer_of(int tensor) const { return tensor_buffer_[static_cast<std::size_t>(tensor)]; }
+  const std::vector<LocalBuffer>& local_buffers() const { return s_.local_buffers; }
+  int buffer_of(int tensor) const { return s_.tensor_buffer[static_cast<std::size_t>(tensor)]; }
   /// Index of tensor t among the parts of its BufferSpec (-1 when stored alone).
-  int slot_in_buffer(int tensor) const { return tensor_slot_[static_cast<std::size_t>(tensor)]; }
+  int slot_in_buffer(int tensor) const { return s_.tensor_slot[static_cast<std::size_t>(tensor)]; }
 
   bool in_stage(std::int64_t pos, int t) const {
     for (const auto& s : tensors[static_cast<std::size_t>(t)].stage)
@@ -173,18 +212,13 @@ class Layout {
   }
 
  private:
+  inline void validate();
   inline void validate_tensor(std::size_t i, std::vector<std::vector<AxisRef>>& refs);
   inline void validate_buffer(std::size_t b);
   inline void validate_quant(std::size_t i);
   ErrorContext ctx(const std::string& tensor, const std::string& field) const {
     return ErrorContext{origin, tensor, field};
   }
-  bool validated_ = false;
-  std::uint64_t validated_hash_ = 0;  ///< description_hash() when validate() succeeded
-  std::unordered_map<std::string, int> tensor_index_, buffer_index_;
-  std::vector<LocalBuffer> local_buffers_;
-  std::vector<int> tensor_buffer_;
-  std::vector<int> tensor_slot_;
 };
 
 namespace detail {
@@ -213,9 +247,9 @@ inline void validate_axis_ref(const Mesh& mesh, const AxisRef& r, const ErrorCon
 }
 
 inline void Layout::validate_tensor(std::size_t i, std::vector<std::vector<AxisRef>>& refs) {
-  auto& t = tensors[i];
+  auto& t = s_.spec.tensors[i];
   if (t.name.empty()) layout_fail(ctx("", fmt::format("tensors[{}].name", i)), "tensor name is empty");
-  if (!tensor_index_.emplace(t.name, static_cast<int>(i)).second)
+  if (!s_.tensor_index.emplace(t.name, static_cast<int>(i)).second)
     layout_fail(ctx(t.name, "name"), "tensor name appears twice");
   if (t.shape.empty() || t.shape.size() > kMaxTensorRank)
     layout_fail(ctx(t.name, "shape"), "shape has {} dims, it must have 1 to {}", t.shape.size(),
@@ -264,7 +298,7 @@ inline void Layout::validate_tensor(std::size_t i, std::vector<std::vector<AxisR
 }
 
 inline void Layout::validate_buffer(std::size_t b) {
-  auto& buf = buffers[b];
+  auto& buf = s_.spec.buffers[b];
   const std::string bname = buf.name;
   auto bctx = [&](const std::string& f) { return ErrorContext{origin, "", fmt::format("buffers[{}] '{}'.{}", b, bname, f)}; };
   if (buf.name.empty()) layout_fail(bctx("name"), "buffer name is empty");
@@ -273,12 +307,12 @@ inline void Layout::validate_buffer(std::size_t b) {
   for (std::size_t p = 0; p < buf.parts.size(); ++p) {
     const int t = find_tensor(buf.parts[p]);
     if (t < 0) layout_fail(bctx(fmt::format("parts[{}]", p)), "no tensor named '{}'", buf.parts[p]);
-    auto& ts = tensors[static_cast<std::size_t>(t)];
+    auto& ts = s_.spec.tensors[static_cast<std::size_t>(t)];
     if (ts.buffer >= 0)
       layout_fail(ctx(ts.name, "buffer"), "tensor is part of two buffers ('{}' and '{}')",
                   buffers[static_cast<std::size_t>(ts.buffer)].name, bname);
     ts.buffer = static_cast<int>(b);
-    tensor_slot_[static_cast<std::size_t>(t)] = static_cast<int>(buf.part_ids.size());
+    s_.tensor_slot[static_cast<std::size_t>(t)] = static_cast<int>(buf.part_ids.size());
     buf.part_ids.push_back(t);
   }
   const auto& first = tensors[static_cast<std::size_t>(buf.part_ids[0])];
@@ -379,7 +413,7 @@ inline void Layout::validate_buffer(std::size_t b) {
 /// exactly the tiles of them (CONTRACT.md §1): checked on the cuts, per
 /// position, without walking indices.
 inline void Layout::validate_quant(std::size_t i) {
-  auto& t = tensors[i];
+  auto& t = s_.spec.tensors[i];
   if (!t.quant) return;
   auto& q = *t.quant;
   const int n = t.rank();
@@ -399,7 +433,7 @@ inline void Layout::validate_quant(std::size_t i) {
   const int s = find_tensor(q.scale);
   if (s < 0) layout_fail(ctx(t.name, "quant.scale"), "no tensor named '{}' in this layout", q.scale);
   if (s == static_cast<int>(i)) layout_fail(ctx(t.name, "quant.scale"), "a tensor cannot be its own scale");
-  auto& st = tensors[static_cast<std::size_t>(s)];
+  auto& st = s_.spec.tensors[static_cast<std::size_t>(s)];
   if (st.quant) layout_fail(ctx(t.name, "quant.scale"), "scale tensor '{}' is itself quantized", st.name);
   if (st.scale_of >= 0)
     layout_fail(ctx(t.name, "quant.scale"), "scale tensor '{}' is also the scale of '{}'", st.name,
@@ -456,23 +490,23 @@ inline void Layout::validate_quant(std::size_t i) {
 }
 
 inline void Layout::validate() {
-  validated_ = false;
-  mesh.validate(ErrorContext{origin, "", ""});
-  tensor_index_.clear();
-  buffer_index_.clear();
-  local_buffers_.clear();
+  s_.validated = false;
+  s_.spec.mesh.validate(ErrorContext{origin, "", ""});
+  s_.tensor_index.clear();
+  s_.buffer_index.clear();
+  s_.local_buffers.clear();
   std::vector<std::vector<AxisRef>> refs(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) validate_tensor(i, refs);
-  tensor_slot_.assign(tensors.size(), -1);
+  s_.tensor_slot.assign(tensors.size(), -1);
   for (std::size_t b = 0; b < buffers.size(); ++b) validate_buffer(b);
-  for (auto& t : tensors) t.scale_of = -1;
+  for (auto& t : s_.spec.tensors) t.scale_of = -1;
   for (std::size_t i = 0; i < tensors.size(); ++i) validate_quant(i);
-  tensor_buffer_.assign(tensors.size(), -1);
+  s_.tensor_buffer.assign(tensors.size(), -1);
   auto add = [&](LocalBuffer lb, const ErrorContext& c) {
-    if (!buffer_index_.emplace(lb.name, static_cast<int>(local_buffers_.size())).second)
+    if (!s_.buffer_index.emplace(lb.name, static_cast<int>(s_.local_buffers.size())).second)
       layout_fail(c, "buffer name '{}' is used twice", lb.name);
-    for (int t : lb.tensors) tensor_buffer_[static_cast<std::size_t>(t)] = static_cast<int>(local_buffers_.size());
-    local_buffers_.push_back(std::move(lb));
+    for (int t : lb.tensors) s_.tensor_buffer[static_cast<std::size_t>(t)] = static_cast<int>(s_.local_buffers.size());
+    s_.local_buffers.push_back(std::move(lb));
   };
   for (std::size_t b = 0; b < buffers.size(); ++b) {
     const auto& bs = buffers[b];
@@ -484,56 +518,14 @@ inline void Layout::validate() {
     if (tensors[t].buffer < 0)
       add(LocalBuffer{tensors[t].name, -1, {static_cast<int>(t)}, tensors[t].dtype},
           ErrorContext{origin, tensors[t].name, "name"});
-  validated_hash_ = description_hash();
-  validated_ = true;
-}
-
-inline std::uint64_t Layout::description_hash() const {
-  Digest d;
-  auto u = [](auto v) { return static_cast<std::uint64_t>(v); };
-  auto ints = [&](const auto& v) {
-    d.add(u(v.size()));
-    for (auto x : v) d.add(u(x));
-  };
-  auto dim = [&](const DimSpec& s) {
-    d.add(u(s.axes.size()));
-    for (const AxisRef& r : s.axes) d.add(u(r.axis)).add(u(r.stride)).add(u(r.size));
-    d.add(u(s.split)).add(u(s.block)).add(u(s.pad_to));
-    ints(s.sizes);
-  };
-  d.add(u(mesh.axes.size()));
-  for (const Axis& a : mesh.axes) d.add(a.name).add(u(a.size));
-  d.add(u(mesh.first_rank));
-  ints(mesh.ranks);
-  d.add(u(tensors.size()));
-  for (const TensorSpec& t : tensors) {
-    d.add(t.name);
-    ints(t.shape);
-    d.add(u(t.dtype)).add(u(t.dims.size()));
-    for (const DimSpec& s : t.dims) dim(s);
-    d.add(u(t.stage.size()));
-    for (const StageCoord& c : t.stage) d.add(u(c.axis)).add(u(c.coord));
-    d.add(u(t.quant.has_value()));
-    if (t.quant) {
-      d.add(u(t.quant->scheme)).add(t.quant->scale);
-      ints(t.quant->block);
-    }
-  }
-  d.add(u(buffers.size()));
-  for (const BufferSpec& b : buffers) {
-    d.add(b.name).add(u(b.parts.size()));
-    for (const auto& part : b.parts) d.add(part);
-    d.add(u(b.kind)).add(u(b.dim)).add(u(b.interleave));
-    dim(b.flat);
-  }
-  return d.value();
+  s_.validated = true;
 }
 
 /// Anything that is, converts to, or lowers (`.lower()` / `.to_runtime()`)
-/// to a runtime reshard::Layout.
+/// to a runtime reshard::Layout, or a LayoutSpec to validate.
 template <class L>
-concept LayoutDescription = std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout> ||
-                            requires(const L& l) {
+concept LayoutDescription = std::same_as<std::remove_cvref_t<L>, Layout> || std::same_as<std::remove_cvref_t<L>, LayoutSpec> ||
+                            std::convertible_to<const L&, Layout> || requires(const L& l) {
                               { l.lower() } -> std::convertible_to<Layout>;
                             } || requires(const L& l) {
                               { l.to_runtime() } -> std::convertible_to<Layout>;
@@ -542,16 +534,18 @@ concept LayoutDescription = std::same_as<std::remove_cvref_t<L>, Layout> || std:
 template <class L>
 Layout lower_layout(const L& l) {
   static_assert(LayoutDescription<L>,
-                "reshard: a layout argument must be reshard::Layout, convert to it, or have .lower() / .to_runtime() "
-                "returning one");
+                "reshard: a layout argument must be reshard::Layout or LayoutSpec, convert to a Layout, or have "
+                ".lower() / .to_runtime() returning one");
   Layout out;
-  if constexpr (std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout>)
+  if constexpr (std::same_as<std::remove_cvref_t<L>, LayoutSpec>)
+    out = Layout(l);
+  else if constexpr (std::same_as<std::remove_cvref_t<L>, Layout> || std::convertible_to<const L&, Layout>)
     out = l;
   else if constexpr (requires { l.lower(); })
     out = l.lower();
   else
     out = l.to_runtime();
-  if (!out.validated()) out.validate();
+  if (!out.validated()) out = Layout(out.spec());  // an empty layout: the error names what is missing
   return out;
 }
 

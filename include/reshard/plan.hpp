@@ -197,10 +197,8 @@ class Planner {
   Planner(const Layout& src, const Layout& dst, PlanOptions opt = {}) : src_(src), dst_(dst), opt_(opt) {
     for (const Layout* L : {&src, &dst}) {
       const char* side = L == &src ? "source" : "destination";
-      if (L->validated()) continue;  // one digest of the description per layout
-      if (L->changed_since_validation())
-        fail("plan: the {} layout ({}) was changed after validate(): validate it again", side, L->origin);
-      fail("plan: the {} layout ({}) is not validated: call validate() first", side, L->origin);
+      if (!L->validated())
+        fail("plan: the {} layout is empty (default-constructed or moved from): build it from a LayoutSpec", side);
     }
     src_of_dst_ = match_tensors(src, dst);
     for (auto r : dst.mesh.global_ranks()) sides_meet_ = sides_meet_ || src.mesh.position_of(r).has_value();
@@ -1197,7 +1195,7 @@ class Planner {
   /// Where the box of run groups `idx` into a quantized tensor is quantized:
   /// on the sender when it is whole tiles (then the sender holds every
   /// element of them: it reads them all), else on the receiver. Local
-  /// indices of the destination piece are tile-aligned (Layout::validate).
+  /// indices of the destination piece are tile-aligned (Layout validation).
   template <class Groups>
   CopyQuant quant_side(const QuantSpec& q, const Ctx& c, const Groups& groups, const std::array<std::size_t, kMaxTensorRank>& idx,
                        int n) const {

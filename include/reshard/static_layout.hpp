@@ -5,7 +5,7 @@
 // and dynamic sizes run through the same code, as CuTe's Int<4> and int do,
 // and as std::mdspan's static and dynamic extents do. Everything lowers to the
 // runtime descriptors of layout.hpp, exactly as the JSON reader builds them,
-// and Layout::validate() then checks what only runtime values can show.
+// and validating the Layout then checks what only runtime values can show.
 //
 // Misuse that types can show is one static_assert whose message is a
 // sentence; the "In instantiation of ... diagnostic::<what>() [with ...]" line
@@ -516,7 +516,7 @@ class MeshOf {
     }
   }
 
-  /// The runtime mesh (not yet validated: Layout::validate() does that).
+  /// The runtime mesh (not yet validated: building the Layout does that).
   Mesh lower() const {
     Mesh m;
     for (std::size_t i = 0; i < sizeof...(A); ++i)
@@ -1440,13 +1440,12 @@ class LayoutOf {
 
   /// The runtime layout, validated (throws LayoutError naming origin, tensor, field).
   Layout lower() const {
-    Layout L;
+    LayoutSpec L;
     L.mesh = mesh.lower();
     L.tensors = tensors_;
     L.buffers = buffers_;
     L.origin = origin;
-    L.validate();
-    return L;
+    return Layout(std::move(L));
   }
 
  private:

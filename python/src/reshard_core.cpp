@@ -716,7 +716,7 @@ NB_MODULE(_core, m) {
 #endif
 
   nb::class_<Layout>(m, "Layout")
-      .def_ro("origin", &Layout::origin)
+      .def_prop_ro("origin", [](const Layout& L) { return L.origin; })
       .def_prop_ro("ranks", [](const Layout& L) { return L.mesh.global_ranks(); })
       .def_prop_ro("mesh",
                    [](const Layout& L) {

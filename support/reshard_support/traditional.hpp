@@ -21,8 +21,8 @@ namespace reshard {
 /// Step 1's target: on src's mesh, each tensor unsplit and held only by its
 /// root (a stage on every mesh axis pins it to one position).
 inline Layout gather_layout(const Layout& src) {
-  if (!src.validated()) fail("gather_layout: validate the layout first");
-  Layout g;
+  if (!src.validated()) fail("gather_layout: the layout is empty");
+  LayoutSpec g;
   g.mesh = src.mesh;
   g.origin = src.origin + " (gathered)";
   for (std::size_t t = 0; t < src.tensors.size(); ++t) {
@@ -38,15 +38,14 @@ inline Layout gather_layout(const Layout& src) {
     for (int a = 0; a < static_cast<int>(src.mesh.axes.size()); ++a) out.stage.push_back(StageCoord{a, src.mesh.coord(root, a)});
     g.tensors.push_back(std::move(out));
   }
-  g.validate();
-  return g;
+  return Layout(std::move(g));
 }
 
 /// Step 2's target: on dst's mesh, each tensor unsplit on every rank of its
 /// stage (what a broadcast leaves behind).
 inline Layout broadcast_layout(const Layout& dst) {
-  if (!dst.validated()) fail("broadcast_layout: validate the layout first");
-  Layout b;
+  if (!dst.validated()) fail("broadcast_layout: the layout is empty");
+  LayoutSpec b;
   b.mesh = dst.mesh;
   b.origin = dst.origin + " (broadcast)";
   for (const auto& ts : dst.tensors) {
@@ -57,8 +56,7 @@ inline Layout broadcast_layout(const Layout& dst) {
     out.stage = ts.stage;
     b.tensors.push_back(std::move(out));
   }
-  b.validate();
-  return b;
+  return Layout(std::move(b));
 }
 
 }  // namespace reshard

@@ -98,13 +98,10 @@ class LayoutBuilder {
     L_.buffers.push_back(concat_buffer(std::move(name), std::move(parts), dim, interleave));
   }
 
-  Layout finish() {
-    L_.validate();
-    return std::move(L_);
-  }
+  Layout finish() { return Layout(std::move(L_)); }
 
  private:
-  Layout L_;
+  LayoutSpec L_;
   int stage_axis_ = -1;
 };
 

@@ -28,15 +28,16 @@ inline bool fp8_role(Role r) {
   }
 }
 
-/// Quantizes the FP8 roles' tensors of a validated layout built from `m`
-/// (scheme and tile `block`), adds their scale tensors (cut like the weight
-/// at tile granularity, stored alone) and validates again.
-inline void quantize_linear_weights(Layout& L, const Manifest& m, QuantScheme scheme, const std::vector<std::int64_t>& block,
-                                    const std::string& scale_suffix) {
+/// A validated layout built from `m` with its FP8 roles' tensors quantized
+/// (scheme and tile `block`) and their scale tensors added (cut like the
+/// weight at tile granularity, stored alone), validated.
+inline Layout quantize_linear_weights(const Layout& served, const Manifest& m, QuantScheme scheme,
+                                      const std::vector<std::int64_t>& block, const std::string& scale_suffix) {
+  LayoutSpec L = served.spec();  // its cuts are resolved: they give the scales' part sizes
   std::vector<TensorSpec> scales;
   for (const auto& info : m.tensors) {
     if (!fp8_role(info.role)) continue;
-    const int t = L.find_tensor(info.name);
+    const int t = served.find_tensor(info.name);
     if (t < 0) continue;  // not served (MTP)
     auto& ts = L.tensors[static_cast<std::size_t>(t)];
     const std::string suffix = ".weight";
@@ -80,7 +81,7 @@ inline void quantize_linear_weights(Layout& L, const Manifest& m, QuantScheme sc
     scales.push_back(std::move(sc));
   }
   for (auto& s : scales) L.tensors.push_back(std::move(s));
-  L.validate();
+  return Layout(std::move(L));
 }
 
 }  // namespace reshard::presets

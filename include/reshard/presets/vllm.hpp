@@ -182,9 +182,9 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
   const std::string quant = !s.quant.empty() ? s.quant : c.fp8_block.empty() ? "none" : "fp8";
   if (quant != "none") {
     try {
-      if (quant == "mxfp8") quantize_linear_weights(L, m, QuantScheme::mx, {kMxTile}, "weight_scale");
-      else quantize_linear_weights(L, m, QuantScheme::block, c.fp8_block.empty() ? std::vector<std::int64_t>{128, 128} : c.fp8_block,
-                                   "weight_scale_inv");
+      if (quant == "mxfp8") L = quantize_linear_weights(L, m, QuantScheme::mx, {kMxTile}, "weight_scale");
+      else L = quantize_linear_weights(L, m, QuantScheme::block, c.fp8_block.empty() ? std::vector<std::int64_t>{128, 128} : c.fp8_block,
+                                       "weight_scale_inv");
     } catch (const LayoutError& e) {
       fail("{}: quant={}: {}", where, quant, e.what());
     }
