@@ -152,7 +152,7 @@ class Layout {
   Layout(const Layout& o) : s_(o.s_) {}
   Layout(Layout&& o) noexcept : s_(std::move(o.s_)) { o.s_.validated = false; }
   Layout& operator=(const Layout& o) {
-    if (this != &o) s_ = o.s_;
+    if (this != &o) s_ = State(o.s_);  // copy, then move: a failed copy leaves this as it was
     return *this;
   }
   Layout& operator=(Layout&& o) noexcept {
