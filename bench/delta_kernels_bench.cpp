@@ -19,7 +19,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "reshard/delta.hpp"
+#include "reshard/exec/delta.hpp"
 #include "bench_clock.hpp"
 
 int main(int argc, char** argv) {

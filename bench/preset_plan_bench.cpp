@@ -14,7 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 #include "reshard/presets/presets.hpp"
 #include "bench_clock.hpp"
 

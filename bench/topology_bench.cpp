@@ -25,12 +25,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "reshard/hierarchical.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/hierarchical.hpp"
+#include "reshard/plan/plan.hpp"
+#include "reshard/plan/topology.hpp"
 #include "reshard/presets/presets.hpp"
 #include "reshard/sim/simulate.hpp"
 #include "reshard/sim/stream_traffic.hpp"
-#include "reshard/topology.hpp"
 #include "bench_clock.hpp"
 
 using namespace reshard;

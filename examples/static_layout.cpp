@@ -3,13 +3,13 @@
 // padded to 128 * tp) and a vLLM-like inference side (tp, [q; k; v]). Sizes
 // that come from a config (dp, hidden size) stay runtime values. Prints the
 // inference layout as the JSON the file contract describes, and the plan.
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 #include <cstdio>
 #include <string>
 
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 
 namespace st = reshard::st;
 using reshard::DType;

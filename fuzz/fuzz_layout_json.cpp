@@ -12,7 +12,7 @@
 #include "fuzz_common.hpp"
 #include "oracle.hpp"
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 
 namespace {
 

@@ -24,7 +24,7 @@
 
 #include "oracle.hpp"
 #include "random_layouts.hpp"
-#include "reshard/layout.hpp"
+#include "reshard/layout/layout.hpp"
 
 namespace fuzzgen {
 

@@ -9,7 +9,7 @@
 #include "fuzz_common.hpp"
 #include "fuzz_layouts.hpp"
 #include "oracle.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   fuzzgen::Bytes in(data, size);

@@ -6,7 +6,7 @@
 //   refit 1: memory laid out and checked with the oracle's slots
 //            (tests/refit_util.hpp, its own arithmetic);
 //   refit 2: the same buffers refilled with the library's tags
-//            (reshard/verify.hpp fill_tags / check_tags), padding included.
+//            (reshard_support/verify.hpp fill_tags / check_tags), padding included.
 // Each rank's report must also move exactly the bytes its plan says.
 #include <cstdint>
 #include <cstdlib>
@@ -17,8 +17,8 @@
 #include "fuzz_common.hpp"
 #include "fuzz_layouts.hpp"
 #include "refit_util.hpp"
-#include "reshard/backends/local.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/transport/local.hpp"
 #include "reshard_support/verify.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -27,9 +27,9 @@
 #include <thread>
 #include <vector>
 
-#include "reshard/backends/local.hpp"
 #include "reshard/cuda/box_batch.hpp"
 #include "reshard/cuda/device_engine.hpp"
+#include "reshard/transport/local.hpp"
 
 namespace reshard::test {
 

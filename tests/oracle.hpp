@@ -23,8 +23,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "reshard/layout.hpp"
-#include "reshard/schedule.hpp"
+#include "reshard/layout/layout.hpp"
+#include "reshard/schedule/schedule.hpp"
 
 namespace oracle {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "oracle.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 
 namespace plantest {
 

@@ -1,6 +1,6 @@
 #pragma once
 // A reference quantizer written from CONTRACT.md §1 "Quantized destination
-// tensors" alone, sharing no code with include/reshard/quantize.hpp: E4M3 by
+// tensors" alone, sharing no code with include/reshard/layout/quantize.hpp: E4M3 by
 // search over the format's value table (nearest, ties to the even code),
 // tiles over whole global tensors.
 #include <cmath>

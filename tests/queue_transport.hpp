@@ -1,5 +1,5 @@
 #pragma once
-// A third transport, written from the contract in reshard/transport.hpp
+// A third transport, written from the contract in reshard/transport/transport.hpp
 // alone (not from the other backends): in-process ranks (threads) matching
 // sends and receives in plain std::mutex / std::condition_variable queues.
 // It exists to show the contract is enough to implement a backend, and so
@@ -37,7 +37,7 @@
 
 #include <fmt/format.h>
 
-#include "reshard/transport.hpp"
+#include "reshard/transport/transport.hpp"
 
 namespace queue_transport {
 

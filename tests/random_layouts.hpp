@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "oracle.hpp"
-#include "reshard/layout.hpp"
+#include "reshard/layout/layout.hpp"
 
 namespace testgen {
 

@@ -20,10 +20,10 @@
 #include "oracle.hpp"
 #include "reshard_support/fault_injection.hpp"
 #include "reshard_support/verify.hpp"
-#include "reshard/backends/local.hpp"
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/transport/local.hpp"
 
 namespace refit_test {
 

@@ -28,8 +28,8 @@
 #include <vector>
 
 #include "oracle.hpp"
-#include "reshard/hierarchical.hpp"
-#include "reshard/topology.hpp"
+#include "reshard/plan/hierarchical.hpp"
+#include "reshard/plan/topology.hpp"
 
 namespace staged_oracle {
 

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "refit_util.hpp"
-#include "reshard/executor.hpp"
+#include "reshard/exec/executor.hpp"
 
 using namespace reshard;
 

@@ -4,7 +4,7 @@
 #include <map>
 #include <random>
 
-#include "reshard/box.hpp"
+#include "reshard/plan/box.hpp"
 
 using namespace reshard;
 

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "error_of.hpp"
-#include "reshard/copy_kernels.hpp"
 #include "reshard/cuda/box_batch.hpp"
 #include "reshard/cuda/device_engine.hpp"
+#include "reshard/exec/copy_kernels.hpp"
 
 using namespace reshard;
 using namespace reshard::cuda;

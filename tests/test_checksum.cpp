@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "reshard/checksum.hpp"
+#include "reshard/exec/checksum.hpp"
 
 using namespace reshard;
 

@@ -5,9 +5,9 @@
 #include <doctest/doctest.h>
 
 #include "refit_util.hpp"
-#include "reshard/backends/local.hpp"
 #include "reshard/commit.hpp"
 #include "reshard/json_io.hpp"
+#include "reshard/transport/local.hpp"
 
 using namespace reshard;
 

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "reshard/copy_kernels.hpp"
+#include "reshard/exec/copy_kernels.hpp"
 
 using namespace reshard;
 

@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "reshard/copy_order.hpp"
+#include "reshard/plan/copy_order.hpp"
 
 using reshard::Copy;
 

@@ -1,4 +1,4 @@
-// The NCCL transport (backends/nccl.hpp): the order check prepare() runs
+// The NCCL transport (transport/nccl.hpp): the order check prepare() runs
 // over every rank's op table (CPU), the clear error without a GPU (CPU), and
 // on a GPU: one rank sending to itself, refusals of host memory and of a
 // communicator of the wrong size, a size mismatch caught at prepare, and a
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "error_of.hpp"
-#include "reshard/backends/nccl.hpp"
 #include "reshard/cuda/runtime.hpp"
+#include "reshard/transport/nccl.hpp"
 
 using namespace reshard;
 using nccl_detail::OpRow;

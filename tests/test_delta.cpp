@@ -18,7 +18,7 @@
 
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
-#include "reshard/delta.hpp"
+#include "reshard/exec/delta.hpp"
 #include "reshard/presets/presets.hpp"
 
 using namespace reshard;

@@ -1,4 +1,4 @@
-// Integrity checks under injected faults (backends/fault_injection.hpp over
+// Integrity checks under injected faults (reshard_support/fault_injection.hpp over
 // the in-process transport): every corruption (sent or arrived; zero-copy,
 // half-staged, bucketed and control messages), drop, delay past the timeout
 // and duplicate ends in RefitNotCommitted on every rank, naming the tensor

@@ -9,7 +9,7 @@
 
 #include "plan_test_util.hpp"
 #include "random_layouts.hpp"
-#include "reshard/hierarchical.hpp"
+#include "reshard/plan/hierarchical.hpp"
 #include "staged_oracle.hpp"
 
 using namespace reshard;

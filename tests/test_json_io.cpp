@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
-#include "reshard/storage.hpp"
+#include "reshard/layout/storage.hpp"
+#include "reshard/plan/plan.hpp"
 
 using namespace reshard;
 using nlohmann::json;

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "reshard/backends/local.hpp"
+#include "reshard/transport/local.hpp"
 
 using namespace reshard;
 

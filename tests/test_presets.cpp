@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "oracle.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 #include "reshard/presets/presets.hpp"
 
 using namespace reshard;

@@ -14,8 +14,8 @@
 #include "quant_reference.hpp"
 #include "refit_util.hpp"
 #include "reshard/json_io.hpp"
+#include "reshard/layout/quantize.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/quantize.hpp"
 
 using namespace reshard;
 using namespace refit_test;

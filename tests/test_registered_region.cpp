@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "refit_util.hpp"
-#include "reshard/backends/local.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/transport/local.hpp"
 
 using namespace reshard;
 

@@ -7,7 +7,7 @@
 #include <map>
 #include <random>
 
-#include "reshard/schedule.hpp"
+#include "reshard/schedule/schedule.hpp"
 
 using namespace reshard;
 

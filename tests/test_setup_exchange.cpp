@@ -14,8 +14,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "reshard/peer_exchange.hpp"
 #include "reshard/reshard.hpp"
+#include "reshard/transport/peer_exchange.hpp"
 
 namespace {
 

@@ -7,11 +7,11 @@
 #include "plan_test_util.hpp"
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
-#include "reshard/binding.hpp"
-#include "reshard/executor.hpp"
-#include "reshard/sim/simulate.hpp"
-#include "reshard/staged_executor.hpp"
+#include "reshard/exec/binding.hpp"
+#include "reshard/exec/executor.hpp"
+#include "reshard/exec/staged_executor.hpp"
 #include "reshard/presets/presets.hpp"
+#include "reshard/sim/simulate.hpp"
 #include "reshard/sim/stream_traffic.hpp"
 
 #include <map>

@@ -17,7 +17,7 @@
 
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
-#include "reshard/staged_executor.hpp"
+#include "reshard/exec/staged_executor.hpp"
 #include "staged_oracle.hpp"
 
 using namespace reshard;

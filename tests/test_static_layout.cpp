@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
+#include "reshard/plan/plan.hpp"
 
 using namespace reshard;
 namespace st = reshard::st;

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "reshard/strided_box.hpp"
+#include "reshard/schedule/strided_box.hpp"
 
 using namespace reshard;
 

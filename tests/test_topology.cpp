@@ -3,7 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "plan_test_util.hpp"
-#include "reshard/topology.hpp"
+#include "reshard/plan/topology.hpp"
 
 using namespace reshard;
 using namespace plantest;

@@ -12,7 +12,7 @@
 
 #include "queue_transport.hpp"
 #include "reshard_support/fault_injection.hpp"
-#include "reshard/backends/local.hpp"
+#include "reshard/transport/local.hpp"
 #include "transport_conformance.hpp"
 
 using namespace reshard;

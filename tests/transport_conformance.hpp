@@ -1,5 +1,5 @@
 #pragma once
-// The transport conformance suite: what reshard/transport.hpp's contract
+// The transport conformance suite: what reshard/transport/transport.hpp's contract
 // says, checked on any Transport. A case is a callable with `ranks` (how many
 // endpoints it needs) and `template <class T> void operator()(T& t) const`,
 // run once per rank on that rank's endpoint; a violation throws
@@ -25,8 +25,8 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
-#include "reshard/peer_exchange.hpp"
-#include "reshard/transport.hpp"
+#include "reshard/transport/peer_exchange.hpp"
+#include "reshard/transport/transport.hpp"
 
 namespace conformance {
 

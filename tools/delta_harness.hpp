@@ -37,8 +37,8 @@
 #include <fmt/format.h>
 
 #include "refit_harness.hpp"
+#include "reshard/layout/storage.hpp"
 #include "reshard/resharder.hpp"
-#include "reshard/storage.hpp"
 #include "reshard_support/verify.hpp"
 
 namespace delta_harness {

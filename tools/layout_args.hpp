@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "reshard/json_io.hpp"
-#include "reshard/layout.hpp"
+#include "reshard/layout/layout.hpp"
 #include "reshard/presets/presets.hpp"
 
 namespace tools {

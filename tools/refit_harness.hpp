@@ -19,10 +19,10 @@
 
 #include <fmt/format.h>
 
-#include "reshard/backends/local.hpp"
-#include "reshard/hierarchical.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/hierarchical.hpp"
+#include "reshard/plan/plan.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/transport/local.hpp"
 #include "reshard_support/measured_refit.hpp"
 
 namespace refit_harness {

@@ -28,14 +28,14 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "reshard/hierarchical.hpp"
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
-#include "reshard/plan_summary.hpp"
+#include "reshard/layout/storage.hpp"
+#include "reshard/plan/hierarchical.hpp"
+#include "reshard/plan/plan.hpp"
+#include "reshard/plan/plan_summary.hpp"
+#include "reshard/plan/topology.hpp"
 #include "reshard/presets/presets.hpp"
 #include "reshard/sim/simulate.hpp"
-#include "reshard/storage.hpp"
-#include "reshard/topology.hpp"
 #include "layout_args.hpp"
 
 namespace {

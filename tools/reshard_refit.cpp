@@ -33,18 +33,18 @@
 #include "delta_harness.hpp"
 #include "layout_args.hpp"
 #include "refit_harness.hpp"
-#include "reshard/hierarchical.hpp"
 #include "reshard/json_io.hpp"
-#include "reshard/topology.hpp"
+#include "reshard/plan/hierarchical.hpp"
+#include "reshard/plan/topology.hpp"
 #include "reshard/presets/presets.hpp"
 #ifdef RESHARD_HAVE_UCX
-#include "reshard/backends/mpi_bootstrap.hpp"
+#include "reshard/transport/mpi_bootstrap.hpp"
 #include "reshard_support/ucx_refit.hpp"
 #endif
 #ifdef RESHARD_HAVE_NCCL
-#include "reshard/backends/mpi_bootstrap.hpp"
-#include "reshard/backends/nccl.hpp"
 #include "reshard/cuda/runtime.hpp"
+#include "reshard/transport/mpi_bootstrap.hpp"
+#include "reshard/transport/nccl.hpp"
 #include "reshard_support/device_placement.hpp"
 #include "reshard_support/measured_refit.hpp"
 #else

@@ -20,7 +20,7 @@
 #include <fmt/format.h>
 
 #include "resharder.hpp"
-#include "transport.hpp"
+#include "transport/transport.hpp"
 
 namespace reshard {
 

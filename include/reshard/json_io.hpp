@@ -27,11 +27,11 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "dtype.hpp"
-#include "error.hpp"
-#include "layout.hpp"
-#include "plan.hpp"
-#include "schedule.hpp"
+#include "base/dtype.hpp"
+#include "base/error.hpp"
+#include "layout/layout.hpp"
+#include "plan/plan.hpp"
+#include "schedule/schedule.hpp"
 
 namespace reshard {
 

@@ -106,18 +106,18 @@
 
 #include <fmt/format.h>
 
-#include "binding.hpp"
-#include "delta.hpp"
-#include "error.hpp"
-#include "executor.hpp"
-#include "hierarchical.hpp"
-#include "layout.hpp"
-#include "plan.hpp"
-#include "quant_refit.hpp"
-#include "schedule.hpp"
-#include "staged_executor.hpp"
-#include "storage.hpp"
-#include "transport.hpp"
+#include "base/error.hpp"
+#include "exec/binding.hpp"
+#include "exec/delta.hpp"
+#include "exec/executor.hpp"
+#include "exec/quant_refit.hpp"
+#include "exec/staged_executor.hpp"
+#include "layout/layout.hpp"
+#include "layout/storage.hpp"
+#include "plan/hierarchical.hpp"
+#include "plan/plan.hpp"
+#include "schedule/schedule.hpp"
+#include "transport/transport.hpp"
 
 namespace reshard {
 

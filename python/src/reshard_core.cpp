@@ -35,17 +35,17 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "reshard/backends/bootstrap.hpp"
-#include "reshard/backends/local.hpp"
-#include "reshard/binding.hpp"
+#include "reshard/exec/binding.hpp"
 #include "reshard/json_io.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/layout/rank_buffers.hpp"
+#include "reshard/layout/storage.hpp"
+#include "reshard/plan/plan.hpp"
 #include "reshard/presets/presets.hpp"
-#include "reshard/rank_buffers.hpp"
 #include "reshard/resharder.hpp"
-#include "reshard/storage.hpp"
+#include "reshard/transport/bootstrap.hpp"
+#include "reshard/transport/local.hpp"
 #ifdef RESHARD_HAVE_UCX
-#include "reshard/backends/ucx.hpp"
+#include "reshard/transport/ucx.hpp"
 #endif
 
 namespace nb = nanobind;

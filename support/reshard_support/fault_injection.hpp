@@ -55,8 +55,8 @@
 
 #include <fmt/format.h>
 
-#include "reshard/error.hpp"
-#include "reshard/transport.hpp"
+#include "reshard/base/error.hpp"
+#include "reshard/transport/transport.hpp"
 
 namespace reshard {
 

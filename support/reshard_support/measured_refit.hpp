@@ -29,8 +29,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "reshard/executor.hpp"
-#include "reshard/hierarchical.hpp"
+#include "reshard/exec/executor.hpp"
+#include "reshard/plan/hierarchical.hpp"
 #include "reshard/resharder.hpp"
 #include "traditional.hpp"
 #include "verify.hpp"

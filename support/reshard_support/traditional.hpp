@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "reshard/layout.hpp"
+#include "reshard/layout/layout.hpp"
 
 namespace reshard {
 

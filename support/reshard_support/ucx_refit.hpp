@@ -30,10 +30,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "reshard/backends/ucx.hpp"
 #include "reshard/commit.hpp"
-#include "reshard/plan.hpp"
+#include "reshard/plan/plan.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/transport/ucx.hpp"
 #include "measured_refit.hpp"
 
 namespace reshard {

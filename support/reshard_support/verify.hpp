@@ -23,12 +23,12 @@
 
 #include <fmt/format.h>
 
-#include "reshard/binding.hpp"
-#include "reshard/layout.hpp"
-#include "reshard/quant_refit.hpp"
-#include "reshard/quantize.hpp"
-#include "reshard/rank_buffers.hpp"
-#include "reshard/storage.hpp"
+#include "reshard/exec/binding.hpp"
+#include "reshard/exec/quant_refit.hpp"
+#include "reshard/layout/layout.hpp"
+#include "reshard/layout/quantize.hpp"
+#include "reshard/layout/rank_buffers.hpp"
+#include "reshard/layout/storage.hpp"
 
 namespace reshard {
 

@@ -23,7 +23,7 @@
 
 #include <fmt/format.h>
 
-#include "reshard/backends/bootstrap.hpp"
+#include "reshard/transport/bootstrap.hpp"
 
 namespace fork_world {
 

@@ -1,5 +1,5 @@
 #pragma once
-// A fourth transport, written from reshard/transport.hpp's contract alone:
+// A fourth transport, written from reshard/transport/transport.hpp's contract alone:
 // MPI_Isend / MPI_Irecv on a communicator (tests only; run under mpirun).
 //
 //  * Tags: MPI tags are narrower than the executor's 64 bits (Open MPI's
@@ -33,7 +33,7 @@
 
 #include <fmt/format.h>
 
-#include "reshard/transport.hpp"
+#include "reshard/transport/transport.hpp"
 
 namespace mpi_transport {
 

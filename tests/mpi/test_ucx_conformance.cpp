@@ -5,7 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "fork_world.hpp"
-#include "reshard/backends/ucx.hpp"
+#include "reshard/transport/ucx.hpp"
 #include "transport_conformance.hpp"
 
 using namespace reshard;

@@ -11,8 +11,8 @@
 #include "fork_world.hpp"
 #include "refit_util.hpp"
 #include "reshard_support/fault_injection.hpp"
-#include "reshard/backends/ucx.hpp"
 #include "reshard/json_io.hpp"
+#include "reshard/transport/ucx.hpp"
 
 using namespace reshard;
 using namespace std::chrono_literals;

@@ -18,8 +18,8 @@
 #include "error_of.hpp"
 #include "fork_world.hpp"
 #include "refit_util.hpp"
-#include "reshard/backends/ucx.hpp"
 #include "reshard/json_io.hpp"
+#include "reshard/transport/ucx.hpp"
 #include "reshard_support/ucx_refit.hpp"
 
 using namespace reshard;
@@ -421,7 +421,7 @@ TEST_CASE("ucx: a killed peer: every other rank fails within seconds (default ti
   // One-sided puts: only a peer that dies before it puts. Without an RDMA
   // lane UCX 1.13 emulates puts with messages, and a sender dying in the
   // middle of one makes UCX abort the target (ucp_put_handler: "Fatal:
-  // unexpected error"); see the protocol notes in backends/ucx.hpp.
+  // unexpected error"); see the protocol notes in transport/ucx.hpp.
   check_fault(faulty_refit(Fault::kill_before, UcxProtocol::put), 10.0);
   CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 60);
 }

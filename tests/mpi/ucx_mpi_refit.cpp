@@ -12,10 +12,10 @@
 
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
-#include "reshard/backends/mpi_bootstrap.hpp"
-#include "reshard/backends/ucx.hpp"
 #include "reshard/json_io.hpp"
 #include "reshard/presets/presets.hpp"
+#include "reshard/transport/mpi_bootstrap.hpp"
+#include "reshard/transport/ucx.hpp"
 #include "reshard_support/ucx_refit.hpp"
 
 using namespace reshard;

@@ -1,5 +1,5 @@
 // expect: LayoutOf::add takes a Tensor<Spec, ...>
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

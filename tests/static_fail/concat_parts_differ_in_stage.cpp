@@ -1,5 +1,5 @@
 // expect: all parts of a buffer must live on the same stage axes
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

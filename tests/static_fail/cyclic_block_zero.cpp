@@ -1,6 +1,6 @@
 // expect: Cyclic<B> needs a block size B >= 1
 // context: long int block = 0
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

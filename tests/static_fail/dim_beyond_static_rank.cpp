@@ -1,6 +1,6 @@
 // expect: the shard spec cuts a dim beyond the tensor's rank
 // context: int dim = 1; int rank = 1
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,5 +1,5 @@
 // expect: a mesh axis needs a non-empty name
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

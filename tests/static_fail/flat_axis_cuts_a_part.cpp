@@ -1,6 +1,6 @@
 // expect: a flat buffer's axes may not cut or stage its parts
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

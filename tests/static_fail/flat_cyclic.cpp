@@ -1,5 +1,5 @@
 // expect: a flat buffer holds a contiguous range: Cyclic is not allowed
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

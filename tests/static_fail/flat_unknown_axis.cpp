@@ -1,6 +1,6 @@
 // expect: the shard spec names an axis that is not in the mesh
 // context: axis = reshard::st::axis_name{"zp"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

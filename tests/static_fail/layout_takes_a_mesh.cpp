@@ -1,5 +1,5 @@
 // expect: LayoutOf<Mesh> takes a MeshOf<Axis<...>...> type
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,6 +1,6 @@
 // expect: two axes of one mesh have the same name
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

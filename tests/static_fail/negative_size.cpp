@@ -1,5 +1,5 @@
 // expect: Sizes<...> lists at least one part size, all >= 0
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

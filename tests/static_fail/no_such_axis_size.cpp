@@ -1,6 +1,6 @@
 // expect: the mesh has no axis of this name
 // context: axis = reshard::st::axis_name{"ep"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,6 +1,6 @@
 // expect: give the mesh one runtime size per dynamic axis, in mesh order
 // context: int dynamic_axes = 2; int sizes_given = 1
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,6 +1,6 @@
 // expect: a dim index is >= 0
 // context: int dim = -1
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

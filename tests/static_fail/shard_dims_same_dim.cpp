@@ -1,6 +1,6 @@
 // expect: two On<dim, ...> entries name the same dim
 // context: int dim = 0
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

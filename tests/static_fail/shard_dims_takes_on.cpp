@@ -1,5 +1,5 @@
 // expect: ShardDims<...> takes On<dim, spec> entries
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,6 +1,6 @@
 // expect: a Shard<...> names one mesh axis twice (or two overlapping sub-axes of it)
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,5 +1,5 @@
 // expect: Shard<...> needs at least one mesh axis; write Replicate for a dim that is not cut
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

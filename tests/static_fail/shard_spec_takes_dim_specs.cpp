@@ -1,6 +1,6 @@
 // expect: ShardSpec<...> takes one dim spec per tensor dim: Replicate, Shard<axes...> or Dim<...>
 // context: int dim = 1
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

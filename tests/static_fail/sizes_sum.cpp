@@ -1,6 +1,6 @@
 // expect: Sizes<...> must sum to the dim's extent (its padded extent when padded)
 // context: long int sum = 11; long int extent = 10
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,6 +1,6 @@
 // expect: the shard spec and the shape have different numbers of dims
 // context: int spec_dims = 2; int shape_dims = 3
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,5 +1,5 @@
 // expect: a split rule only applies to a dim cut by Shard<axes...>; a Replicate dim is not split
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

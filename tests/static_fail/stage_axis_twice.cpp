@@ -1,6 +1,6 @@
 // expect: a tensor names one stage axis twice
 // context: axis = reshard::st::axis_name{"pp"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

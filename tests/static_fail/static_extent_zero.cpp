@@ -1,6 +1,6 @@
 // expect: a static extent is >= 1, or reshard::st::dynamic
 // context: int dim = 1; long int extent = 0
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

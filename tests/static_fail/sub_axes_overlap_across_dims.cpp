@@ -1,6 +1,6 @@
 // expect: this mesh axis cuts two dims of one tensor; each mesh axis may cut at most one dim
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,6 +1,6 @@
 // expect: a sub-axis needs stride >= 1 and size >= 1
 // context: axis_ref{reshard::st::axis_name{"tp"}, 0, 2}
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

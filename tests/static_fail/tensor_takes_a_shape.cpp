@@ -1,5 +1,5 @@
 // expect: Tensor<Spec, Shape> takes Shape<extents...> or AnyShape
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

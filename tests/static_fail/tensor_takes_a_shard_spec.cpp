@@ -1,6 +1,6 @@
 // expect: Tensor<Spec, ...> takes a shard spec
 // context: tensor_takes_a_shard_spec() [with T = {reshard::st::Shard<
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

@@ -1,5 +1,5 @@
 // expect: reshard: a Transport's `flush` must be `void flush(Deadline)`
-#include "reshard/transport.hpp"
+#include "reshard/transport/transport.hpp"
 
 // A transport whose batch boundary has the wrong signature: the executor
 // would never call it (flush_batch looks for flush(Deadline)).

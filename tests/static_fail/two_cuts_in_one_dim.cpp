@@ -1,5 +1,5 @@
 // expect: Dim<...> takes at most one cut: Replicate or Shard<axes...>
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

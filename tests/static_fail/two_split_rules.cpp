@@ -1,5 +1,5 @@
 // expect: a dim takes one split rule: Even, Chunk, Balanced, Sizes<...> or Cyclic<B>
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

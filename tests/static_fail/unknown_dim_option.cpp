@@ -1,6 +1,6 @@
 // expect: Dim<...> takes a cut (Replicate or Shard<axes...>), one split rule (Even, Chunk, Balanced, Sizes<...> or Cyclic<B>) and one padding (Padded<P>, RoundUp<M> or RoundUpPerPart<M>); this argument is none of them
 // context: dim_takes_cut_split_rule_and_padding() [with T = {int}]
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

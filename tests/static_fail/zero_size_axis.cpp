@@ -1,6 +1,6 @@
 // expect: a mesh axis has size >= 1, or reshard::st::dynamic when its size is given at runtime
 // context: axis = reshard::st::axis_name{"tp"}; long int size = 0
-#include "reshard/static_layout.hpp"
+#include "reshard/layout/static_layout.hpp"
 
 using namespace reshard::st;
 using reshard::DType;

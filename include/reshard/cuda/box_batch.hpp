@@ -27,9 +27,9 @@
 #include <span>
 #include <vector>
 
-#include "../error.hpp"
-#include "../hd.hpp"
-#include "../schedule.hpp"
+#include "../base/error.hpp"
+#include "../base/hd.hpp"
+#include "../schedule/schedule.hpp"
 
 #if defined(__CUDA_ARCH__)
 #define RESHARD_UNROLL _Pragma("unroll")

@@ -26,7 +26,7 @@
 #include <cstring>
 #include <span>
 
-#include "../error.hpp"
+#include "../base/error.hpp"
 #include "box_batch.hpp"
 #include "descriptor_upload.hpp"
 #include "runtime.hpp"

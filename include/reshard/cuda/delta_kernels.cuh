@@ -57,8 +57,8 @@
 #include <span>
 #include <string>
 
-#include "../delta.hpp"
-#include "../error.hpp"
+#include "../base/error.hpp"
+#include "../exec/delta.hpp"
 #include "box_batch.hpp"
 #include "descriptor_upload.hpp"
 #include "runtime.hpp"

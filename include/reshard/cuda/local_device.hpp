@@ -1,5 +1,5 @@
 #pragma once
-// The in-process transport (backends/local.hpp) for ranks as threads that
+// The in-process transport (transport/local.hpp) for ranks as threads that
 // share one GPU: the world moves bytes with cudaMemcpy (device_world_options()),
 // so device buffers are plain cudaMalloc memory (managed memory works too).
 // Everything else is LocalTransport's. For tests and the device check: real
@@ -14,7 +14,7 @@
 // Plain C++; link CUDA::cudart.
 #include <cuda_runtime.h>
 
-#include "../backends/local.hpp"
+#include "../transport/local.hpp"
 #include "runtime.hpp"
 
 namespace reshard::cuda {

@@ -7,8 +7,8 @@
 #include <span>
 #include <vector>
 
-#include "../error.hpp"
-#include "../quantize.hpp"
+#include "../base/error.hpp"
+#include "../layout/quantize.hpp"
 
 namespace reshard::cuda {
 

@@ -33,8 +33,8 @@
 #include <cstring>
 #include <span>
 
-#include "../error.hpp"
-#include "../quantize.hpp"
+#include "../base/error.hpp"
+#include "../layout/quantize.hpp"
 #include "descriptor_upload.hpp"
 #include "quant_tile.hpp"
 #include "runtime.hpp"

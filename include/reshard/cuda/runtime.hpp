@@ -3,7 +3,7 @@
 // plain C++ (no nvcc needed); link CUDA::cudart.
 #include <cuda_runtime.h>
 
-#include "../error.hpp"
+#include "../base/error.hpp"
 
 namespace reshard::cuda {
 

@@ -16,7 +16,7 @@
 #include <fmt/format.h>
 #include <ucp/api/ucp.h>
 
-#include "../error.hpp"
+#include "../base/error.hpp"
 
 namespace reshard::cuda {
 

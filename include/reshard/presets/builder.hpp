@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "../layout.hpp"
+#include "../layout/layout.hpp"
 #include "model.hpp"
 #include "parallel_spec.hpp"
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "../layout.hpp"
+#include "../layout/layout.hpp"
 #include "model.hpp"
 
 namespace reshard::presets {

@@ -31,9 +31,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../json_text.hpp"
+#include "../base/dtype.hpp"
+#include "../base/error.hpp"
+#include "../base/json_text.hpp"
 
 namespace reshard::presets {
 

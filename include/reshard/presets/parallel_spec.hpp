@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include "../error.hpp"
+#include "../base/error.hpp"
 
 namespace reshard::presets {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "../storage.hpp"
+#include "../layout/storage.hpp"
 #include "megatron.hpp"
 #include "model.hpp"
 #include "parallel_spec.hpp"

@@ -74,13 +74,13 @@
 
 #include <fmt/format.h>
 
-#include "../delta.hpp"
-#include "../hierarchical.hpp"
-#include "../layout.hpp"
-#include "../message_rule.hpp"
-#include "../schedule.hpp"
-#include "../storage.hpp"
-#include "../topology.hpp"
+#include "../exec/delta.hpp"
+#include "../layout/layout.hpp"
+#include "../layout/storage.hpp"
+#include "../plan/hierarchical.hpp"
+#include "../plan/topology.hpp"
+#include "../schedule/message_rule.hpp"
+#include "../schedule/schedule.hpp"
 
 namespace reshard {
 

@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "../hierarchical.hpp"
-#include "../plan.hpp"
+#include "../plan/hierarchical.hpp"
+#include "../plan/plan.hpp"
 #include "simulate.hpp"
 
 namespace reshard {
