@@ -489,12 +489,10 @@ inline void Layout::validate_quant(std::size_t i) {
   }
 }
 
+// Runs once, from the constructor, on a fresh State (the spec's own resolved
+// fields may be a copied layout's: each step below resets what it resolves).
 inline void Layout::validate() {
-  s_.validated = false;
   s_.spec.mesh.validate(ErrorContext{origin, "", ""});
-  s_.tensor_index.clear();
-  s_.buffer_index.clear();
-  s_.local_buffers.clear();
   std::vector<std::vector<AxisRef>> refs(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) validate_tensor(i, refs);
   s_.tensor_slot.assign(tensors.size(), -1);
