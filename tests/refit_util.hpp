@@ -192,10 +192,12 @@ struct DenseWorld {
   std::vector<SideMemory> src_mem, dst_mem;
   LocalTrafficStats traffic;  ///< what the transport moved in the last run()
 
-  DenseWorld(const Layout& src, const Layout& dst) : ranks(world_of(src, dst)), src_mem(ranks.size()), dst_mem(ranks.size()) {
+  /// Sources hold the values of `salt` (count_wrong checks them).
+  DenseWorld(const Layout& src, const Layout& dst, std::uint64_t salt = 0)
+      : ranks(world_of(src, dst)), src_mem(ranks.size()), dst_mem(ranks.size()) {
     for (std::size_t i = 0; i < ranks.size(); ++i) {
-      src_mem[i] = make_side(src, ranks[i], true, 0);
-      dst_mem[i] = make_side(dst, ranks[i], false, 0);
+      src_mem[i] = make_side(src, ranks[i], true, salt);
+      dst_mem[i] = make_side(dst, ranks[i], false, salt);
     }
   }
   template <class F>

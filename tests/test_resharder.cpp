@@ -15,6 +15,7 @@
 #include "error_of.hpp"
 #include "random_layouts.hpp"
 #include "refit_util.hpp"
+#include "reshard/layout/static_layout.hpp"
 #include "reshard_support/verify.hpp"
 
 using namespace reshard;
@@ -382,19 +383,23 @@ TEST_CASE("layouts given as types that lower to reshard::Layout") {
   auto [src, dst] = llama_block();
   static_assert(LayoutDescription<LowersToLayout>);
   static_assert(!LayoutDescription<int>);
-  const LowersToLayout typed{src};
-  const auto ranks = refit_test::world_of(src, dst);
-  std::vector<refit_test::SideMemory> smem, dmem;
-  for (auto r : ranks) {
-    smem.push_back(refit_test::make_side(src, r, true, 4));
-    dmem.push_back(refit_test::make_side(dst, r, false, 4));
-  }
+  const LowersToLayout typed{src}, typed_dst{dst};
+  refit_test::DenseWorld memory(src, dst, 4);
+  const auto& ranks = memory.ranks;
+  auto& smem = memory.src_mem;
+  auto& dmem = memory.dst_mem;
   std::atomic<std::int64_t> wrong{0};
   LocalWorld world(ranks);
   world.run([&](LocalTransport& t) {
     const std::size_t i = refit_test::index_of(ranks, t.rank());
     LocalBuffers bufs{refit_test::views(src, smem[i]), refit_test::views(dst, dmem[i])};
-    Resharder<LowersToLayout, LocalTransport> r(typed, dst, bufs, t);
+    // Resharder<L, T> keeps the two layouts as the L given; Resharder<Layout, T> lowers mixed forms.
+    Resharder<LowersToLayout, LocalTransport> r(typed, typed_dst, bufs, t);
+    static_assert(std::is_same_v<decltype(r.source_layout()), const LowersToLayout&>);
+    static_assert(!std::is_constructible_v<Resharder<LowersToLayout, LocalTransport>, const LowersToLayout&, const Layout&>);
+    static_assert(std::is_constructible_v<Resharder<Layout, LocalTransport>, const LowersToLayout&, const Layout&>);
+    static_assert(std::is_constructible_v<Resharder<Layout, LocalTransport>, const LayoutSpec&, const Layout&>);
+    if (&r.source_layout() == &typed || r.source_layout().runtime.tensors.size() != src.tensors.size()) wrong += 1000;
     r.refit();
     wrong += refit_test::count_wrong(dst, dmem[i], t.rank(), 4, nullptr);
   });
@@ -406,12 +411,10 @@ TEST_CASE("make_resharder and deduction take any layout form; a Resharder moves 
   const LowersToLayout typed{src};
   // plan() takes the same forms as Resharder: a lowered type plans like the Layout it lowers to.
   CHECK(reshard::plan(typed, dst).copies.size() == reshard::plan(src, dst).copies.size());
-  const auto ranks = refit_test::world_of(src, dst);
-  std::vector<refit_test::SideMemory> smem, dmem;
-  for (auto r : ranks) {
-    smem.push_back(refit_test::make_side(src, r, true, 5));
-    dmem.push_back(refit_test::make_side(dst, r, false, 5));
-  }
+  refit_test::DenseWorld memory(src, dst, 5);
+  const auto& ranks = memory.ranks;
+  auto& smem = memory.src_mem;
+  auto& dmem = memory.dst_mem;
   std::atomic<std::int64_t> wrong{0}, deduced{0};
   LocalWorld world(ranks);
   world.run([&](LocalTransport& t) {
@@ -429,4 +432,113 @@ TEST_CASE("make_resharder and deduction take any layout form; a Resharder moves 
   });
   CHECK(deduced == static_cast<std::int64_t>(ranks.size()));
   CHECK(wrong == 0);
+}
+
+namespace {
+namespace st = reshard::st;
+/// One mesh type for both sides (axes sized at runtime), so both layouts are
+/// of one static type: Resharder<st::LayoutOf<Grid>, T>.
+using Grid = st::MeshOf<st::Axis<"dp">, st::Axis<"tp">>;
+using Col = st::ColumnParallel<"tp">;
+using Row = st::RowParallel<"tp">;
+
+/// A static pair: training dp=2 x tp=2 (ranks 0-3), inference tp=4 (ranks
+/// 4-7). "w", "b" and "e" are stored alone and added with their element
+/// types; "q" and "k" are fused into "qk", bound by name.
+struct StaticPair {
+  st::LayoutOf<Grid> train{Grid(2, 2), "static train"}, infer{[] {
+                                                              Grid g(1, 4);
+                                                              g.first_rank = 4;
+                                                              return g;
+                                                            }(),
+                                                            "static infer"};
+  st::TensorHandle<st::Tensor<Col>, float> w_train, w_infer;
+  st::TensorHandle<st::Tensor<st::Replicated>, bf16_t> b_train;
+  st::TensorHandle<st::Tensor<st::ShardOn<0, st::Shard<"tp">>>, bf16_t> b_infer;
+  st::TensorHandle<st::Tensor<Col>, float> e_train;
+  st::TensorHandle<st::Tensor<Row>, float> e_infer;
+  StaticPair() {
+    w_train = train.add<float>(st::Tensor<Col>("w", {64, 32}, DType::f32));
+    w_infer = infer.add<float>(st::Tensor<Col>("w", {64, 32}, DType::f32));
+    b_train = train.add<bf16_t>(st::Tensor<st::Replicated>("b", {96}, DType::bf16));
+    b_infer = infer.add<bf16_t>(st::Tensor<st::ShardOn<0, st::Shard<"tp">>>("b", {96}, DType::bf16));
+    e_train = train.add<float>(st::Tensor<Col>("e", {16, 8}, DType::f32));
+    e_infer = infer.add<float>(st::Tensor<Row>("e", {16, 8}, DType::f32));
+    for (auto* L : {&train, &infer}) {
+      auto q = L->add(st::Tensor<Col>("q", {32, 32}, DType::f32));
+      auto k = L->add(st::Tensor<Col>("k", {16, 32}, DType::f32));
+      L->concat("qk", q, k);
+    }
+  }
+};
+
+/// The bytes make_side gave local buffer `name`, as elements of E.
+template <class E>
+std::span<E> memory_of(const Layout& L, refit_test::SideMemory& m, const std::string& name) {
+  for (std::size_t b = 0; b < L.local_buffers().size(); ++b)
+    if (L.local_buffers()[b].name == name) return {reinterpret_cast<E*>(m.data[b].data()), m.data[b].size() / sizeof(E)};
+  return {};
+}
+}  // namespace
+
+TEST_CASE("Resharder<st::LayoutOf<M>, T>: two static layouts kept as given, memory bound through typed tensor handles") {
+  StaticPair p;
+  const Layout src = p.train.lower(), dst = p.infer.lower();
+  refit_test::DenseWorld m(src, dst, 6);
+  std::atomic<std::int64_t> wrong{0}, refits{0};
+  LocalWorld world(m.ranks);
+  world.run([&](LocalTransport& t) {
+    const std::size_t i = refit_test::index_of(m.ranks, t.rank());
+    auto &smem = m.src_mem, &dmem = m.dst_mem;
+    LocalBuffers bufs;
+    if (t.rank() < 4) {
+      bind_tensor(bufs.src, p.w_train, memory_of<const float>(src, smem[i], "w"));
+      bind_tensor(bufs.src, p.b_train, memory_of<bf16_t>(src, smem[i], "b"));
+      bind_tensor(bufs.src, p.e_train, memory_of<float>(src, smem[i], "e").data(), std::array<std::int64_t, 2>{8, 8},
+           std::array<std::int64_t, 2>{8, 1});
+      bufs.src["qk"] = view_of(memory_of<float>(src, smem[i], "qk"));
+    } else {
+      bind_tensor(bufs.dst, p.w_infer, memory_of<float>(dst, dmem[i], "w"));
+      bind_tensor(bufs.dst, p.b_infer, memory_of<bf16_t>(dst, dmem[i], "b"));
+      bind_tensor(bufs.dst, p.e_infer, memory_of<float>(dst, dmem[i], "e").data(), std::array<std::int64_t, 2>{16, 2},
+           std::array<std::int64_t, 2>{2, 1});
+      bufs.dst["qk"] = view_of(memory_of<float>(dst, dmem[i], "qk"));
+    }
+    Resharder r(p.train, p.infer, bufs, t);  // deduced: Resharder<st::LayoutOf<Grid>, LocalTransport>
+    static_assert(std::is_same_v<decltype(r), Resharder<st::LayoutOf<Grid>, LocalTransport>>);
+    static_assert(std::is_same_v<decltype(r.source_layout()), const st::LayoutOf<Grid>&>);
+    // Kept as given: the static objects, with their meshes' runtime sizes.
+    if (r.source_layout().mesh.size<"tp">() != 2 || r.destination_layout().mesh.size<"tp">() != 4 ||
+        r.destination_layout().mesh.first_rank != 4 || r.dst_layout().tensors.size() != 5)
+      wrong += 1000;
+    refits += r.refit().version == 1;
+    wrong += refit_test::count_wrong(dst, dmem[i], t.rank(), 6, nullptr);
+  });
+  CHECK(refits == static_cast<std::int64_t>(m.ranks.size()));
+  CHECK(wrong == 0);
+
+  // What only runtime values show, named: a dtype that is not the element type
+  // add<E> gives, a tensor bound twice, a part of a fused buffer bound alone,
+  // a typed view whose extents are not this rank's shard.
+  st::LayoutOf<Grid> other{Grid(1, 2), "other"};
+  CHECK(error_of([&] { other.add<float>(st::Tensor<Col>("h", {4, 4}, DType::bf16)); }) ==
+        "other: tensor 'h': dtype: the tensor is bf16 but add<E> gives its element type as f32");
+  std::vector<float> four(4);
+  std::map<std::string, BufferView> side;
+  bind_tensor(side, p.w_train, std::span<float>(four));
+  CHECK(error_of([&] { bind_tensor(side, p.w_train, std::span<float>(four)); }) == "bind_tensor: tensor 'w' is already bound in this buffer set");
+  std::vector<float> qk(48 * 16), w(32 * 32), e(8 * 8);
+  std::vector<bf16_t> b(96);
+  std::map<std::string, BufferView> parts{{"qk", view_of(qk.data(), qk.size())}, {"q", view_of(qk.data(), 16u)}};
+  bind_tensor(parts, p.w_train, std::span<float>(w));
+  bind_tensor(parts, p.b_train, std::span<bf16_t>(b));
+  bind_tensor(parts, p.e_train, std::span<float>(e));
+  CHECK(error_of([&] { bind_buffers(src, 0, parts, "source"); }) ==
+        "rank 0: source buffer 'q': tensor 'q' of static train is a part of buffer 'qk', which is bound by its own name "
+        "(this rank has: qk, w, b, e)");
+  parts.erase("q");
+  parts.erase("e");
+  bind_tensor(parts, p.e_train, e.data(), std::array<std::int64_t, 2>{8, 4}, std::array<std::int64_t, 2>{4, 1});
+  CHECK(error_of([&] { bind_buffers(src, 0, parts, "source"); }) ==
+        "rank 0: source buffer 'e': the view has shape [8, 4] but the layout gives this rank shape [8, 8]");
 }

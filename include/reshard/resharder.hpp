@@ -10,6 +10,11 @@
 //   reshard::Resharder<reshard::Layout, reshard::LocalTransport> r(train, infer, bufs, transport);
 //   auto report = r.refit();   // collective: every rank of the world calls it
 //
+// With two static layouts of one type (Layout = st::LayoutOf<Mesh>, see the
+// class), memory bound through their typed handles is checked at compile time:
+//   auto w = train.add<reshard::bf16_t>(st::Tensor<Col>("w", {4096, 4096}, DType::bf16));
+//   reshard::bind_tensor(bufs.src, w, std::span<const reshard::bf16_t>(w_shard));  // a float span does not compile
+//
 // When peers touch this rank's memory: only inside refit() (and setup(),
 // which registers it). Peers read the source buffers and write the
 // destination buffers (or, double-buffered, the set not being served) while
@@ -102,6 +107,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 #include <fmt/format.h>
@@ -271,30 +277,52 @@ Verdicts exchange_verdicts(T& t, const std::string& local_error, std::uint64_t v
 }
 }  // namespace resharder_detail
 
+/// The Layout parameter of Resharder<Layout, Transport> is the type of its
+/// two layouts, which it keeps as given (source_layout(), destination_layout()):
+///   Resharder<reshard::Layout, T>      runtime layouts; takes the two in any
+///                                      forms that lower to a Layout (a LayoutSpec,
+///                                      a static layout beside a runtime one ...)
+///   Resharder<st::LayoutOf<Mesh>, T>   two static layouts of one mesh type (e.g.
+///                                      pp, dp, tp axes sized at runtime), whose typed
+///                                      tensor handles (add<E>) bind memory checked at
+///                                      compile time (bind_tensor(), exec/binding.hpp)
+/// Deduction picks the second when both layouts are of one such type.
 template <class LayoutT, class TransportT>
 class Resharder {
+  static_assert(!std::is_same_v<LayoutT, LayoutSpec>,
+                "reshard::Resharder<Layout, Transport>: Layout is the type of the validated layouts it keeps; give "
+                "reshard::Layout, which takes LayoutSpecs (and validates them)");
   static_assert(LayoutDescription<LayoutT>,
                 "reshard::Resharder<Layout, Transport>: Layout must be reshard::Layout, convert to it, or have .lower() / "
                 ".to_runtime() returning one");
   static_assert(check_transport<TransportT>(), "reshard::Resharder<Layout, Transport>: Transport must model reshard::Transport");
+  static constexpr bool runtime_layouts = std::is_same_v<LayoutT, Layout>;
 
  public:
+  using layout_type = LayoutT;
+  using transport_type = TransportT;
+
   /// Plans and sets up in one step (collective over the transport's world).
-  /// The two layouts may be of any types that lower to reshard::Layout (a
-  /// compile-time training layout and a runtime inference layout, say).
-  template <class Src, class Dst>
-    requires LayoutDescription<Src> && LayoutDescription<Dst>
-  Resharder(const Src& src, const Dst& dst, const LocalBuffers& buffers, TransportT& transport, ResharderOptions opt = {})
+  Resharder(const LayoutT& src, const LayoutT& dst, const LocalBuffers& buffers, TransportT& transport, ResharderOptions opt = {})
       : Resharder(src, dst, std::move(opt)) {
     setup(buffers, transport);
   }
   /// Keeps the layouts; setup() binds buffers and compiles later.
-  template <class Src, class Dst>
-    requires LayoutDescription<Src> && LayoutDescription<Dst>
-  Resharder(const Src& src, const Dst& dst, ResharderOptions opt = {})
-      : src_(lower_layout(src)), dst_(lower_layout(dst)), opt_(std::move(opt)) {
+  Resharder(const LayoutT& src, const LayoutT& dst, ResharderOptions opt = {})
+      : given_(given_layouts(src, dst)), src_(lower_layout(src)), dst_(lower_layout(dst)), opt_(std::move(opt)) {
     src_of_dst_ = match_tensors(src_, dst_);  // same tensors on both sides, else a clear error now
   }
+  /// Resharder<Layout, ...> only: the two layouts in any forms that lower to
+  /// a Layout (a compile-time training layout and a runtime inference one, a
+  /// LayoutSpec, which is validated here).
+  template <class Src, class Dst>
+    requires runtime_layouts && LayoutDescription<Src> && LayoutDescription<Dst>
+  Resharder(const Src& src, const Dst& dst, const LocalBuffers& buffers, TransportT& transport, ResharderOptions opt = {})
+      : Resharder(lower_layout(src), lower_layout(dst), buffers, transport, std::move(opt)) {}
+  template <class Src, class Dst>
+    requires runtime_layouts && LayoutDescription<Src> && LayoutDescription<Dst>
+  Resharder(const Src& src, const Dst& dst, ResharderOptions opt = {})
+      : Resharder(lower_layout(src), lower_layout(dst), std::move(opt)) {}
 
   /// Binds this rank's buffers, plans (this rank only, unless a schedule was
   /// given) and compiles the program. Collective. Errors on any rank make
@@ -438,6 +466,16 @@ class Resharder {
   const std::map<std::string, BufferView>& serving_buffers() const { return serving_views_[static_cast<std::size_t>(serving_)]; }
 
   bool ready() const { return ready_; }
+  /// The layouts as given (for Resharder<Layout, ...>, the validated ones).
+  const LayoutT& source_layout() const {
+    if constexpr (runtime_layouts) return src_;
+    else return given_.src;
+  }
+  const LayoutT& destination_layout() const {
+    if constexpr (runtime_layouts) return dst_;
+    else return given_.dst;
+  }
+  /// The layouts lowered to the runtime form the planner and binding read.
   const Layout& src_layout() const { return src_; }
   const Layout& dst_layout() const { return dst_; }
   const Schedule& schedule() const {
@@ -597,6 +635,17 @@ class Resharder {
     check_no_overlap(me_, {&src_bound_}, {&dst_bound_, &dst_back_bound_});
   }
 
+  /// The layouts as given, when they are not already the runtime ones.
+  struct GivenLayouts {
+    LayoutT src, dst;
+  };
+  using Given = std::conditional_t<runtime_layouts, std::monostate, GivenLayouts>;
+  static Given given_layouts(const LayoutT& src, const LayoutT& dst) {
+    if constexpr (runtime_layouts) return {};
+    else return GivenLayouts{src, dst};
+  }
+
+  [[no_unique_address]] Given given_;
   Layout src_, dst_;
   ResharderOptions opt_;
   std::vector<int> src_of_dst_;
@@ -624,18 +673,24 @@ class Resharder {
   std::optional<StaleReport> last_failure_;
 };
 
+/// The Layout parameter for two layouts given as Src and Dst: their type
+/// when both are of one type other than LayoutSpec, else reshard::Layout.
+template <class Src, class Dst>
+using common_layout_t = std::conditional_t<std::is_same_v<Src, Dst> && !std::is_same_v<Src, LayoutSpec>, Src, Layout>;
+
 /// Deduction: `Resharder r(train, infer, buffers, transport);` is a
-/// Resharder<Layout, T> whatever forms the two layouts are given in.
+/// Resharder<L, T> with L = common_layout_t of the two layouts' types.
 template <class Src, class Dst, class TransportT>
   requires LayoutDescription<Src> && LayoutDescription<Dst>
-Resharder(const Src&, const Dst&, const LocalBuffers&, TransportT&, ResharderOptions = {}) -> Resharder<Layout, TransportT>;
+Resharder(const Src&, const Dst&, const LocalBuffers&, TransportT&, ResharderOptions = {})
+    -> Resharder<common_layout_t<Src, Dst>, TransportT>;
 
 /// Plans, binds and sets up (collective), as the constructor; for `auto r = ...`.
 template <class Src, class Dst, class TransportT>
   requires LayoutDescription<Src> && LayoutDescription<Dst>
-Resharder<Layout, TransportT> make_resharder(const Src& src, const Dst& dst, const LocalBuffers& buffers, TransportT& transport,
-                                             ResharderOptions opt = {}) {
-  return Resharder<Layout, TransportT>(src, dst, buffers, transport, std::move(opt));
+Resharder<common_layout_t<Src, Dst>, TransportT> make_resharder(const Src& src, const Dst& dst, const LocalBuffers& buffers,
+                                                                TransportT& transport, ResharderOptions opt = {}) {
+  return Resharder<common_layout_t<Src, Dst>, TransportT>(src, dst, buffers, transport, std::move(opt));
 }
 
 }  // namespace reshard

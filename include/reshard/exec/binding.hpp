@@ -15,6 +15,8 @@
 // strides map two elements to one place, device memory without a copy
 // engine, destination memory overlapping anything.
 #include <algorithm>
+#include <array>
+#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <map>
@@ -64,6 +66,89 @@ template <class T>
 BufferView strided_view(T* p, std::vector<std::int64_t> shape, std::vector<std::int64_t> strides) {
   return BufferView{const_cast<std::remove_const_t<T>*>(p), 0, static_cast<std::int64_t>(sizeof(T)), std::move(shape), std::move(strides),
                     MemoryKind::host};
+}
+
+/// A handle to a tensor whose element type its layout fixes (st::LayoutOf::
+/// add<E>): it names the tensor and gives its element type and, where its
+/// type knows it, its number of dims.
+template <class H>
+concept TypedTensorHandle = requires(const H& h) {
+  typename H::element_type;
+  { h.name } -> std::convertible_to<std::string>;
+  { H::static_rank() } -> std::convertible_to<int>;
+} && !std::is_void_v<typename H::element_type>;
+
+// Typed binding misuse: one function per kind, its template arguments name
+// the types at fault, its message says what (as in static_layout.hpp).
+namespace diagnostic {
+template <class H>
+constexpr void bind_takes_a_typed_tensor_handle() {
+  static_assert(!std::is_same_v<H, H>,
+                "reshard::bind_tensor takes the handle st::LayoutOf::add<E>(...) returned, which fixes the tensor's element type E; "
+                "a handle from add(...) without <E> is untyped: bind that tensor's memory by buffer name (view_of)");
+}
+template <class Tensor, class Given>
+constexpr void bound_memory_is_not_of_the_tensors_element_type() {
+  static_assert(!std::is_same_v<Tensor, Tensor>,
+                "the memory bound to a tensor must be of its element type (the E of add<E>): a bf16 tensor takes "
+                "reshard::bf16_t, an f32 one float");
+}
+template <int tensor_dims, std::size_t view_dims>
+constexpr void strided_view_rank_is_not_the_tensors() {
+  static_assert(tensor_dims < 0,
+                "a strided view bound to a tensor has one extent and one stride per dim of the tensor");
+}
+}  // namespace diagnostic
+
+namespace detail {
+/// The compile-time checks of bind_tensor(): a typed handle, memory of its element
+/// type, and (N >= 0: a strided view of N dims) its number of dims.
+template <class H, class U, int N>
+constexpr bool check_typed_binding() {
+  if constexpr (!TypedTensorHandle<H>) {
+    diagnostic::bind_takes_a_typed_tensor_handle<H>();
+    return false;
+  } else if constexpr (!std::is_same_v<std::remove_const_t<U>, typename H::element_type>) {
+    diagnostic::bound_memory_is_not_of_the_tensors_element_type<typename H::element_type, U>();
+    return false;
+  } else if constexpr (N >= 0 && H::static_rank() >= 0 && N != H::static_rank()) {
+    diagnostic::strided_view_rank_is_not_the_tensors<H::static_rank(), static_cast<std::size_t>(N)>();
+    return false;
+  } else {
+    return true;
+  }
+}
+inline void put_typed_binding(std::map<std::string, BufferView>& side, const std::string& tensor, BufferView v) {
+  if (tensor.empty()) fail("bind_tensor: the tensor handle is empty (not one that st::LayoutOf::add<E> returned)");
+  if (!side.emplace(tensor, std::move(v)).second) fail("bind_tensor: tensor '{}' is already bound in this buffer set", tensor);
+}
+}  // namespace detail
+
+/// Binds memory to a tensor stored alone (its own local buffer), through the
+/// handle st::LayoutOf::add<E>() gave it, into one side of LocalBuffers:
+///   reshard::bind_tensor(bufs.src, q, std::span<const reshard::bf16_t>(q_memory));
+/// Memory of another element type, or an untyped handle, does not compile;
+/// the extents (this rank's shard of the tensor) are checked at setup like
+/// any view's (bind_buffers), and a tensor that is a part of a fused buffer
+/// is refused there (bind the buffer by its name).
+template <class H, class U>
+void bind_tensor(std::map<std::string, BufferView>& side, const H& tensor, std::span<U> memory, MemoryKind kind = MemoryKind::host) {
+  if constexpr (detail::check_typed_binding<H, U, -1>()) {
+    BufferView v = view_of(memory);
+    v.memory = kind;
+    detail::put_typed_binding(side, tensor.name, std::move(v));
+  }
+}
+/// The same with a strided view (std::layout_stride) of N dims: N must be
+/// the tensor's number of dims where its type knows it.
+template <class H, class U, std::size_t N>
+void bind_tensor(std::map<std::string, BufferView>& side, const H& tensor, U* memory, const std::array<std::int64_t, N>& shape,
+          const std::array<std::int64_t, N>& strides, MemoryKind kind = MemoryKind::host) {
+  if constexpr (detail::check_typed_binding<H, U, static_cast<int>(N)>()) {
+    BufferView v = strided_view(memory, {shape.begin(), shape.end()}, {strides.begin(), strides.end()});
+    v.memory = kind;
+    detail::put_typed_binding(side, tensor.name, std::move(v));
+  }
 }
 
 /// Checks `given` (rank `rank`'s buffers under `L`, by local buffer name)
@@ -137,6 +222,9 @@ inline std::vector<BoundBuffer> bind_buffers(const Layout& L, std::int64_t rank,
   for (const auto& [name, v] : given) {
     const int b = L.find_buffer(name);
     const std::string has = expected.empty() ? std::string("none") : fmt::format("{}", fmt::join(expected, ", "));
+    if (const int t = b < 0 ? L.find_tensor(name) : -1; t >= 0)
+      fail("rank {}: {} buffer '{}': tensor '{}' of {} is a part of buffer '{}', which is bound by its own name (this rank has: {})", rank,
+           side, name, name, L.origin, lbs[static_cast<std::size_t>(L.buffer_of(t))].name, has);
     if (b < 0) fail("rank {}: {} buffer '{}' is not a buffer of {} (this rank has: {})", rank, side, name, L.origin, has);
     if (std::find(expected.begin(), expected.end(), name) == expected.end())
       fail("rank {}: {} buffer '{}' was given but {} gives this rank no such buffer (it has: {})", rank, side, name, L.origin, has);

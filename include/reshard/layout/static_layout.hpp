@@ -324,6 +324,13 @@ constexpr void add_takes_a_tensor() {
   static_assert(detail::always_false_type<T...>, "LayoutOf::add takes a Tensor<Spec, ...>");
 }
 
+template <class E>
+constexpr void add_takes_an_element_type() {
+  static_assert(detail::always_false_type<E>,
+                "LayoutOf::add<E> takes the tensor's element type: float, double, std::int64_t, std::int32_t, std::uint32_t, "
+                "std::int8_t, std::uint8_t, reshard::bf16_t, f16_t, fp8e4m3_t or fp8e5m2_t");
+}
+
 template <class... T>
 constexpr void buffer_parts_are_tensor_handles() {
   static_assert(detail::always_false_type<T...>,
@@ -1175,11 +1182,18 @@ struct is_tensor<Tensor<S, Sh, St...>> : std::true_type {};
 }  // namespace detail
 
 /// What LayoutOf::add returns: names the tensor in buffers, keeps its type
-/// for the static checks of concat and flat.
-template <class T>
+/// for the static checks of concat and flat. From add<E>(), `E` is the
+/// tensor's element type (reshard::ElementType), and bind_tensor() (exec/binding.hpp)
+/// checks the memory bound to it at compile time; from add(), E is void.
+template <class T, class E = void>
 struct TensorHandle {
+  using tensor_type = T;
+  using element_type = E;
   int index = -1;
   const void* owner = nullptr;
+  std::string name;  ///< the tensor's name: its local buffer's when stored alone
+  /// The tensor's number of dims when its type knows it, else -1.
+  static constexpr int static_rank() { return T::static_rank; }
 };
 
 /// Concat rounds (CONTRACT.md §1 buffers: interleave G).
@@ -1374,15 +1388,25 @@ class LayoutOf {
   explicit LayoutOf(M mesh_, std::string origin_ = "<static layout>")
       : mesh(std::move(mesh_)), origin(std::move(origin_)) {}
 
-  /// Adds a tensor; its spec is checked against the mesh here, at compile time.
-  template <class T>
-  TensorHandle<T> add(const T& tensor) {
+  /// Adds a tensor; its spec is checked against the mesh here, at compile
+  /// time. add<E>(tensor) also fixes its element type E (its dtype must be
+  /// dtype_of<E>, else a LayoutError naming the tensor): bind_tensor() then takes
+  /// only memory of E for it.
+  template <class E = void, class T>
+  TensorHandle<T, E> add(const T& tensor) {
     if constexpr (!detail::is_tensor<T>::value) {
       diagnostic::add_takes_a_tensor<T>();
+      return {};
+    } else if constexpr (!std::is_void_v<E> && !ElementType<E>) {
+      diagnostic::add_takes_an_element_type<E>();
       return {};
     } else if constexpr (!valid || !detail::check_tensor_in_mesh<M, T>()) {
       return {};
     } else {
+      if constexpr (!std::is_void_v<E>)
+        if (tensor.dtype != dtype_of<E>)
+          layout_fail(ErrorContext{origin, tensor.name, "dtype"}, "the tensor is {} but add<E> gives its element type as {}",
+                      to_string(tensor.dtype), to_string(dtype_of<E>));
       TensorSpec ts;
       ts.name = tensor.name;
       ts.shape = tensor.shape;
@@ -1390,25 +1414,25 @@ class LayoutOf {
       const int rank = static_cast<int>(ts.shape.size());
       const int dims = T::spec::static_rank >= 0 ? T::spec::static_rank : rank;
       ts.dims.resize(static_cast<std::size_t>(std::max(dims, 0)));
-      [&]<class... E>(detail::type_list<E...>) {
-        (lower_entry<E>(ts, tensor.name), ...);
+      [&]<class... Entry>(detail::type_list<Entry...>) {
+        (lower_entry<Entry>(ts, tensor.name), ...);
       }(typename T::spec::entries{});
       for (std::size_t s = 0; s < T::stage_axes.size(); ++s)
         ts.stage.push_back(StageCoord{detail::find_name(M::names, T::stage_axes[s]), tensor.stage_coords[s]});
       tensors_.push_back(std::move(ts));
-      return TensorHandle<T>{static_cast<int>(tensors_.size()) - 1, this};
+      return TensorHandle<T, E>{static_cast<int>(tensors_.size()) - 1, this, tensor.name};
     }
   }
 
   /// A concat buffer: the parts' local arrays side by side along `Dim`
   /// (vLLM's qkv_proj = [q_r; k_r; v_r]).
-  template <int Dim = 0, class... T>
-  void concat(std::string name, TensorHandle<T>... parts) {
+  template <int Dim = 0, class... T, class... E>
+  void concat(std::string name, TensorHandle<T, E>... parts) {
     concat<Dim>(std::move(name), Interleave{1}, parts...);
   }
   /// Concat in G rounds (Megatron's per-query-group [q; k; v]).
-  template <int Dim = 0, class... T>
-  void concat(std::string name, Interleave rounds, TensorHandle<T>... parts) {
+  template <int Dim = 0, class... T, class... E>
+  void concat(std::string name, Interleave rounds, TensorHandle<T, E>... parts) {
     if constexpr (check_parts<T...>() && check_concat_dim<Dim, T...>()) {
       BufferSpec b;
       b.name = std::move(name);
@@ -1422,8 +1446,8 @@ class LayoutOf {
 
   /// A flat bucket: the parts' local arrays flattened, concatenated and cut
   /// by `Cut` (ZeRO / FSDP flat parameters): flat<Dim<Shard<"dp">, Chunk>>("bucket0", a, b).
-  template <class Cut, class... T>
-  void flat(std::string name, TensorHandle<T>... parts) {
+  template <class Cut, class... T, class... E>
+  void flat(std::string name, TensorHandle<T, E>... parts) {
     if constexpr (check_parts<T...>() && check_flat<Cut, T...>()) {
       BufferSpec b;
       b.name = std::move(name);
@@ -1460,8 +1484,8 @@ class LayoutOf {
         d < static_cast<int>(ts.shape.size()) ? ts.shape[static_cast<std::size_t>(d)] : 0;
     ts.dims[static_cast<std::size_t>(d)] = detail::lower_dim<M, S>(mesh, extent);
   }
-  template <class T>
-  std::string part_name(const TensorHandle<T>& h) const {
+  template <class T, class E>
+  std::string part_name(const TensorHandle<T, E>& h) const {
     if (h.owner != this || h.index < 0 || h.index >= static_cast<int>(tensors_.size()))
       fail("{}: a buffer part is a tensor handle from another layout", origin);
     return tensors_[static_cast<std::size_t>(h.index)].name;
