@@ -28,7 +28,7 @@ constexpr std::optional<DType> parse_dtype(std::string_view s) {
 }
 
 /// One C++ element type per dtype, for bindings typed at compile time
-/// (static layouts: st::LayoutOf::add<E>, bind()). The 2- and 1-byte
+/// (static layouts: st::LayoutOf::add<E>, bind_tensor()). The 2- and 1-byte
 /// floating types are storage only (their bits), and distinct, so that a bf16
 /// buffer cannot stand where an f16 one is expected.
 struct bf16_t {

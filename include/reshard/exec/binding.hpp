@@ -143,7 +143,7 @@ void bind_tensor(std::map<std::string, BufferView>& side, const H& tensor, std::
 /// the tensor's number of dims where its type knows it.
 template <class H, class U, std::size_t N>
 void bind_tensor(std::map<std::string, BufferView>& side, const H& tensor, U* memory, const std::array<std::int64_t, N>& shape,
-          const std::array<std::int64_t, N>& strides, MemoryKind kind = MemoryKind::host) {
+                 const std::array<std::int64_t, N>& strides, MemoryKind kind = MemoryKind::host) {
   if constexpr (detail::check_typed_binding<H, U, static_cast<int>(N)>()) {
     BufferView v = strided_view(memory, {shape.begin(), shape.end()}, {strides.begin(), strides.end()});
     v.memory = kind;
