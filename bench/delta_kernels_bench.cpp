@@ -20,7 +20,7 @@
 #include <fmt/format.h>
 
 #include "reshard/exec/delta.hpp"
-#include "bench_clock.hpp"
+#include "reshard_support/clocks.hpp"
 
 int main(int argc, char** argv) {
   using namespace reshard;
@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
     std::vector<std::uint16_t> base = shadow;
     auto t0 = std::chrono::steady_clock::now();
     std::memcpy(copy.data(), cur.data(), copy.size());
-    const double mc = bench::seconds_since(t0);
+    const double mc = reshard::clocks::seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     std::int64_t k = 0;
     for (std::int64_t c = 0, i = 0; c < n; c += delta::kChunk, ++i) {
@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
                                   delta::kChunk, idx.data() + k, vals.data() + 2 * k);
     }
     first.back() = k;
-    const double df = bench::seconds_since(t0);
+    const double df = reshard::clocks::seconds_since(t0);
     // The portable kernel on the same data (what CPUs without AVX-512 run).
     std::vector<std::uint16_t> base2 = shadow;
     t0 = std::chrono::steady_clock::now();
@@ -72,13 +72,13 @@ int main(int argc, char** argv) {
     for (std::int64_t c = 0; c < n; c += delta::kChunk)
       k2 += delta::diff_compact<2>(reinterpret_cast<const std::byte*>(cur.data() + c), reinterpret_cast<std::byte*>(base2.data() + c),
                                    delta::kChunk, idx.data() + k2, vals.data() + 2 * k2);
-    const double dp = bench::seconds_since(t0);
+    const double dp = reshard::clocks::seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     std::size_t cursor = 0;
     for (std::size_t i = 0; i + 1 < first.size(); ++i)
       delta::scatter<2>(segs, cursor, static_cast<std::int64_t>(i) * delta::kChunk, idx.data() + first[i], first[i + 1] - first[i],
                         vals.data() + 2 * first[i]);
-    const double sc = bench::seconds_since(t0);
+    const double sc = reshard::clocks::seconds_since(t0);
     const bool exact = std::memcmp(base.data(), cur.data(), copy.size()) == 0 && std::memcmp(dst.data(), cur.data(), copy.size()) == 0 &&
                        k2 == k && std::memcmp(base2.data(), cur.data(), copy.size()) == 0;
     fmt::print("density {:.4f}: {} changed; memcpy {:.2f} GB/s, diff {:.2f} GB/s ({:.2f}x memcpy's time; portable kernel {:.2f} GB/s), "

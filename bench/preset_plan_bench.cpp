@@ -16,10 +16,10 @@
 
 #include "reshard/plan/plan.hpp"
 #include "reshard/presets/presets.hpp"
-#include "bench_clock.hpp"
+#include "reshard_support/clocks.hpp"
 
-using bench::cpu_seconds;
-using bench::seconds_since;
+using reshard::clocks::cpu_seconds;
+using reshard::clocks::seconds_since;
 
 // Minor page faults of this process so far: a one-rank plan's cost is much
 // in the memory it touches for the first time, and unlike time on a shared

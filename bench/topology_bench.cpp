@@ -31,13 +31,13 @@
 #include "reshard/presets/presets.hpp"
 #include "reshard/sim/simulate.hpp"
 #include "reshard/sim/stream_traffic.hpp"
-#include "bench_clock.hpp"
+#include "reshard_support/clocks.hpp"
 
 using namespace reshard;
 
-using bench::cpu_seconds;
-using bench::peak_rss_gb;
-using bench::seconds_since;
+using reshard::clocks::cpu_seconds;
+using reshard::clocks::peak_rss_gb;
+using reshard::clocks::seconds_since;
 
 int main(int argc, char** argv) {
   CLI::App app{"Times planning and simulating refits at growing cluster sizes", "topology-bench"};

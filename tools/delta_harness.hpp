@@ -23,6 +23,8 @@
 // Checks: after every version, every destination element of the delta set
 // is compared bit for bit with the dense set (the claim: a delta refit
 // leaves exactly what a dense one does).
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -39,6 +41,7 @@
 #include "refit_harness.hpp"
 #include "reshard/layout/storage.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard_support/clocks.hpp"
 #include "reshard_support/verify.hpp"
 
 namespace delta_harness {
@@ -62,6 +65,11 @@ struct Version {
   double delta_seconds = 0, dense_seconds = 0;
   std::int64_t wrong = 0;
   double diff_seconds = 0, scatter_seconds = 0;  ///< the slowest rank's
+  /// CPU time of the ranks' processes during the refit (all threads, user
+  /// and system), summed over processes (ranks that are threads of one
+  /// process count once): on a host of C cores no schedule of this work can
+  /// take less wall time than this / C.
+  double delta_cpu_seconds = 0, dense_cpu_seconds = 0;
 };
 
 struct Result {
@@ -243,7 +251,8 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
   // Per version: delta (start, end, bytes sent, wrong), dense (start, end, bytes sent); mode and fraction.
   struct Mine {
     std::int64_t t0, t1, b0, b1, delta_bytes, dense_bytes, wrong, checked;
-    double fraction, diff, scatter;
+    double fraction, diff, scatter, delta_cpu, dense_cpu;
+    std::int64_t pid;
     char mode[8];
   };
   std::vector<Mine> mine;
@@ -255,13 +264,16 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
       adam_seconds += std::chrono::duration<double>(Clock::now() - x0).count();
     }
     Mine m{};
+    m.pid = static_cast<std::int64_t>(getpid());
     // Alternate the order so both methods see the same machine.
     for (int half = 0; half < 2; ++half) {
       const bool do_delta = (half == 0) == (k % 2 == 1);
       t.all_gather({}, far());
+      const double c0 = reshard::clocks::cpu_seconds();
       const auto a = Clock::now();
       const RefitReport rep = do_delta ? delta.refit() : dense.refit();
       const auto b = Clock::now();
+      (do_delta ? m.delta_cpu : m.dense_cpu) = reshard::clocks::cpu_seconds() - c0;
       (do_delta ? m.t0 : m.b0) = ns(a);
       (do_delta ? m.t1 : m.b1) = ns(b);
       (do_delta ? m.delta_bytes : m.dense_bytes) = rep.bytes_sent;
@@ -297,6 +309,7 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
   const auto blobs = t.all_gather(w.buf, far());
   Result res;
   res.versions.resize(static_cast<std::size_t>(o.versions));
+  std::vector<std::map<std::int64_t, std::pair<double, double>>> cpu(mine.size());  // per version: pid -> delta, dense
   std::vector<std::int64_t> lo0(mine.size(), INT64_MAX), hi0(mine.size(), INT64_MIN), lo1(mine.size(), INT64_MAX), hi1(mine.size(), INT64_MIN);
   const auto world = t.world_ranks();
   for (std::size_t r = 0; r < blobs.size(); ++r) {
@@ -310,6 +323,9 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
       v.wrong += m.wrong;
       v.diff_seconds = std::max(v.diff_seconds, m.diff);
       v.scatter_seconds = std::max(v.scatter_seconds, m.scatter);
+      auto& [delta_cpu, dense_cpu] = cpu[k][m.pid];  // threads of one process: the most any of them saw
+      delta_cpu = std::max(delta_cpu, m.delta_cpu);
+      dense_cpu = std::max(dense_cpu, m.dense_cpu);
       res.checked += m.checked;
       res.wrong += m.wrong;
       if (r == 0) {
@@ -331,6 +347,10 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
   for (std::size_t k = 0; k < mine.size(); ++k) {
     res.versions[k].delta_seconds = static_cast<double>(hi0[k] - lo0[k]) * 1e-9;
     res.versions[k].dense_seconds = static_cast<double>(hi1[k] - lo1[k]) * 1e-9;
+    for (const auto& [pid, c] : cpu[k]) {
+      res.versions[k].delta_cpu_seconds += c.first;
+      res.versions[k].dense_cpu_seconds += c.second;
+    }
   }
   t.all_gather({}, far());
   return res;

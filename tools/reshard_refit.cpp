@@ -13,8 +13,6 @@
 // --delta: N versions of the weights evolved by Adam (tools/delta_harness.hpp),
 // each refit as a delta refit and as a dense refit in the same run, every
 // element of the delta destination checked against the dense one.
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -25,6 +23,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -37,6 +36,7 @@
 #include "reshard/plan/hierarchical.hpp"
 #include "reshard/plan/topology.hpp"
 #include "reshard/presets/presets.hpp"
+#include "reshard_support/clocks.hpp"
 #ifdef RESHARD_HAVE_UCX
 #include "reshard/transport/mpi_bootstrap.hpp"
 #include "reshard_support/ucx_refit.hpp"
@@ -72,12 +72,6 @@ std::string human_bytes(double b) {
   }
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
 }
-/// This process's peak resident memory (getrusage; Linux reports KiB).
-std::int64_t peak_rss_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<std::int64_t>(u.ru_maxrss) * 1024;
-}
 std::string human_seconds(double s) { return s < 1 ? fmt::format("{:.1f} ms", s * 1e3) : fmt::format("{:.3f} s", s); }
 
 /// The traditional refit's figures for the --delta report (CONTRACT.md §3's
@@ -106,7 +100,8 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
     for (const auto& v : r.versions)
       per.push_back({{"mode", v.mode}, {"changed_fraction", v.changed_fraction >= 0 ? nlohmann::json(v.changed_fraction) : nlohmann::json()}, {"bytes_moved", v.delta_bytes}, {"seconds", v.delta_seconds},
                      {"dense_bytes_moved", v.dense_bytes}, {"dense_seconds", v.dense_seconds}, {"wrong_elements", v.wrong},
-                     {"diff_seconds", v.diff_seconds}, {"scatter_seconds", v.scatter_seconds}});
+                     {"diff_seconds", v.diff_seconds}, {"scatter_seconds", v.scatter_seconds}, {"cpu_seconds", v.delta_cpu_seconds},
+                     {"dense_cpu_seconds", v.dense_cpu_seconds}});
     nlohmann::json j = {{"model", model},
                         {"transport", transport},
                         {"src_ranks", src.mesh.size()},
@@ -139,18 +134,24 @@ int print_delta(const delta_harness::Result& r, const Layout& src, const Layout&
   } else {
     fmt::print("reshard-refit --delta: {} ({}, {} ranks -> {}, {} ranks) on the {} transport, {} versions, Adam lr {:g}\n", model, src.origin,
                src.mesh.size(), dst.origin, dst.mesh.size(), transport, r.versions.size(), lr);
-    fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10}\n", "version", "mode", "changed", "delta bytes", "delta time",
-               "dense bytes", "dense time", "diff", "scatter");
+    fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10}\n", "version", "mode", "changed", "delta bytes",
+               "delta time", "dense bytes", "dense time", "diff", "scatter", "delta cpu", "dense cpu");
     for (std::size_t k = 0; k < r.versions.size(); ++k) {
       const auto& v = r.versions[k];
-      fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10}\n", k + 1, v.mode,
+      fmt::print("{:>8} {:>8} {:>10} {:>14} {:>12} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10}\n", k + 1, v.mode,
                  v.changed_fraction >= 0 ? fmt::format("{:.4f}%", 100 * v.changed_fraction) : std::string("-"),
                  human_bytes(static_cast<double>(v.delta_bytes)), human_seconds(v.delta_seconds), human_bytes(static_cast<double>(v.dense_bytes)),
-                 human_seconds(v.dense_seconds), human_seconds(v.diff_seconds), human_seconds(v.scatter_seconds));
+                 human_seconds(v.dense_seconds), human_seconds(v.diff_seconds), human_seconds(v.scatter_seconds),
+                 human_seconds(v.delta_cpu_seconds), human_seconds(v.dense_cpu_seconds));
     }
     fmt::print("median after the first: changed {:.4f}%, delta {} in {}, dense {} in {}: {:.4f} of the bytes, {:.3f} of the time\n", 100 * frac,
                human_bytes(dbytes), human_seconds(dsec), human_bytes(nbytes), human_seconds(nsec), nbytes > 0 ? dbytes / nbytes : 0,
                nsec > 0 ? dsec / nsec : 0);
+    const double dcpu = r.median_of(&V::delta_cpu_seconds), ncpu = r.median_of(&V::dense_cpu_seconds);
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    fmt::print("CPU time of all ranks' processes (median): delta {}, dense {}; on this host's {} cores no schedule of that work takes less "
+               "than {} and {}\n",
+               human_seconds(dcpu), human_seconds(ncpu), cores, human_seconds(dcpu / cores), human_seconds(ncpu / cores));
     fmt::print("shadow {} and delta staging {} on the busiest rank; {} elements checked against the dense refit, {} wrong\n",
                human_bytes(static_cast<double>(r.shadow_bytes)), human_bytes(static_cast<double>(r.delta_staging_bytes)), r.checked, r.wrong);
     if (baseline)
@@ -522,7 +523,7 @@ int main(int argc, char** argv) {
                 {"staging_budget_bytes", budget},
                 {"transport_bytes", r.transport_bytes},
                 {"plan_seconds", r.plan_seconds},
-                {"peak_rss_bytes", peak_rss_bytes()}});
+                {"peak_rss_bytes", reshard::clocks::peak_rss_bytes()}});
       if (opt.staged) {
         j["hierarchical"] = true;
         j["topology"] = topo_name;
@@ -559,7 +560,7 @@ int main(int argc, char** argv) {
                    iterations, r.reshard.best > 0 ? b.best / r.reshard.best : 0.0);
       if (!r.reshard.validated) fmt::print("reshard: {} wrong elements; first: {}\n", r.reshard.wrong, r.reshard.first_wrong);
       if (!no_baseline && !b.validated) fmt::print("traditional: {} wrong elements; first: {}\n", b.wrong, b.first_wrong);
-      fmt::print("memory: {} peak for this process: both layouts' buffers for every rank{}\n", human_bytes(static_cast<double>(peak_rss_bytes())),
+      fmt::print("memory: {} peak for this process: both layouts' buffers for every rank{}\n", human_bytes(static_cast<double>(reshard::clocks::peak_rss_bytes())),
                  no_baseline ? "" : ", and the traditional refit's whole tensors (gathered once, then one copy per destination rank)");
     }
     if (!ok) {
