@@ -73,12 +73,21 @@ struct Result {
   std::int64_t chunks[delta::kChunkModes] = {};  ///< chunks sent per ChunkMode, all ranks and versions
 };
 
+/// Something other than the refit writes one rank's destination (both sets)
+/// just before version `at`; with `request` that rank alone then calls
+/// Resharder::invalidate_delta_base().
+struct Overwrite {
+  std::uint64_t at = 0;
+  bool request = true;
+};
+
 /// Refits versions 1..densities.size() (source values evolved as above),
 /// checking every destination element of the served set after each. With
 /// `fail_at` > 0, that version's refit fails (a corrupted delta payload, or
 /// a corrupted dense message when the version goes dense): the job then sets
 /// up again on a fresh transport and refits the same version again.
-Result run_versions(const Layout& src, const Layout& dst, const Densities& d, ResharderOptions opt, std::uint64_t fail_at = 0) {
+Result run_versions(const Layout& src, const Layout& dst, const Densities& d, ResharderOptions opt, std::uint64_t fail_at = 0,
+                    Overwrite overwrite = {}) {
   Result res;
   const auto ranks = refit_test::world_of(src, dst);
   const std::size_t n = ranks.size();
@@ -130,6 +139,11 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
       for (std::uint64_t u = v; u <= d.size(); ++u) {
         visit(src, smem[i], true, u, d, ranks[i], nullptr);
         if (faulty && u == fail_at) armed = true;
+        if (u == overwrite.at && ranks[i] == dst.mesh.global_ranks().back()) {
+          refit_test::write_side(dst, dmem[i], false, 0xbad);
+          refit_test::write_side(dst, back[i], false, 0xbad);
+          if (overwrite.request) rs[i]->invalidate_delta_base();
+        }
         RefitReport rep;
         try {
           rep = rs[i]->refit(u);
@@ -435,6 +449,36 @@ TEST_CASE("a failed refit in the middle of a sequence: the next one is dense and
       CHECK(r.modes[at] == "prime");
       if (dbl) CHECK(r.modes[at + 1] == "prime");
       CHECK(r.modes[dbl ? at + 2 : at + 1] == "delta");
+    }
+}
+
+TEST_CASE("a destination written by someone else: the one rank that asks makes every rank's next refit dense") {
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  const Densities d{1.0, 0.01, 0.02, 0.01, 0.03, 0.0, 0.02, 0.01};
+  for (bool dbl : {false, true})
+    for (std::uint64_t at : {2u, 5u}) {
+      CAPTURE(dbl);
+      CAPTURE(at);
+      // Version 2 samples the density first (the first refit over a fresh
+      // base): the request rides in the sample's all-gather and the refit
+      // primes. Version 5 diffs at once: it rides in the counts' all-gather.
+      const auto o = delta_options(dbl, 0.25, 0);
+      auto r = run_versions(src, dst, d, o, 0, Overwrite{at, true});
+      CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+      REQUIRE(r.modes.size() == d.size());
+      // Rank 0 reports every rank's decision (the overwritten rank is the last one).
+      if (!dbl) {
+        CHECK(r.modes[at - 1] == (at == 2 ? "prime" : "dense"));
+        CHECK(r.modes[at] == "delta");
+      } else {  // each set had its request: both refits after the write are dense
+        CHECK(r.modes[at - 1] != "delta");
+        CHECK(r.modes[at] != "delta");
+        CHECK(r.modes[at + 1] == "delta");
+      }
+      // Without the request the next delta goes onto the overwritten base: the check sees it.
+      r = run_versions(src, dst, d, o, 0, Overwrite{at, false});
+      CHECK(r.wrong > 0);
     }
 }
 

@@ -493,6 +493,16 @@ class Resharder {
       fail("Resharder::delta_executor({}): {}", set, opt_.delta.enabled ? "no such destination set is set up" : "ResharderOptions::delta is off");
     return *delta_[static_cast<std::size_t>(set)];
   }
+  /// With ResharderOptions::delta: the next refit of each destination set,
+  /// on every rank, is dense (and the shadows are primed again). Call it on
+  /// a rank whose destination something other than this Resharder wrote
+  /// (e.g. inference processed its weights in place), between refits; the
+  /// other ranks need not: the request travels with the next refit.
+  void invalidate_delta_base() {
+    if (!opt_.delta.enabled) fail("Resharder::invalidate_delta_base: ResharderOptions::delta is off");
+    for (auto& d : delta_)
+      if (d) d->invalidate_base();
+  }
   const StagedExecutor<TransportT>& staged_executor(int set = 0) const {
     if (!opt_.staged || set < 0 || set > 1 || !staged_[static_cast<std::size_t>(set)])
       fail("Resharder::staged_executor({}): {}", set, opt_.staged ? "no such destination set is set up" : "ResharderOptions::staged is not set");

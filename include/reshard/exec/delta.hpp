@@ -51,8 +51,10 @@
 //    shadow, so the next refit of every pair is dense. The receiver checks
 //    each payload's base version against the version its set last got from
 //    this executor: a mismatch fails the refit instead of scattering onto
-//    the wrong base. Nothing else may write the destination between refits
-//    (invalidate_base() after doing so).
+//    the wrong base. Nothing else may write the destination between refits;
+//    a rank whose destination was written calls invalidate_base(), alone:
+//    the request rides in the next refit's first all-gather (the sample's
+//    or the counts'), and every rank then goes dense (primed again).
 //
 // Limits: host memory, dense (unstrided) buffers, unstaged schedules.
 #include <algorithm>
@@ -666,12 +668,11 @@ class DeltaExecutor {
   ExecutorStats run(std::uint64_t version);
 
   void set_tensor_names(std::vector<std::string> names) { names_ = std::move(names); }
-  /// Forces the next refit dense (e.g. the destination was written by someone else). Every rank alike.
-  void invalidate_base() {
-    base_valid_ = false;
-    streak_left_ = 0;
-    measured_ = -1;
-  }
+  /// The next refit of every rank is dense and primes the shadows again
+  /// (e.g. inference wrote this rank's destination). Any rank may call it
+  /// alone between refits: the request travels in the next refit's first
+  /// all-gather, so the world agrees on it.
+  void invalidate_base() { invalidate_requested_ = true; }
   const DeltaStats& last_delta() const { return last_; }
   bool base_valid() const { return base_valid_; }
   std::int64_t shadow_bytes() const { return static_cast<std::int64_t>(shadow_.size()); }
@@ -724,6 +725,8 @@ class DeltaExecutor {
   std::vector<std::byte> vals_;         ///< one chunk's changed values
   std::vector<std::string> names_;
   bool ready_ = false, broken_ = false, base_valid_ = false, used_full_ = true;
+  bool invalidate_requested_ = false;  ///< by this rank, for the next refit
+  bool world_invalidated_ = false;     ///< some rank's request, learnt in this refit's all-gather
   int streak_left_ = 0;
   double measured_ = -1;  ///< the world's changed fraction the last diff over this base measured (-1: none yet)
   std::uint64_t base_version_ = 0;  ///< the version the shadows (and the targets) hold
@@ -753,7 +756,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   opt_ = opt;
   dopt_ = dopt;
   me_ = transport.rank();
-  ready_ = broken_ = base_valid_ = false;
+  ready_ = broken_ = base_valid_ = invalidate_requested_ = false;
   streak_left_ = 0;
   measured_ = -1;
   base_version_ = 0;
@@ -775,6 +778,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
     if (!(dopt_.capacity > 0) || dopt_.capacity > 2) fail("rank {}: DeltaOptions::capacity {} is outside (0, 2]", me_, dopt_.capacity);
     if (dopt_.shadow_budget < 0) fail("rank {}: DeltaOptions::shadow_budget is negative", me_);
     if (dopt_.dense_streak < 0) fail("rank {}: DeltaOptions::dense_streak is negative", me_);
+    if (!(dopt_.dense_above >= 0)) fail("rank {}: DeltaOptions::dense_above {} is not a fraction >= 0", me_, dopt_.dense_above);
     if (dopt_.sample_every < 0 || (dopt_.sample_every > 0 && (dopt_.sample_elements < 1 || dopt_.sample_elements > delta::kChunk)))
       fail("rank {}: DeltaOptions::sample_every {} / sample_elements {}: sample_every must be >= 0 and sample_elements in [1, {}]", me_,
            dopt_.sample_every, dopt_.sample_elements, delta::kChunk);
@@ -996,6 +1000,7 @@ double DeltaExecutor<T>::sample() {
   BlobWriter w;
   w.put(compared);
   w.put(changed);
+  w.put<std::uint8_t>(invalidate_requested_ ? 1 : 0);
   std::vector<std::vector<std::byte>> blobs;
   try {
     blobs = t_->all_gather(w.buf, Clock::now() + opt_.timeout);
@@ -1009,6 +1014,7 @@ double DeltaExecutor<T>::sample() {
     BlobReader rd(blobs[r], world[r]);
     compared += rd.get<std::int64_t>();
     changed += rd.get<std::int64_t>();
+    world_invalidated_ |= rd.get<std::uint8_t>() != 0;
   }
   last_.world_compared = compared;
   last_.world_changed = changed;
@@ -1124,6 +1130,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   if (!ready_) fail("rank {}: DeltaExecutor::run before setup()", me_);
   if (broken_) fail("rank {}: DeltaExecutor::run: an earlier run failed; set up again", me_);
   last_ = DeltaStats{};
+  world_invalidated_ = false;
   const auto t0 = Clock::now();
   const Deadline deadline = t0 + opt_.timeout;
   // `with_prime`: the sources are also packed into the shadows, on a helper
@@ -1165,6 +1172,10 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     return st;
   };
   if (!base_valid_) {
+    // Every rank is here alike (base_valid_ changes only on the world's
+    // decisions); this dense refit, and the prime after a streak, also
+    // answer any rank's pending invalidate_base().
+    invalidate_requested_ = false;
     const bool streak = streak_left_ > 0;
     ExecutorStats st = dense(streak ? "streak" : "prime", !streak);
     if (streak) {
@@ -1187,6 +1198,14 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     const auto d0 = Clock::now();
     const double f = sample();
     last_.diff_seconds = std::chrono::duration<double>(Clock::now() - d0).count();
+    if (world_invalidated_) {  // a rank's destination was written by someone else: dense, and prime again
+      invalidate_requested_ = false;
+      ExecutorStats st = dense("prime", true);
+      base_version_ = version;
+      measured_ = -1;
+      st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      return st;
+    }
     if (f > dopt_.dense_above) {
       const bool streak = dopt_.dense_streak > 0;
       ExecutorStats st = dense("sampled", !streak);
@@ -1220,6 +1239,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   w.put(static_cast<std::int64_t>(last_.compared));
   w.put(static_cast<std::int64_t>(last_.changed));
   w.put<std::uint8_t>(overflow ? 1 : 0);
+  w.put<std::uint8_t>(invalidate_requested_ ? 1 : 0);
   put_send_pairs(w, [&](const Pair& p) { w.put(p.payload); });
   std::vector<std::vector<std::byte>> blobs;
   try {
@@ -1235,6 +1255,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     last_.world_compared += rd.get<std::int64_t>();
     last_.world_changed += rd.get<std::int64_t>();
     overflow |= rd.get<std::uint8_t>() != 0;
+    world_invalidated_ |= rd.get<std::uint8_t>() != 0;
     const auto n = rd.get<std::uint32_t>();
     for (std::uint32_t i = 0; i < n; ++i) {
       const auto peer = rd.get<std::int64_t>();
@@ -1246,7 +1267,10 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   }
   const double f = last_.changed_fraction();
   measured_ = f;
-  if (overflow || f > dopt_.dense_above) {
+  if (overflow || world_invalidated_ || f > dopt_.dense_above) {
+    // (An invalidated base needs no prime here: the diff already brought
+    // the shadows to this version, which the dense refit writes whole.)
+    invalidate_requested_ = false;
     ExecutorStats st = dense("dense");
     base_version_ = version;  // the shadows were brought to this version by the diff
     if (f > dopt_.dense_above && dopt_.dense_streak > 0) {
