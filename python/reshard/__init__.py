@@ -393,13 +393,27 @@ class Resharder:
     once the new version is complete on every rank; ``serving_set`` says
     which set inference should read (0: ``buffers``, 1: ``back_buffers``). A
     failed refit leaves the served set untouched.
+
+    ``delta=True`` (every rank alike; host memory, contiguous tensors): after
+    the first refit, each refit sends only the elements whose bits changed
+    since what the receiver holds, and leaves every destination bit-identical
+    to a dense refit (docs/delta.md). Each sender keeps a shadow of what it
+    sent (its sent bytes; ``shadow_budget`` bounds it per destination set,
+    pairs past it refit dense). Above ``dense_above`` of the elements changed
+    (default 0.06) the refit goes dense. The report's ``delta`` says what
+    happened (``mode``: ``prime``, ``delta``, ``dense``, ``sampled`` or
+    ``streak``; ``changed_fraction`` over all ranks; ``payload_bytes`` this
+    rank sent). The destination must hold what the last refit wrote: a rank
+    whose destination something else wrote (inference processing weights
+    in place) calls :meth:`invalidate_delta_base` before the next refit.
     """
 
     def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",
                  store: Any = None, *, prefix: str = "reshard", timeout: float = 300.0, stall_timeout: float = 10.0,
                  protocol: str = "tag", ucx_config: Optional[Mapping[str, str]] = None,
                  staging_budget: Optional[int] = None, fast_data_endpoint: bool = False,
-                 double_buffered: bool = False, back_buffers: Optional[Mapping[str, Any]] = None) -> None:
+                 double_buffered: bool = False, back_buffers: Optional[Mapping[str, Any]] = None,
+                 delta: bool = False, shadow_budget: Optional[int] = None, dense_above: Optional[float] = None) -> None:
         if transport != "ucx":
             raise Error(f"Resharder: transport '{transport}' is not available from Python (use 'ucx'; "
                         "refit_local runs every rank in one process)")
@@ -419,7 +433,8 @@ class Resharder:
         self._r = _core.UcxResharder(src, dst, int(rank), _prepare(buffers), adapter, self._prefix, float(timeout),
                                      float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget,
                                      bool(fast_data_endpoint), bool(double_buffered),
-                                     None if back_buffers is None else _prepare(back_buffers))
+                                     None if back_buffers is None else _prepare(back_buffers), bool(delta), shadow_budget,
+                                     None if dense_above is None else float(dense_above))
 
     def refit(self, version: Optional[int] = None) -> dict:
         """Moves the weights (collective: every rank calls it). Returns this rank's report.
@@ -460,6 +475,12 @@ class Resharder:
                 raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
                                      f"{self._stall * 1.25 + 1:.1f} s (a rank died or did not call close())")
             time.sleep(0.005)
+
+    def invalidate_delta_base(self) -> None:
+        """With ``delta=True``: this rank's destination was written by something else, so the next refit
+        of every rank is dense. This rank alone calls it, between refits: the request travels with the
+        next refit."""
+        self._r.invalidate_delta_base()
 
     def schedule(self) -> Schedule:
         """This rank's part of the plan."""

@@ -596,7 +596,8 @@ class PyResharder {
  public:
   PyResharder(Layout src, Layout dst, std::int64_t rank, nb::handle buffers, nb::object adapter, std::string prefix, double timeout_s,
               double stall_s, std::string protocol, std::vector<std::pair<std::string, std::string>> ucx_config,
-              std::optional<std::int64_t> staging_budget, bool fast_data_endpoint, bool double_buffered, nb::handle back_buffers)
+              std::optional<std::int64_t> staging_budget, bool fast_data_endpoint, bool double_buffered, nb::handle back_buffers,
+              bool delta, std::optional<std::int64_t> shadow_budget, std::optional<double> dense_above)
       : src_(std::move(src)), dst_(std::move(dst)), rank_(rank), adapter_(std::move(adapter)) {
     ranks_ = world_of(src_, dst_);
     if (!std::binary_search(ranks_.begin(), ranks_.end(), rank))
@@ -617,6 +618,17 @@ class PyResharder {
     ResharderOptions ro;
     ro.executor = executor_options(timeout_s, staging_budget);
     ro.double_buffered = double_buffered;
+    if (!delta && (shadow_budget || dense_above)) fail("Resharder: shadow_budget and dense_above apply to delta refits; delta is off");
+    ro.delta.enabled = delta_ = delta;
+    double_buffered_ = double_buffered;
+    if (shadow_budget) {
+      if (*shadow_budget < 0) fail("Resharder: shadow_budget must be >= 0 (bytes); got {}", *shadow_budget);
+      ro.delta.shadow_budget = *shadow_budget;
+    }
+    if (dense_above) {
+      if (!(*dense_above >= 0 && *dense_above <= 1)) fail("Resharder: dense_above must be a fraction in [0, 1]; got {}", *dense_above);
+      ro.delta.dense_above = *dense_above;
+    }
     UcxOptions uo;
     uo.protocol = parse_ucx_protocol(protocol);
     if (!(stall_s > 0)) fail("Resharder: stall_timeout must be positive (seconds); got {}", stall_s);
@@ -652,7 +664,28 @@ class PyResharder {
     nb::dict d = report_dict(rep);
     d["transport"] = "ucx";
     d["rank"] = rank_;
+    if (delta_) {
+      // The set this refit wrote, now served.
+      const DeltaExecutor<UcxTransport>& ex = r_->delta_executor(double_buffered_ ? r_->serving_set() : 0);
+      const DeltaStats& s = ex.last_delta();
+      nb::dict x;
+      x["mode"] = s.mode;
+      x["changed_fraction"] = s.mode == "prime" || s.mode == "streak" ? nb::none() : nb::cast(s.changed_fraction());
+      x["changed"] = s.changed;
+      x["compared"] = s.compared;
+      x["payload_bytes"] = s.payload_bytes;
+      x["diff_seconds"] = s.diff_seconds;
+      x["scatter_seconds"] = s.scatter_seconds;
+      x["shadow_bytes"] = ex.shadow_bytes();
+      x["staging_bytes"] = ex.staging_bytes();
+      d["delta"] = x;
+    }
     return d;
+  }
+
+  void invalidate_delta_base() {
+    if (!r_) fail("Resharder (rank {}): closed", rank_);
+    r_->invalidate_delta_base();
   }
 
   /// Collective: the ranks agree they are done, then the transport goes.
@@ -693,6 +726,7 @@ class PyResharder {
   RankViews views_;
   std::unique_ptr<UcxTransport> t_;
   std::unique_ptr<Resharder<Layout, UcxTransport>> r_;
+  bool delta_ = false, double_buffered_ = false;
 };
 #endif
 
@@ -785,12 +819,14 @@ NB_MODULE(_core, m) {
 #ifdef RESHARD_HAVE_UCX
   nb::class_<PyResharder>(m, "UcxResharder")
       .def(nb::init<Layout, Layout, std::int64_t, nb::handle, nb::object, std::string, double, double, std::string,
-                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool, bool, nb::handle>(),
+                    std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool, bool, nb::handle, bool,
+                    std::optional<std::int64_t>, std::optional<double>>(),
            "src"_a, "dst"_a, "rank"_a, "buffers"_a, "adapter"_a, "prefix"_a, "timeout"_a, "stall_timeout"_a, "protocol"_a, "ucx_config"_a,
            "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false, "double_buffered"_a = false,
-           "back_buffers"_a = nb::none())
+           "back_buffers"_a = nb::none(), "delta"_a = false, "shadow_budget"_a = nb::none(), "dense_above"_a = nb::none())
       .def("refit", &PyResharder::refit, "version"_a = nb::none())
       .def("close", &PyResharder::close, "barrier"_a = true)
+      .def("invalidate_delta_base", &PyResharder::invalidate_delta_base)
       .def_prop_ro("rank", &PyResharder::rank)
       .def_prop_ro("world", &PyResharder::world)
       .def_prop_ro("last_good_version", &PyResharder::last_good_version)

@@ -1,6 +1,7 @@
 """reshard.Resharder across processes that no mpirun started: torch.multiprocessing
 (spawn), a torch.distributed.TCPStore on 127.0.0.1, UCX on loopback."""
 import datetime
+import functools
 import json
 import os
 import queue
@@ -129,6 +130,70 @@ def colocated_worker(rank, port, examples, q):
         q.put((rank, "crash", traceback.format_exc(), None, None))
 
 
+# Per version after the first: the fraction of every tensor's elements given new values, and whether
+# the destination rank overwrites its buffers (as inference post-processing would) and asks for a
+# dense refit. dense_above is 0.25; after a dense refit the next ones are a streak of dense refits.
+DELTA_VERSIONS = [(0.0, False), (0.01, False), (0.02, True), (0.03, False), (0.5, False), (0.01, False)]
+DELTA_MODES = ["prime", "delta", "delta", "dense", "delta", "dense", "streak"]
+
+
+def evolve(full, fraction, version):
+    """New values for `fraction` of every tensor's elements, the same in every process (seeded by version)."""
+    g = torch.Generator().manual_seed(1000 + version)
+    out = {}
+    for name in sorted(full):
+        t = full[name].clone()
+        flat = t.view(-1)
+        k = round(fraction * flat.numel())
+        if k:
+            idx = torch.randperm(flat.numel(), generator=g)[:k]
+            flat[idx] = torch.randn(k, generator=g).to(t.dtype)
+        out[name] = t
+    return out
+
+
+def delta_worker(rank, port, models, q, double=False):
+    """Delta refits over versions whose weights change in a known fraction; every element checked each time."""
+    t0 = time.monotonic()
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
+        src, dst = layouts(models)
+        cfg = json.loads((models / "tiny-llama.json").read_text())
+        full = oracle.full_tensors(src, seed=31)
+        bufs = {}
+        if rank in src.ranks:
+            bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
+        if rank in dst.ranks:
+            bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        back = reshard.allocate(dst, rank, fill=POISON) if double and rank in dst.ranks else None
+        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, store=store, stall_timeout=10, delta=True, dense_above=0.25,
+                              double_buffered=double, back_buffers=back)
+        reports, checked = [], 0
+        for v in range(1, len(DELTA_VERSIONS) + 2):
+            if v > 1:
+                fraction, overwrite = DELTA_VERSIONS[v - 2]
+                full = evolve(full, fraction, v)
+                if rank in src.ranks:
+                    for n, (x, _) in oracle.contract_buffers(src, full, rank).items():
+                        bufs[n].copy_(x)
+                if overwrite and rank in dst.ranks:
+                    for t in list(bufs.values()) + list((back or {}).values()):
+                        t.fill_(POISON)
+                    r.invalidate_delta_base()  # this rank alone
+            rep = r.refit()
+            reports.append(rep)
+            if rank in dst.ranks:
+                served = back if double and r.serving_set == 1 else bufs
+                checked += oracle.check(served, oracle.vllm_llama_buffers(cfg, full, 1, len(src.ranks), rank), POISON,
+                                        f"version {v} ({rep['delta']['mode']})")
+        r.close()
+        q.put((rank, "ok", reports, checked, time.monotonic() - t0))
+    except reshard.Error as e:
+        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
+    except BaseException:
+        q.put((rank, "crash", traceback.format_exc(), None, None))
+
+
 def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, target=None):
     """Runs `ranks` as spawned processes. The TCPStore lives in this process (as torchrun's agent
     or a Ray driver would host it), or on rank 0 with rank0_hosts."""
@@ -248,3 +313,44 @@ def test_bad_buffer_fails_every_rank(models):
         assert res[1] == "error", res
         assert "rank 1 failed to set up" in res[3] and "dtype f32" in res[3], res[3]
         assert res[4] < 30
+
+
+@pytest.mark.parametrize("double", [False, True], ids=["single", "double-buffered"])
+def test_delta_refits(models, double):
+    """Only changed elements move after the first refit; every element is checked against the oracle after
+    each version, a destination overwritten by someone else included (its rank alone asks for a dense refit)."""
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, None, target=functools.partial(delta_worker, double=double))
+    assert set(results) == set(ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+    assert results[2][3] > 0
+    per_version = [[res[2][k]["delta"] for res in results.values()] for k in range(len(DELTA_MODES))]
+    modes = [d[0]["mode"] for d in per_version]
+    assert all(x["mode"] == m for d, m in zip(per_version, modes) for x in d), per_version  # every rank alike
+    sent = [sum(res[2][k]["bytes_moved"] for res in results.values()) for k in range(len(DELTA_MODES))]
+    dense = reshard.plan(src, dst).stats["bytes"]
+    assert sent[0] == dense
+    if double:
+        # Each set primes once; then a set's refit diffs against the version before last (the one
+        # it holds). The overwrite makes both sets' next refit dense.
+        assert modes[:3] == ["prime", "prime", "delta"] and "delta" not in modes[3:5], modes
+        assert sent[2] < dense * 0.1, (sent, dense)
+        return
+    assert modes == DELTA_MODES, modes
+    for k, m in enumerate(modes):
+        if m == "delta":
+            fraction = DELTA_VERSIONS[k - 1][0]
+            assert sent[k] < dense * (0.05 + 4 * fraction), (k, sent[k], dense)
+            assert abs(per_version[k][0]["changed_fraction"] - fraction) <= 0.002 + fraction * 0.1, per_version[k][0]
+    assert results[0][2][1]["delta"]["shadow_bytes"] > 0
+    assert results[0][2][1]["delta"]["payload_bytes"] < results[0][2][0]["bytes_moved"] // 20
+
+
+def test_delta_options_are_checked(models):
+    src, dst = layouts(models)
+    with pytest.raises(reshard.Error, match="delta is off"):
+        reshard.Resharder(src, dst, rank=0, buffers={}, store=DictStore({}), dense_above=0.1)
+    with pytest.raises(reshard.Error, match=r"dense_above must be a fraction in \[0, 1\]; got 2"):
+        reshard.Resharder(src, dst, rank=0, buffers={}, store=DictStore({}), delta=True, dense_above=2)
