@@ -393,19 +393,43 @@ TEST_CASE("a refit the density sample sends dense skips the full diff and the ba
   const Layout& src = refit_test::message_kinds_src();
   const Layout& dst = refit_test::message_kinds_dst();
   const Densities d{1.0, 0.6, 0.01, 0.0, 0.7, 0.8, 0.02, 0.0};
-  // No streak: the sampled-dense refit packs the sources into the shadows, so the next one can be a delta.
+  // No streak: a sampled-dense refit keeps only the sampled positions of the
+  // shadows; when the next sample finds the density low, that refit primes
+  // the shadows whole (dense) and the one after is a delta.
   auto r = run_versions(src, dst, d, delta_options(false, 0.25, 0));
   CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
-  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "delta", "delta", "dense", "sampled", "delta", "delta"});
+  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "prime", "delta", "dense", "sampled", "prime", "delta"});
   CHECK(r.fraction[1] > 0.4);  // (the sample's estimate of 60%)
   CHECK(r.fraction[1] < 0.8);
-  // A streak: the sampled-dense refit leaves the shadows stale; the streak ends in a re-prime.
+  // A streak: the streak's last refit keeps the sampled positions; the next
+  // refit samples and primes, as the density is low again.
   r = run_versions(src, dst, d, delta_options(false, 0.25, 1));
   CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
-  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "streak", "prime", "sampled", "streak", "prime", "delta"});
+  CHECK(r.modes == std::vector<std::string>{"prime", "sampled", "streak", "prime", "dense", "streak", "prime", "delta"});
   // Double-buffered: each set's own sample and base.
   r = run_versions(src, dst, d, delta_options(true, 0.25, 0));
   CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+}
+
+TEST_CASE("while the density stays high, no refit after the first primes the shadows") {
+  // Only the sampled positions are kept between samples (about 1/256 of a
+  // prime's copy); the full prime waits until a sample finds the density low.
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  const Densities d{1.0, 0.6, 0.7, 0.8, 0.9, 0.5, 0.6, 0.01, 0.0, 0.02};
+  auto r = run_versions(src, dst, d, delta_options(false, 0.25, 1));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes ==
+        std::vector<std::string>{"prime", "sampled", "streak", "sampled", "streak", "sampled", "streak", "prime", "delta", "delta"});
+  r = run_versions(src, dst, d, delta_options(false, 0.25, 0));
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes ==
+        std::vector<std::string>{"prime", "sampled", "sampled", "sampled", "sampled", "sampled", "sampled", "prime", "delta", "delta"});
+  for (std::size_t k = 1; k < 7; ++k) CHECK(r.fraction[k] > 0.3);  // each sample measured against the version before
+  for (bool dbl : {false, true}) {
+    r = run_versions(src, dst, d, delta_options(dbl, 0.25, 2));
+    CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  }
 }
 
 TEST_CASE("delta refits are bit-exact over random layout pairs and a preset model") {

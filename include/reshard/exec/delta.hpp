@@ -35,16 +35,20 @@
 //    measured: docs/delta.md) or a payload outgrew its capacity, the refit
 //    runs the plain Executor over the whole schedule (zero-copy as usual;
 //    the shadows are already current). Above dense_above the next
-//    dense_streak refits go dense without diffing (no shadow upkeep), then
-//    one refit re-primes the shadows (a pack of the sources, on a helper
-//    thread beside that dense refit) and the next one measures the density
-//    again.
+//    dense_streak refits go dense without diffing (no shadow upkeep); the
+//    streak's last refit brings only the sampled positions of the shadows
+//    to its version, and the next refit samples.
 //  * Sample. Until a diff over the current base has measured a density at
-//    or below dense_above, a refit first compares a sample of each stream
-//    (DeltaOptions::sample_every / sample_elements, read only) and sums it
-//    in one all-gather; above dense_above it goes dense without the full
-//    diff (mode "sampled"), leaving the shadows to the streak's re-prime,
-//    or, without a streak, packing the sources into them.
+//    or below dense_above, or while the shadows hold only the sampled
+//    positions, a refit first compares a sample of each stream
+//    (DeltaOptions::sample_every / sample_elements, about 1/256, read only)
+//    and sums it in one all-gather. Above dense_above it goes dense without
+//    the full diff (mode "sampled"), keeping only the sampled positions (at
+//    the streak's end, or at once without a streak). Where the shadows hold
+//    only those and the sample finds the density at or below dense_above,
+//    the refit is dense and primes the shadows whole (a pack of the sources
+//    on a helper thread beside it), and deltas follow. So while the density
+//    stays high no refit pays a prime, only the first one after setup().
 //  * A base that is always right. The first refit after setup() is dense
 //    and primes the shadows. Any failure breaks the executor (like the
 //    Executor); the Resharder then needs setup() again, which drops every
@@ -705,6 +709,9 @@ class DeltaExecutor {
   void encode(Pair& p, std::uint64_t version);
   void decode(Pair& p, std::uint64_t version);
   void prime();
+  template <class F>
+  void for_each_sample_run(F&& f);
+  void prime_samples();
   double sample();
   template <class F>
   void put_send_pairs(BlobWriter& w, F&& each) const;
@@ -726,6 +733,7 @@ class DeltaExecutor {
   std::vector<std::string> names_;
   bool ready_ = false, broken_ = false, base_valid_ = false, used_full_ = true;
   bool invalidate_requested_ = false;  ///< by this rank, for the next refit
+  bool samples_current_ = false;       ///< the shadows' sampled positions hold the last refit's sources
   bool world_invalidated_ = false;     ///< some rank's request, learnt in this refit's all-gather
   int streak_left_ = 0;
   double measured_ = -1;  ///< the world's changed fraction the last diff over this base measured (-1: none yet)
@@ -756,7 +764,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   opt_ = opt;
   dopt_ = dopt;
   me_ = transport.rank();
-  ready_ = broken_ = base_valid_ = invalidate_requested_ = false;
+  ready_ = broken_ = base_valid_ = invalidate_requested_ = samples_current_ = false;
   streak_left_ = 0;
   measured_ = -1;
   base_version_ = 0;
@@ -978,25 +986,40 @@ void DeltaExecutor<T>::put_send_pairs(BlobWriter& w, F&& each) const {
 }
 
 template <class T>
-double DeltaExecutor<T>::sample() {
-  // Compare (pack where needed) the head of every sample_every-th chunk with
-  // the shadow: about 1/256 of the elements by default, read only.
-  std::int64_t compared = 0, changed = 0;
+template <class F>
+void DeltaExecutor<T>::for_each_sample_run(F&& f) {
+  // The head (sample_elements) of every sample_every-th chunk of each sent
+  // stream: f(stream, cursor, first element, elements, its shadow).
   for (const Pair& p : pairs_) {
     if (!p.send) continue;
-    const std::byte* shadow = shadow_.data() + p.shadow_offset;
+    std::byte* shadow = shadow_.data() + p.shadow_offset;
     for (const auto& s : p.streams) {
       std::size_t cursor = 0;
       const auto E = static_cast<std::int64_t>(s.E);
-      for (std::int64_t c0 = 0; c0 < s.elements; c0 += delta::kChunk * dopt_.sample_every) {
-        const std::int64_t n = std::min(dopt_.sample_elements, s.elements - c0);
-        delta::stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
-        changed += delta::count_changed_bytes(s.E, chunk_.data(), shadow + c0 * E, n);
-        compared += n;
-      }
+      for (std::int64_t c0 = 0; c0 < s.elements; c0 += delta::kChunk * dopt_.sample_every)
+        f(s, cursor, c0, std::min(dopt_.sample_elements, s.elements - c0), shadow + c0 * E);
       shadow += s.elements * E;
     }
   }
+}
+
+template <class T>
+void DeltaExecutor<T>::prime_samples() {
+  for_each_sample_run([](const delta::Stream& s, std::size_t& cursor, std::int64_t c0, std::int64_t n, std::byte* shadow) {
+    delta::stream_copy<true>(s.E, s.segs, cursor, c0, n, shadow);
+  });
+}
+
+template <class T>
+double DeltaExecutor<T>::sample() {
+  // Compare (pack where needed) the sampled positions with the shadow:
+  // about 1/256 of the elements by default, read only.
+  std::int64_t compared = 0, changed = 0;
+  for_each_sample_run([&](const delta::Stream& s, std::size_t& cursor, std::int64_t c0, std::int64_t n, const std::byte* shadow) {
+    delta::stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
+    changed += delta::count_changed_bytes(s.E, chunk_.data(), shadow, n);
+    compared += n;
+  });
   BlobWriter w;
   w.put(compared);
   w.put(changed);
@@ -1133,16 +1156,24 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   world_invalidated_ = false;
   const auto t0 = Clock::now();
   const Deadline deadline = t0 + opt_.timeout;
-  // `with_prime`: the sources are also packed into the shadows, on a helper
+  // Prime::full: the sources are also packed into the shadows, on a helper
   // thread while the dense refit moves them (the sources are read-only
   // during a refit, and the refit mostly waits on the wire), so a prime
   // costs about a dense refit instead of a dense refit plus a copy.
-  auto dense = [&](const char* mode, bool with_prime = false) {
+  // Prime::samples: only the positions sample() reads (about 1/256).
+  enum class Prime { none, samples, full };
+  auto dense = [&](const char* mode, Prime prime_kind = Prime::none) {
     used_full_ = true;
     last_.mode = mode;
+    invalidate_requested_ = false;  // a dense refit writes every destination whole
     std::thread packer;
     std::exception_ptr packer_error;
-    if (with_prime && std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& p) { return p.send; }))
+    try {
+      if (prime_kind == Prime::samples) prime_samples();
+    } catch (const std::exception& e) {
+      fail_run(fmt::format("rank {}: delta refit version {}: priming the sampled shadows failed: {}", me_, version, e.what()));
+    }
+    if (prime_kind == Prime::full && std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& p) { return p.send; }))
       packer = std::thread([this, &packer_error] {
         try {
           prime();
@@ -1169,55 +1200,47 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
       }
       fail_run(fmt::format("rank {}: delta refit version {}: priming the shadows failed: {}", me_, version, why));
     }
-    return st;
-  };
-  if (!base_valid_) {
-    // Every rank is here alike (base_valid_ changes only on the world's
-    // decisions); this dense refit, and the prime after a streak, also
-    // answer any rank's pending invalidate_base().
-    invalidate_requested_ = false;
-    const bool streak = streak_left_ > 0;
-    ExecutorStats st = dense(streak ? "streak" : "prime", !streak);
-    if (streak) {
-      --streak_left_;
-    } else {
-      base_valid_ = true;
-      base_version_ = version;
-      measured_ = -1;
-    }
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     return st;
+  };
+  auto primed = [&](ExecutorStats st, double measured) {
+    base_valid_ = samples_current_ = true;
+    base_version_ = version;
+    measured_ = measured;
+    return st;
+  };
+  const bool sampling = dopt_.sample_every > 0;
+  // Every rank takes the branches below alike: base_valid_, streak_left_
+  // and samples_current_ change only on the world's decisions.
+  if (!base_valid_ && streak_left_ > 0) {
+    // Dense without diffing. With sampling, the streak's last refit brings
+    // the sampled positions of the shadows to this version, so that the
+    // next refit measures the density without a full prime.
+    --streak_left_;
+    samples_current_ = sampling && streak_left_ == 0;
+    return dense("streak", samples_current_ ? Prime::samples : Prime::none);
   }
+  if (!base_valid_ && !samples_current_) return primed(dense("prime", Prime::full), -1);  // first refit after setup()
 
-  // No diff over this base has measured a density below dense_above yet: a
-  // sample first, so that a refit that will go dense does not pay the full
-  // diff. Above dense_above it goes dense at once; the shadows then either
-  // wait for the streak's re-prime or (no streak) take the sources packed,
-  // which is cheaper than a diff, so the base stays exact either way.
-  if (dopt_.sample_every > 0 && !(measured_ >= 0 && measured_ <= dopt_.dense_above)) {
+  // Sample first while no diff over this base has measured a density at or
+  // below dense_above (or there is no full base, only sampled positions),
+  // so that a refit that goes dense pays neither the full diff nor a prime.
+  if (sampling && (!base_valid_ || !(measured_ >= 0 && measured_ <= dopt_.dense_above))) {
     const auto d0 = Clock::now();
     const double f = sample();
     last_.diff_seconds = std::chrono::duration<double>(Clock::now() - d0).count();
-    if (world_invalidated_) {  // a rank's destination was written by someone else: dense, and prime again
-      invalidate_requested_ = false;
-      ExecutorStats st = dense("prime", true);
-      base_version_ = version;
-      measured_ = -1;
-      st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      return st;
-    }
+    // A full prime when the density fell to where deltas pay (from the next
+    // refit on), or when a rank's destination was written by someone else.
+    if (base_valid_ ? world_invalidated_ : f <= dopt_.dense_above) return primed(dense("prime", Prime::full), world_invalidated_ ? -1 : f);
     if (f > dopt_.dense_above) {
+      // Dense, and no shadow upkeep beyond the sampled positions: the
+      // streak's last refit (or, without a streak, this one) keeps those.
       const bool streak = dopt_.dense_streak > 0;
-      ExecutorStats st = dense("sampled", !streak);
-      if (streak) {
-        base_valid_ = false;
-        streak_left_ = dopt_.dense_streak;
-      } else {
-        base_version_ = version;
-      }
+      base_valid_ = false;
+      streak_left_ = dopt_.dense_streak;
+      samples_current_ = !streak;
       measured_ = f;
-      st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      return st;
+      return dense("sampled", streak ? Prime::none : Prime::samples);
     }
   }
 
@@ -1270,14 +1293,12 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   if (overflow || world_invalidated_ || f > dopt_.dense_above) {
     // (An invalidated base needs no prime here: the diff already brought
     // the shadows to this version, which the dense refit writes whole.)
-    invalidate_requested_ = false;
     ExecutorStats st = dense("dense");
     base_version_ = version;  // the shadows were brought to this version by the diff
     if (f > dopt_.dense_above && dopt_.dense_streak > 0) {
-      base_valid_ = false;  // no shadow upkeep for a while: re-prime later
+      base_valid_ = false;  // no shadow upkeep for a while (the streak's last refit keeps the sampled positions)
       streak_left_ = dopt_.dense_streak;
     }
-    st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     return st;
   }
 
