@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -148,6 +149,82 @@ inline std::map<std::string, BufferView> views(const Layout& L, SideMemory& m) {
       out[L.local_buffers()[b].name] = bytes_view(m.data[b].data(), m.data[b].size(), static_cast<std::int64_t>(m.element_bytes[b]));
   return out;
 }
+
+/// A side's buffers as strided views inside larger allocations: a buffer of
+/// two or more dims gets 3 more elements of pitch on its outermost dim, a
+/// 1-d buffer takes every other element. store() copies a SideMemory's dense
+/// contents in, load() copies them back out; everything no element reaches
+/// holds kGap, which gaps_intact() checks.
+struct StridedSide {
+  static constexpr std::byte kGap{0x6b};
+  struct Buffer {
+    bool present = false;
+    std::size_t E = 0;
+    std::vector<std::int64_t> shape, strides, at;  ///< at[i]: element offset of dense element i
+    std::vector<std::byte> mem;
+  };
+  std::vector<Buffer> buffers;
+
+  StridedSide(const Layout& L, std::int64_t rank, const SideMemory& m) {
+    buffers.resize(m.slots.size());
+    const auto pos = L.mesh.position_of(rank);
+    for (std::size_t b = 0; pos && b < buffers.size(); ++b) {
+      Buffer& x = buffers[b];
+      if (!(x.present = m.present[b])) continue;
+      x.E = m.element_bytes[b];
+      x.shape = buffer_shape(L, *pos, static_cast<int>(b));
+      const auto r = x.shape.size();
+      x.strides.assign(r, 1);
+      std::int64_t dense = 1;
+      for (std::size_t d = r; d-- > 0;) {
+        x.strides[d] = dense;
+        dense *= x.shape[d];
+      }
+      x.strides[0] = r == 1 ? 2 : x.strides[0] + 3;
+      std::int64_t span = 1;
+      for (std::size_t d = 0; d < r; ++d) span += (x.shape[d] - 1) * x.strides[d];
+      x.mem.assign(static_cast<std::size_t>(span) * x.E, kGap);
+      x.at.resize(m.slots[b].size());
+      for (std::size_t i = 0; i < x.at.size(); ++i) {
+        std::int64_t rest = static_cast<std::int64_t>(i), o = 0;
+        for (std::size_t d = r; d-- > 0;) {
+          o += (rest % x.shape[d]) * x.strides[d];
+          rest /= x.shape[d];
+        }
+        x.at[i] = o;
+      }
+    }
+    store(m);
+  }
+  void store(const SideMemory& m) {
+    for (std::size_t b = 0; b < buffers.size(); ++b)
+      for (std::size_t i = 0; buffers[b].present && i < buffers[b].at.size(); ++i)
+        std::memcpy(&buffers[b].mem[static_cast<std::size_t>(buffers[b].at[i]) * buffers[b].E], &m.data[b][i * buffers[b].E], buffers[b].E);
+  }
+  void load(SideMemory& m) const {
+    for (std::size_t b = 0; b < buffers.size(); ++b)
+      for (std::size_t i = 0; buffers[b].present && i < buffers[b].at.size(); ++i)
+        std::memcpy(&m.data[b][i * buffers[b].E], &buffers[b].mem[static_cast<std::size_t>(buffers[b].at[i]) * buffers[b].E], buffers[b].E);
+  }
+  std::map<std::string, BufferView> views(const Layout& L) {
+    std::map<std::string, BufferView> out;
+    for (std::size_t b = 0; b < buffers.size(); ++b)
+      if (buffers[b].present)
+        out[L.local_buffers()[b].name] =
+            BufferView{buffers[b].mem.data(), 0, static_cast<std::int64_t>(buffers[b].E), buffers[b].shape, buffers[b].strides, MemoryKind::host};
+    return out;
+  }
+  bool gaps_intact() const {
+    for (const Buffer& x : buffers) {
+      std::vector<bool> reached(x.mem.size() / std::max<std::size_t>(x.E, 1), false);
+      for (auto o : x.at) reached[static_cast<std::size_t>(o)] = true;
+      for (std::size_t k = 0; k < reached.size(); ++k)
+        for (std::size_t j = 0; !reached[k] && j < x.E; ++j)
+          if (x.mem[k * x.E + j] != kGap) return false;
+    }
+    return true;
+  }
+};
 
 /// A small pair with every kind of message. Sources 0-1, destinations 2-3;
 /// every destination hears from both sources:

@@ -86,8 +86,9 @@ struct Overwrite {
 /// `fail_at` > 0, that version's refit fails (a corrupted delta payload, or
 /// a corrupted dense message when the version goes dense): the job then sets
 /// up again on a fresh transport and refits the same version again.
+/// With `strided`, every buffer is a strided view (refit_test::StridedSide).
 Result run_versions(const Layout& src, const Layout& dst, const Densities& d, ResharderOptions opt, std::uint64_t fail_at = 0,
-                    Overwrite overwrite = {}) {
+                    Overwrite overwrite = {}, bool strided = false) {
   Result res;
   const auto ranks = refit_test::world_of(src, dst);
   const std::size_t n = ranks.size();
@@ -96,6 +97,12 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
     smem[i] = refit_test::make_side(src, ranks[i], true, 0);
     dmem[i] = refit_test::make_side(dst, ranks[i], false, 0);
     back[i] = refit_test::make_side(dst, ranks[i], false, 0);
+  }
+  std::vector<std::unique_ptr<refit_test::StridedSide>> sview(n), dview(n), bview(n);
+  for (std::size_t i = 0; strided && i < n; ++i) {
+    sview[i] = std::make_unique<refit_test::StridedSide>(src, ranks[i], smem[i]);
+    dview[i] = std::make_unique<refit_test::StridedSide>(dst, ranks[i], dmem[i]);
+    bview[i] = std::make_unique<refit_test::StridedSide>(dst, ranks[i], back[i]);
   }
   opt.executor.checksum = opt.executor.checksum || fail_at > 0;
   std::vector<std::unique_ptr<R>> rs(n);
@@ -129,19 +136,21 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
       const std::size_t i = refit_test::index_of(ranks, t.rank());
       FT& ft = *transports.back()[i];
       LocalBuffers b;
-      b.src = refit_test::views(src, smem[i]);
-      b.dst = refit_test::views(dst, dmem[i]);
-      if (opt.double_buffered) b.dst_back = refit_test::views(dst, back[i]);
+      b.src = strided ? sview[i]->views(src) : refit_test::views(src, smem[i]);
+      b.dst = strided ? dview[i]->views(dst) : refit_test::views(dst, dmem[i]);
+      if (opt.double_buffered) b.dst_back = strided ? bview[i]->views(dst) : refit_test::views(dst, back[i]);
       if (!rs[i])
         rs[i] = std::make_unique<R>(src, dst, b, ft, opt);
       else
         rs[i]->setup(b, ft);
       for (std::uint64_t u = v; u <= d.size(); ++u) {
         visit(src, smem[i], true, u, d, ranks[i], nullptr);
+        if (strided) sview[i]->store(smem[i]);
         if (faulty && u == fail_at) armed = true;
         if (u == overwrite.at && ranks[i] == dst.mesh.global_ranks().back()) {
           refit_test::write_side(dst, dmem[i], false, 0xbad);
           refit_test::write_side(dst, back[i], false, 0xbad);
+          if (strided) dview[i]->store(dmem[i]), bview[i]->store(back[i]);
           if (overwrite.request) rs[i]->invalidate_delta_base();
         }
         RefitReport rep;
@@ -155,7 +164,14 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
         }
         const int set = rs[i]->serving_set();
         std::string first;
-        const auto wrong = visit(dst, set == 0 ? dmem[i] : back[i], false, u, d, ranks[i], &first);
+        bool gaps = true;
+        if (strided) {
+          auto& view = set == 0 ? dview[i] : bview[i];
+          view->load(set == 0 ? dmem[i] : back[i]);
+          gaps = view->gaps_intact() && sview[i]->gaps_intact();
+        }
+        const auto wrong = visit(dst, set == 0 ? dmem[i] : back[i], false, u, d, ranks[i], &first) + (gaps ? 0 : 1);
+        if (!gaps) first = fmt::format("version {}: rank {}: a gap between the strided views' elements was written", u, ranks[i]);
         const auto& ds = rs[i]->delta_executor(opt.double_buffered ? set : 0).last_delta();
         std::lock_guard lk(mu);
         res.wrong += wrong;
@@ -452,6 +468,34 @@ TEST_CASE("delta refits are bit-exact over random layout pairs and a preset mode
     const auto r = run_versions(src, dst, {1.0, 0.003, 0.0, 0.02, 0.6, 0.001, 1.0, 0.004}, delta_options(dbl, 0.25, 1));
     CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
   }
+}
+
+TEST_CASE("delta refits through strided views (weights inside larger allocations) are bit-exact and touch nothing between elements") {
+  // Every buffer of both sides a strided view: outer dims with a pitch, 1-d
+  // buffers every other element (refit_test::StridedSide).
+  const Layout& src = refit_test::message_kinds_src();
+  const Layout& dst = refit_test::message_kinds_dst();
+  for (bool dbl : {false, true})
+    for (double above : {0.25, 1.0}) {
+      CAPTURE(dbl);
+      CAPTURE(above);
+      const auto r = run_versions(src, dst, sweep(), delta_options(dbl, above, 1, above > 0.5 ? 1.2 : 0.375), 0, {}, true);
+      CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+      CHECK(std::count(r.modes.begin(), r.modes.end(), "delta") >= 4);
+    }
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    testgen::RandomOptions ro;
+    ro.max_world = 8;
+    const auto pair = testgen::random_layout_pair(seed * 7919, ro);
+    CAPTURE(pair.describe());
+    const auto r = run_versions(pair.src, pair.dst, sweep(), delta_options(seed % 2 == 0, 0.25, 1, 1.2), 0, {}, true);
+    CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  }
+  // A fault mid-sequence, through the views: the next refit is dense and exact.
+  const Densities d{1.0, 0.01, 0.02, 0.01, 0.5, 0.01, 0.0};
+  const auto r = run_versions(src, dst, d, delta_options(false, 0.25, 0), 4, {}, true);
+  CHECK(r.failures == 1);
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
 }
 
 TEST_CASE("a failed refit in the middle of a sequence: the next one is dense and every version stays exact") {

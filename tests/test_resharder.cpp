@@ -523,8 +523,12 @@ TEST_CASE("Resharder<st::LayoutOf<M>, T>: two static layouts kept as given, memo
   st::LayoutOf<Grid> other{Grid(1, 2), "other"};
   CHECK(error_of([&] { other.add<float>(st::Tensor<Col>("h", {4, 4}, DType::bf16)); }) ==
         "other: tensor 'h': dtype: the tensor is bf16 but add<E> gives its element type as f32");
+  // add<const E> gives the handle of E: the memory's constness is the binding's business.
+  auto c = other.add<const float>(st::Tensor<Col>("c", {4, 4}, DType::f32));
+  static_assert(std::is_same_v<decltype(c)::element_type, float>);
   std::vector<float> four(4);
   std::map<std::string, BufferView> side;
+  bind_tensor(side, c, std::span<const float>(four));
   bind_tensor(side, p.w_train, std::span<float>(four));
   CHECK(error_of([&] { bind_tensor(side, p.w_train, std::span<float>(four)); }) == "bind_tensor: tensor 'w' is already bound in this buffer set");
   std::vector<float> qk(48 * 16), w(32 * 32), e(8 * 8);

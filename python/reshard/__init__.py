@@ -394,7 +394,7 @@ class Resharder:
     which set inference should read (0: ``buffers``, 1: ``back_buffers``). A
     failed refit leaves the served set untouched.
 
-    ``delta=True`` (every rank alike; host memory, contiguous tensors): after
+    ``delta=True`` (every rank alike; host memory): after
     the first refit, each refit sends only the elements whose bits changed
     since what the receiver holds, and leaves every destination bit-identical
     to a dense refit (docs/delta.md). Each sender keeps a shadow of what it

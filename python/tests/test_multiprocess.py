@@ -152,8 +152,24 @@ def evolve(full, fraction, version):
     return out
 
 
-def delta_worker(rank, port, models, q, double=False):
-    """Delta refits over versions whose weights change in a known fraction; every element checked each time."""
+def pitched(bufs):
+    """Each 2-d tensor as a view into a larger one (3 more columns, which a refit must never write): a
+    non-contiguous buffer. Returns the views and the larger tensors."""
+    out, bigs = {}, []
+    for n, t in bufs.items():
+        if t.dim() == 2:
+            big = torch.full((t.shape[0], t.shape[1] + 3), POISON, dtype=t.dtype)
+            big[:, :t.shape[1]].copy_(t)
+            out[n] = big[:, :t.shape[1]]
+            bigs.append(big)
+        else:
+            out[n] = t
+    return out, bigs
+
+
+def delta_worker(rank, port, models, q, double=False, strided=False):
+    """Delta refits over versions whose weights change in a known fraction; every element checked each time.
+    With `strided`, the 2-d buffers of both sides are views into larger tensors."""
     t0 = time.monotonic()
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
@@ -165,6 +181,10 @@ def delta_worker(rank, port, models, q, double=False):
             bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
         if rank in dst.ranks:
             bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        bigs = []
+        if strided:
+            bufs, bigs = pitched(bufs)
+            assert any(not t.is_contiguous() for t in bufs.values())
         back = reshard.allocate(dst, rank, fill=POISON) if double and rank in dst.ranks else None
         r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, store=store, stall_timeout=10, delta=True, dense_above=0.25,
                               double_buffered=double, back_buffers=back)
@@ -186,6 +206,7 @@ def delta_worker(rank, port, models, q, double=False):
                 served = back if double and r.serving_set == 1 else bufs
                 checked += oracle.check(served, oracle.vllm_llama_buffers(cfg, full, 1, len(src.ranks), rank), POISON,
                                         f"version {v} ({rep['delta']['mode']})")
+        assert all((big[:, -3:] == POISON).all() for big in bigs), "a refit wrote past a strided view's columns"
         r.close()
         q.put((rank, "ok", reports, checked, time.monotonic() - t0))
     except reshard.Error as e:
@@ -315,13 +336,14 @@ def test_bad_buffer_fails_every_rank(models):
         assert res[4] < 30
 
 
-@pytest.mark.parametrize("double", [False, True], ids=["single", "double-buffered"])
-def test_delta_refits(models, double):
+@pytest.mark.parametrize("double,strided", [(False, False), (True, False), (False, True)],
+                         ids=["single", "double-buffered", "strided"])
+def test_delta_refits(models, double, strided):
     """Only changed elements move after the first refit; every element is checked against the oracle after
     each version, a destination overwritten by someone else included (its rank alone asks for a dense refit)."""
     src, dst = layouts(models)
     ranks = sorted(set(src.ranks) | set(dst.ranks))
-    results, codes = run_job(models, ranks, None, target=functools.partial(delta_worker, double=double))
+    results, codes = run_job(models, ranks, None, target=functools.partial(delta_worker, double=double, strided=strided))
     assert set(results) == set(ranks), (results, codes)
     for res in results.values():
         assert res[1] == "ok", res

@@ -60,7 +60,8 @@
 //    the request rides in the next refit's first all-gather (the sample's
 //    or the counts'), and every rank then goes dense (primed again).
 //
-// Limits: host memory, dense (unstrided) buffers, unstaged schedules.
+// Limits: host memory, unstaged schedules. Buffers may be strided views
+// (each copy's side is split into runs of the view as the Executor does).
 #include <algorithm>
 #include <bit>
 #include <chrono>
@@ -115,7 +116,8 @@ struct DeltaOptions {
   /// after a refit above dense_above): the first sample_elements of every
   /// sample_every-th chunk of each stream are compared (not encoded); when
   /// the world's sampled fraction is above dense_above the refit goes dense
-  /// without the full diff. 0: no sample.
+  /// without the full diff. 0: no sample (a streak then ends in a full
+  /// prime of the shadows, as nothing else can measure the density).
   int sample_every = 16;
   std::int64_t sample_elements = 4096;
 };
@@ -642,8 +644,9 @@ inline bool copy_before(const Copy& a, const Copy& b) {
 struct DeltaStats {
   /// "delta" (payloads), "dense" (decided from the densities), "sampled"
   /// (dense, decided from the density sample before the full diff; the
-  /// world fields are the sample's), "prime" (dense, shadows filled),
-  /// "streak" (dense without diffing).
+  /// world fields are the sample's), "prime" (dense, shadows filled: the
+  /// first refit, or a sample found the density low again, or a rank asked
+  /// through invalidate_base()), "streak" (dense without diffing).
   std::string mode;
   std::int64_t compared = 0, changed = 0;              ///< this rank's shadowed send elements
   std::int64_t world_compared = 0, world_changed = 0;  ///< over all ranks (delta and dense modes)
@@ -792,9 +795,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
            dopt_.sample_every, dopt_.sample_elements, delta::kChunk);
     for (const auto* v : {&src, &dst})
       for (const BoundBuffer* b : *v)
-        if (b && (!b->dense() || b->memory != MemoryKind::host))
-          fail("rank {}: delta refits need dense host buffers, but '{}' is {}", me_, b->name,
-               b->memory != MemoryKind::host ? "device memory" : "a strided view");
+        if (b && b->memory != MemoryKind::host) fail("rank {}: delta refits need host buffers, but '{}' is device memory", me_, b->name);
     for (const Copy& c : schedule.copies) {
       if (c.is_local() || (c.src_rank != me_ && c.dst_rank != me_)) continue;
       const bool send = c.src_rank == me_;
@@ -805,6 +806,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
     by_pair.clear();
   }
   std::int64_t budget = dopt_.shadow_budget;
+  std::vector<exec_detail::Part> parts;
   for (auto& [key, copies] : by_pair) {
     std::sort(copies.begin(), copies.end(), delta::copy_before);
     Pair p;
@@ -823,22 +825,35 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
                                   c.tensor, p.send ? "source" : "destination", p.send ? c.src_buffer : c.dst_buffer);
       g.base = b ? b->data : nullptr;
       const int side = p.send ? 0 : 1;
+      StridedBox box;  // this side's box, in the buffer's dense coordinates
       if (c.rank > 0) {
-        g.assign_side(c, side);
+        box.assign_side(c, side);
       } else {  // a rank-0 copy is one element
         const std::int64_t one = 1, none = 0;
-        g.assign(1, &one, &one, &none);
-        g.src_offset = c.offset(side);
+        box.assign(1, &one, &one, &none);
+        box.src_offset = c.offset(side);
       }
-      g.first = s.elements;
-      g.count = c.elements();
-      std::array<std::int64_t, kMaxBoxRank> dense{};
-      kernels::dense_strides(g.rank, g.extents(), dense.data());
-      g.contiguous = true;
-      for (int d = 0; d < g.rank; ++d)
-        g.contiguous &= g.extent(d) == 1 || g.src_stride(d) == dense[static_cast<std::size_t>(d)];
-      s.elements += g.count;
-      s.segs.push_back(g);
+      // Where the buffer is a strided view, the box as the executor sees it:
+      // runs that each map to one strided box of the view (one run when dense).
+      parts.clear();
+      if (b) {
+        const exec_detail::ViewMap map = exec_detail::ViewMap::of(*b);
+        const exec_detail::ViewMap* maps[1] = {&map};
+        exec_detail::split_box(box, 1, maps, 0, parts);
+      }
+      for (const exec_detail::Part& q : parts) {
+        g.assign(q.rank, q.extents(), q.strides(0), q.strides(1));
+        g.src_offset = q.src_offset;
+        g.first = s.elements + q.first;
+        g.count = q.count;
+        std::array<std::int64_t, kMaxBoxRank> dense{};
+        kernels::dense_strides(g.rank, g.extents(), dense.data());
+        g.contiguous = true;
+        for (int d = 0; d < g.rank; ++d)
+          g.contiguous &= g.extent(d) == 1 || g.src_stride(d) == dense[static_cast<std::size_t>(d)];
+        s.segs.push_back(g);
+      }
+      s.elements += c.elements();
       p.bytes += c.bytes();
       p.tensors.push_back(c.tensor);
     }

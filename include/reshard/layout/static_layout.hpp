@@ -1391,9 +1391,9 @@ class LayoutOf {
   /// Adds a tensor; its spec is checked against the mesh here, at compile
   /// time. add<E>(tensor) also fixes its element type E (its dtype must be
   /// dtype_of<E>, else a LayoutError naming the tensor): bind_tensor() then takes
-  /// only memory of E for it.
+  /// only memory of E (const or not) for it; add<const E> is add<E>.
   template <class E = void, class T>
-  TensorHandle<T, E> add(const T& tensor) {
+  TensorHandle<T, std::remove_cv_t<E>> add(const T& tensor) {
     if constexpr (!detail::is_tensor<T>::value) {
       diagnostic::add_takes_a_tensor<T>();
       return {};
@@ -1420,7 +1420,7 @@ class LayoutOf {
       for (std::size_t s = 0; s < T::stage_axes.size(); ++s)
         ts.stage.push_back(StageCoord{detail::find_name(M::names, T::stage_axes[s]), tensor.stage_coords[s]});
       tensors_.push_back(std::move(ts));
-      return TensorHandle<T, E>{static_cast<int>(tensors_.size()) - 1, this, tensor.name};
+      return TensorHandle<T, std::remove_cv_t<E>>{static_cast<int>(tensors_.size()) - 1, this, tensor.name};
     }
   }
 
