@@ -201,13 +201,11 @@ TEST_CASE("strided views: weights inside larger allocations") {
     smem.push_back(refit_test::make_side(src, r, true, 9));
     dmem.push_back(refit_test::make_side(dst, r, false, 9));
   }
-  // Each destination buffer lives in a bigger pitched allocation: rows of
-  // cols + 3 elements, offset by 5; copy back out after the refit to check.
-  struct Pitched {
-    std::vector<std::uint16_t> mem;
-    std::int64_t rows = 0, cols = 0, pitch = 0;
-  };
-  std::vector<std::map<std::string, Pitched>> pitched(ranks.size());
+  // Each destination buffer lives in a bigger allocation (outer dims
+  // pitched, 1-d buffers every other element), starting from the poisoned
+  // contents so that padding checks still hold; copied back out to check.
+  std::vector<std::unique_ptr<refit_test::StridedSide>> strided;
+  for (std::size_t i = 0; i < ranks.size(); ++i) strided.push_back(std::make_unique<refit_test::StridedSide>(dst, ranks[i], dmem[i]));
   std::int64_t wrong = 0;
   std::string first;
   std::mutex m;
@@ -216,42 +214,18 @@ TEST_CASE("strided views: weights inside larger allocations") {
     const std::size_t i = refit_test::index_of(ranks, t.rank());
     LocalBuffers bufs;
     bufs.src = refit_test::views(src, smem[i]);
-    const auto dpos = dst.mesh.position_of(t.rank());
-    for (std::size_t b = 0; dpos && b < dst.local_buffers().size(); ++b) {
-      if (!dmem[i].present[b]) continue;
-      auto shape = buffer_shape(dst, *dpos, static_cast<int>(b));
-      Pitched& p = pitched[i][dst.local_buffers()[b].name];
-      p.rows = shape.size() == 2 ? shape[0] : 1;
-      p.cols = shape.back();
-      p.pitch = p.cols + 3;
-      p.mem.assign(static_cast<std::size_t>(5 + p.rows * p.pitch), 0xBEEF);
-      // Start from the poisoned contents so padding checks still hold.
-      for (std::int64_t r = 0; r < p.rows; ++r)
-        std::memcpy(&p.mem[static_cast<std::size_t>(5 + r * p.pitch)], dmem[i].data[b].data() + r * p.cols * 2, static_cast<std::size_t>(p.cols) * 2);
-      if (shape.size() == 2)
-        bufs.dst[dst.local_buffers()[b].name] = strided_view(p.mem.data() + 5, shape, {p.pitch, 1});
-      else
-        bufs.dst[dst.local_buffers()[b].name] = strided_view(p.mem.data() + 5, shape, {1});
-    }
+    bufs.dst = strided[i]->views(dst);
     ResharderOptions opt;
     opt.executor.zero_copy_min = 0;
     Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
     r.refit();
-    for (std::size_t b = 0; dpos && b < dst.local_buffers().size(); ++b) {
-      if (!dmem[i].present[b]) continue;
-      Pitched& p = pitched[i][dst.local_buffers()[b].name];
-      for (std::int64_t row = 0; row < p.rows; ++row)
-        std::memcpy(dmem[i].data[b].data() + row * p.cols * 2, &p.mem[static_cast<std::size_t>(5 + row * p.pitch)], static_cast<std::size_t>(p.cols) * 2);
-      // The gaps between rows were never touched.
-      for (std::int64_t row = 0; row < p.rows; ++row)
-        for (std::int64_t c = p.cols; c < p.pitch && 5 + row * p.pitch + c < static_cast<std::int64_t>(p.mem.size()); ++c)
-          CHECK(p.mem[static_cast<std::size_t>(5 + row * p.pitch + c)] == 0xBEEF);
-    }
+    strided[i]->load(dmem[i]);
     std::string f;
     const auto w = refit_test::count_wrong(dst, dmem[i], t.rank(), 9, &f);
     std::lock_guard lk(m);
     if (w && first.empty()) first = f;
     wrong += w;
+    CHECK(strided[i]->gaps_intact());  // nothing between the views' elements was written
   });
   INFO(first);
   CHECK(wrong == 0);
