@@ -442,6 +442,13 @@ TEST_CASE("while the density stays high, no refit after the first primes the sha
   CHECK(r.modes ==
         std::vector<std::string>{"prime", "sampled", "sampled", "sampled", "sampled", "sampled", "sampled", "prime", "delta", "delta"});
   for (std::size_t k = 1; k < 7; ++k) CHECK(r.fraction[k] > 0.3);  // each sample measured against the version before
+  // Without sampling nothing can measure the density but a full diff: a
+  // streak ends in a full prime, as before.
+  auto o = delta_options(false, 0.25, 1);
+  o.delta.sample_every = 0;
+  r = run_versions(src, dst, d, o);
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes == std::vector<std::string>{"prime", "dense", "streak", "prime", "dense", "streak", "prime", "delta", "delta", "delta"});
   for (bool dbl : {false, true}) {
     r = run_versions(src, dst, d, delta_options(dbl, 0.25, 2));
     CHECK_MESSAGE(r.wrong == 0, r.first_wrong);

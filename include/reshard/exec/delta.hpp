@@ -1235,7 +1235,8 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     samples_current_ = sampling && streak_left_ == 0;
     return dense("streak", samples_current_ ? Prime::samples : Prime::none);
   }
-  if (!base_valid_ && !samples_current_) return primed(dense("prime", Prime::full), -1);  // first refit after setup()
+  // The first refit after setup(), or a streak's end where nothing samples.
+  if (!base_valid_ && (!samples_current_ || !sampling)) return primed(dense("prime", Prime::full), -1);
 
   // Sample first while no diff over this base has measured a density at or
   // below dense_above (or there is no full base, only sampled positions),
