@@ -35,6 +35,20 @@ def layouts(models):
     return src, reshard.vllm_layout(cfg, "tp=1", first_rank=len(src.ranks))
 
 
+def tiny_llama_rank(models, rank, seed):
+    """The layouts, config and full tensors of the tiny-llama job, and `rank`'s buffers: its source buffers
+    (the contract's local pieces of the full tensors) and its destination buffers filled with POISON."""
+    src, dst = layouts(models)
+    cfg = json.loads((models / "tiny-llama.json").read_text())
+    full = oracle.full_tensors(src, seed=seed)
+    bufs = {}
+    if rank in src.ranks:
+        bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
+    if rank in dst.ranks:
+        bufs.update(reshard.allocate(dst, rank, fill=POISON))
+    return src, dst, cfg, full, bufs
+
+
 class DictStore:
     """Any object with set(key, bytes) and get(key) -> bytes (KeyError when missing): here a
     multiprocessing.Manager dict shared by the processes."""
@@ -62,14 +76,7 @@ def worker(rank, port, models, mode, q):
                                                timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         else:
             store = DictStore(port)
-        src, dst = layouts(models)
-        cfg = json.loads((models / "tiny-llama.json").read_text())
-        full = oracle.full_tensors(src, seed=11)
-        bufs = {}
-        if rank in src.ranks:
-            bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
-        if rank in dst.ranks:
-            bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        src, dst, cfg, full, bufs = tiny_llama_rank(models, rank, seed=11)
         if mode == "bad" and rank == 1:
             n = next(iter(bufs))
             bufs[n] = bufs[n].float()
@@ -173,14 +180,7 @@ def delta_worker(rank, port, models, q, double=False, strided=False):
     t0 = time.monotonic()
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
-        src, dst = layouts(models)
-        cfg = json.loads((models / "tiny-llama.json").read_text())
-        full = oracle.full_tensors(src, seed=31)
-        bufs = {}
-        if rank in src.ranks:
-            bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, rank).items()}
-        if rank in dst.ranks:
-            bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        src, dst, cfg, full, bufs = tiny_llama_rank(models, rank, seed=31)
         bigs = []
         if strided:
             bufs, bigs = pitched(bufs)
