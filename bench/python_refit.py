@@ -98,9 +98,10 @@ class Baseline:
         hpg = self.heads // ng
         out = {}
         V = self.cfg["vocab_size"]
-        for n in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[n] = torch.cat([s[n] for s in shards])[:V]
-        out["model.norm.weight"] = shards[0]["model.norm.weight"]
+        # Megatron-Core's GPTModel names (reshard.megatron_layout), pp=1.
+        for n, m in (("model.embed_tokens.weight", "embedding.word_embeddings.weight"), ("lm_head.weight", "output_layer.weight")):
+            out[n] = torch.cat([s[m] for s in shards])[:V]
+        out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
         for i in range(self.cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             qkv = torch.cat([s[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].view(-1, (hpg + 2) * hd, H) for s in shards])
@@ -110,10 +111,11 @@ class Baseline:
             fc1 = [s[f"decoder.layers.{i}.mlp.linear_fc1.weight"] for s in shards]
             out[p + "mlp.gate_proj.weight"] = torch.cat([f[:self.I // tp] for f in fc1])
             out[p + "mlp.up_proj.weight"] = torch.cat([f[self.I // tp:] for f in fc1])
-            out[p + "self_attn.o_proj.weight"] = torch.cat([s[p + "self_attn.o_proj.weight"] for s in shards], 1)
-            out[p + "mlp.down_proj.weight"] = torch.cat([s[p + "mlp.down_proj.weight"] for s in shards], 1)
-            for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                out[p + n] = shards[0][p + n]
+            d = f"decoder.layers.{i}."
+            out[p + "self_attn.o_proj.weight"] = torch.cat([s[d + "self_attention.linear_proj.weight"] for s in shards], 1)
+            out[p + "mlp.down_proj.weight"] = torch.cat([s[d + "mlp.linear_fc2.weight"] for s in shards], 1)
+            out[p + "input_layernorm.weight"] = shards[0][d + "input_layernorm.weight"]
+            out[p + "post_attention_layernorm.weight"] = shards[0][d + "pre_mlp_layernorm.weight"]
         return out
 
     # Inference side: full tensor -> this rank's vLLM buffers.

@@ -263,6 +263,16 @@ TEST_CASE("manifests of the tiny configs: tied embeddings, sparse steps, MTP wit
   CHECK(d.tensors[static_cast<std::size_t>(d.at(3, Role::shared_down))].shape == std::vector<std::int64_t>{128, 64});
 }
 
+TEST_CASE("a Qwen3-MoE config saved by transformers 5 names its experts num_local_experts") {
+  nlohmann::json j = nlohmann::json::parse(reshard::presets::detail::read_text_file(model("tiny-qwen3-moe")));
+  const std::int64_t experts = j.at("num_experts").get<std::int64_t>();
+  j.erase("num_experts");
+  j["num_local_experts"] = experts;
+  CHECK(parse_model_config(j, "cfg/tf5.json").experts == experts);
+  j.erase("num_local_experts");
+  CHECK(contains(error_of([&] { parse_model_config(j, "cfg/tf5.json"); }), "num_experts: missing"));
+}
+
 TEST_CASE("bad configs name the file and the field") {
   const nlohmann::json base = nlohmann::json::parse(reshard::presets::detail::read_text_file(model("tiny-llama")));
   auto with = [&](auto&& edit) {
@@ -312,7 +322,7 @@ TEST_CASE("megatron linear_qkv rows follow the per-query-group formula") {
   }
 }
 
-TEST_CASE("megatron ranks are ordered pp, dp, cp, tp with fc1 = [gate_t ; up_t] and row-parallel o/down") {
+TEST_CASE("megatron ranks are ordered pp, dp, cp, tp with fc1 = [gate_t ; up_t] and row-parallel o/down, named as GPTModel") {
   const std::int64_t H = 256, I = 704;
   const auto L = train_layout("tiny-llama", "tp=2,pp=2,dp=2,cp=2");
   CHECK(L.mesh.size() == 16);
@@ -321,28 +331,36 @@ TEST_CASE("megatron ranks are ordered pp, dp, cp, tp with fc1 = [gate_t ; up_t] 
   for (std::int64_t r = 0; r < 16; ++r) {
     const std::int64_t pp = r / 8, tp = r % 2;  // dp = (r / 4) % 2, cp = (r / 2) % 2: replicas
     RankMemory mem(L, r);
+    // GPTModel numbers layers per stage: every stage has decoder.layers.0 and .1.
+    CHECK_FALSE(mem.has("decoder.layers.2.mlp.linear_fc1.weight"));
     for (std::int64_t layer = 0; layer < 4; ++layer) {
-      const std::string fc1 = fmt::format("decoder.layers.{}.mlp.linear_fc1.weight", layer);
       const bool mine = layer / 2 == pp;  // 4 layers over 2 stages: 2 each
-      REQUIRE(mem.has(fc1) == mine);
       if (!mine) continue;
+      const std::string p = fmt::format("decoder.layers.{}.", layer % 2);
+      const std::string fc1 = p + "mlp.linear_fc1.weight";
+      REQUIRE(mem.has(fc1));
       const std::int64_t It = I / 2;
       for (std::int64_t l : {std::int64_t{0}, It - 1, It, 2 * It - 1}) {
         if (l < It) mem.expect_row(fc1, l, H, fmt::format("model.layers.{}.mlp.gate_proj.weight", layer), tp * It + l);
         else mem.expect_row(fc1, l, H, fmt::format("model.layers.{}.mlp.up_proj.weight", layer), tp * It + l - It);
       }
       // Row-parallel: o_proj holds columns [tp*128, tp*128 + 128) of every row.
-      const std::string o = fmt::format("model.layers.{}.self_attn.o_proj.weight", layer);
+      const std::string o = p + "self_attention.linear_proj.weight";
       REQUIRE(mem.size(o) == H * 128);
+      CHECK(mem.at(o, 0).first == fmt::format("model.layers.{}.self_attn.o_proj.weight", layer));
       CHECK(mem.at(o, 0).second == std::vector<std::int64_t>{0, tp * 128});
       CHECK(mem.at(o, 128 * 3 + 5).second == std::vector<std::int64_t>{3, tp * 128 + 5});
-      const std::string down = fmt::format("model.layers.{}.mlp.down_proj.weight", layer);
+      const std::string down = p + "mlp.linear_fc2.weight";
+      CHECK(mem.at(down, 352 + 1).first == fmt::format("model.layers.{}.mlp.down_proj.weight", layer));
       CHECK(mem.at(down, 352 + 1).second == std::vector<std::int64_t>{1, tp * 352 + 1});
-      CHECK(mem.size(fmt::format("model.layers.{}.input_layernorm.weight", layer)) == H);  // replicated
+      CHECK(mem.size(p + "input_layernorm.weight") == H);  // replicated
+      CHECK(mem.at(p + "pre_mlp_layernorm.weight", 7).first ==
+            fmt::format("model.layers.{}.post_attention_layernorm.weight", layer));
     }
-    CHECK(mem.has("model.embed_tokens.weight") == (pp == 0));
-    CHECK(mem.has("lm_head.weight") == (pp == 1));
-    CHECK(mem.has("model.norm.weight") == (pp == 1));
+    CHECK(mem.has("embedding.word_embeddings.weight") == (pp == 0));
+    CHECK(mem.has("output_layer.weight") == (pp == 1));
+    CHECK(mem.has("decoder.final_layernorm.weight") == (pp == 1));
+    CHECK_FALSE(mem.has("model.embed_tokens.weight"));
   }
 }
 
@@ -353,15 +371,15 @@ TEST_CASE("megatron vocabulary is padded to 128*tp and the padding sits on the l
   // tiny-llama: V = 1000 -> 1024 at tp=2 (multiple of 256), 512 rows per rank.
   const auto L = train_layout("tiny-llama", "tp=2");
   RankMemory r0(L, 0), r1(L, 1);
-  const std::string e = "model.embed_tokens.weight";
+  const std::string e = "embedding.word_embeddings.weight", t = "model.embed_tokens.weight";
   REQUIRE(r1.size(e) == 512 * 256);
-  r0.expect_row(e, 511, 256, e, 511);
-  r1.expect_row(e, 0, 256, e, 512);
-  r1.expect_row(e, 487, 256, e, 999);
+  r0.expect_row(e, 511, 256, t, 511);
+  r1.expect_row(e, 0, 256, t, 512);
+  r1.expect_row(e, 487, 256, t, 999);
   CHECK(r1.at(e, 488 * 256).first == "<padding>");
   CHECK(r1.at(e, 512 * 256 - 1).first == "<padding>");
   RankMemory h1(L, 1);
-  CHECK(h1.at("lm_head.weight", 500 * 256).first == "<padding>");
+  CHECK(h1.at("output_layer.weight", 500 * 256).first == "<padding>");
 }
 
 TEST_CASE("megatron pipeline splits: even, Megatron's explicit first/last, and the uneven default") {
@@ -489,20 +507,22 @@ TEST_CASE("megatron experts: contiguous ranges over ep, etp cut, ep*etp*edp = tp
           CHECK(mem.at(fc2, (1 * H + 7) * It + 2).second ==
                 std::vector<std::int64_t>{ep_rank * per + 1, 7, etp_rank * It + 2});
         } else {
-          for (std::int64_t e = 0; e < E; ++e) {
-            const std::string fc1 = fmt::format("decoder.layers.2.mlp.experts.linear_fc1.weight{}", e);
-            const bool owner = e / per == ep_rank;
-            REQUIRE(mem.has(fc1) == owner);
-            if (!owner) continue;
-            mem.expect_row(fc1, 0, H, fmt::format("model.layers.2.mlp.experts.{}.gate_proj.weight", e), etp_rank * It);
-            mem.expect_row(fc1, It, H, fmt::format("model.layers.2.mlp.experts.{}.up_proj.weight", e), etp_rank * It);
-            const std::string down = fmt::format("model.layers.2.mlp.experts.{}.down_proj.weight", e);
-            CHECK(mem.at(down, It + 1).second == std::vector<std::int64_t>{1, etp_rank * It + 1});
+          // SequentialMLP: local_experts.{i} is expert ep_rank * per + i (local indices).
+          CHECK_FALSE(mem.has(fmt::format("decoder.layers.2.mlp.experts.local_experts.{}.linear_fc1.weight", per)));
+          for (std::int64_t i = 0; i < per; ++i) {
+            const std::int64_t e = ep_rank * per + i;
+            const std::string x = fmt::format("decoder.layers.2.mlp.experts.local_experts.{}.", i);
+            REQUIRE(mem.size(x + "linear_fc1.weight") == 2 * It * H);
+            mem.expect_row(x + "linear_fc1.weight", 0, H, fmt::format("model.layers.2.mlp.experts.{}.gate_proj.weight", e), etp_rank * It);
+            mem.expect_row(x + "linear_fc1.weight", It, H, fmt::format("model.layers.2.mlp.experts.{}.up_proj.weight", e), etp_rank * It);
+            const auto down = mem.at(x + "linear_fc2.weight", It + 1);
+            CHECK(down.first == fmt::format("model.layers.2.mlp.experts.{}.down_proj.weight", e));
+            CHECK(down.second == std::vector<std::int64_t>{1, etp_rank * It + 1});
           }
         }
         // The router and its bias are replicated; shared experts follow the dense tp.
-        CHECK(mem.size("model.layers.2.mlp.gate.weight") == E * H);
-        CHECK(mem.size("model.layers.2.mlp.gate.e_score_correction_bias") == E);
+        CHECK(mem.size("decoder.layers.2.mlp.router.weight") == E * H);
+        CHECK(mem.size("decoder.layers.2.mlp.router.expert_bias") == E);
         mem.expect_row("decoder.layers.2.mlp.shared_experts.linear_fc1.weight", 0, H,
                        "model.layers.2.mlp.shared_experts.gate_proj.weight", (r % c.tp) * (I / c.tp));
       }
@@ -516,13 +536,14 @@ TEST_CASE("megatron MLA: down projections replicated, up projections column-para
   for (std::int64_t r : {0, 3, 6}) {
     RankMemory mem(L, r);
     const std::int64_t t = r % 4;
-    CHECK(mem.size("model.layers.0.self_attn.q_a_proj.weight") == 96 * 256);
-    CHECK(mem.size("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == 80 * 256);
-    mem.expect_row("model.layers.0.self_attn.q_b_proj.weight", 5, 96, "model.layers.0.self_attn.q_b_proj.weight",
-                   t * (8 * 48 / 4) + 5);
-    mem.expect_row("model.layers.0.self_attn.kv_b_proj.weight", 5, 64, "model.layers.0.self_attn.kv_b_proj.weight",
-                   t * (8 * 64 / 4) + 5);
-    CHECK(mem.at("model.layers.0.self_attn.o_proj.weight", 0).second == std::vector<std::int64_t>{0, t * 64});
+    const std::string p = "decoder.layers.0.self_attention.";
+    CHECK(mem.size(p + "linear_q_down_proj.weight") == 96 * 256);
+    CHECK(mem.size(p + "linear_kv_down_proj.weight") == 80 * 256);
+    CHECK(mem.size(p + "q_layernorm.weight") == 96);
+    CHECK(mem.size(p + "kv_layernorm.weight") == 64);
+    mem.expect_row(p + "linear_q_up_proj.weight", 5, 96, "model.layers.0.self_attn.q_b_proj.weight", t * (8 * 48 / 4) + 5);
+    mem.expect_row(p + "linear_kv_up_proj.weight", 5, 64, "model.layers.0.self_attn.kv_b_proj.weight", t * (8 * 64 / 4) + 5);
+    CHECK(mem.at(p + "linear_proj.weight", 0).second == std::vector<std::int64_t>{0, t * 64});
   }
 }
 
@@ -589,7 +610,7 @@ TEST_CASE("vllm FusedMoE w13/w2: experts cut over dp*tp without ep, placed whole
     for (std::int64_t r = 0; r < 4; ++r) {
       const std::int64_t flat = r, Ir = I / 4;  // rank = dp*2 + tp, flattened moe tp rank the same
       RankMemory mem(L, r);
-      const std::string w13 = "model.layers.1.mlp.experts.w13_weight";
+      const std::string w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight";
       REQUIRE(mem.size(w13) == E * 2 * Ir * H);
       for (std::int64_t e : {std::int64_t{0}, std::int64_t{9}, E - 1})
         for (std::int64_t j : {std::int64_t{0}, Ir - 1, Ir, 2 * Ir - 1}) {
@@ -605,7 +626,7 @@ TEST_CASE("vllm FusedMoE w13/w2: experts cut over dp*tp without ep, placed whole
             CHECK(got.second == std::vector<std::int64_t>{row, 0});
           }
         }
-      const auto down = mem.at("model.layers.1.mlp.experts.w2_weight", (5 * H + 2) * Ir + 1);  // [E, H, I_r]
+      const auto down = mem.at("model.layers.1.mlp.experts.routed_experts.w2_weight", (5 * H + 2) * Ir + 1);  // [E, H, I_r]
       CHECK(down.second == (grouped ? std::vector<std::int64_t>{5, 2, flat * Ir + 1}
                                     : std::vector<std::int64_t>{2, flat * Ir + 1}));
       // Shared experts follow the attention tp only.
@@ -630,7 +651,7 @@ TEST_CASE("vllm FusedMoE w13/w2: experts cut over dp*tp without ep, placed whole
           CHECK((vllm_expert_owner(e, E, 6, placement) == r) == is_mine);
         }
         RankMemory mem(L, r);
-        const std::string w13 = "model.layers.3.mlp.experts.w13_weight";
+        const std::string w13 = "model.layers.3.mlp.experts.routed_experts.w13_weight";
         REQUIRE(mem.size(w13) == static_cast<std::int64_t>(mine.size()) * 2 * I * H);
         for (std::size_t i = 0; i < mine.size(); ++i) {
           const auto gate = mem.at(w13, (static_cast<std::int64_t>(i) * 2 * I + 5) * H);

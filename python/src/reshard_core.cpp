@@ -30,6 +30,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -179,6 +180,28 @@ nb::list list_buffers(const Layout& L, std::int64_t rank) {
     out.append(d);
   }
   return out;
+}
+
+/// Where each slot of a rank's buffer comes from, as numpy-friendly columns:
+/// runs of (first slot, count, tensor name or None for padding, global
+/// row-major index of the first element). For checking a layout against
+/// memory a framework filled (reshard.engines traces vLLM's loaders).
+nb::list slot_runs(const Layout& L, std::int64_t rank, const std::string& buffer) {
+  nb::list out;
+  for (const auto& b : rank_buffers(L, rank)) {
+    if (b.name != buffer) continue;
+    std::vector<std::tuple<std::int64_t, std::int64_t, int, std::int64_t>> runs;
+    {
+      nb::gil_scoped_release nogil;
+      for_each_slot_run(L, b, [&](std::int64_t at, std::int64_t n, int t, std::int64_t g) { runs.emplace_back(at, n, t, g); });
+    }
+    for (const auto& [at, n, t, g] : runs) {
+      nb::object name = t < 0 ? nb::none() : nb::cast(L.tensors[static_cast<std::size_t>(t)].name);
+      out.append(nb::make_tuple(at, n, name, g));
+    }
+    return out;
+  }
+  throw LayoutError(ErrorContext{L.origin, "", "buffers"}, fmt::format("rank {} holds no buffer '{}'", rank, buffer));
 }
 
 // --- buffers -------------------------------------------------------------------
@@ -778,6 +801,7 @@ NB_MODULE(_core, m) {
            },
            "name"_a)
       .def("buffers", &list_buffers, "rank"_a)
+      .def("slot_runs", &slot_runs, "rank"_a, "buffer"_a)
       .def("to_json", [](const Layout& L) { return layout_to_json(L).dump(1); })
       .def("__repr__", &layout_repr);
 

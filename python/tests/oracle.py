@@ -205,7 +205,9 @@ def _all(v: torch.Tensor):
 
 
 def megatron_llama_buffers(cfg: dict, full: Dict[str, torch.Tensor], tp: int, pp: int, dp: int, rank: int) -> Expected:
-    """What Megatron-Core rank ``rank`` (mesh pp, dp, tp; tp fastest) holds of a Llama model."""
+    """What Megatron-Core rank ``rank`` (mesh pp, dp, tp; tp fastest) holds of a Llama model, under the
+    names GPTModel's ``named_parameters()`` gives (Megatron-Core 0.19, local layer spec): layer numbers
+    local to the pipeline stage."""
     t = rank % tp
     stage = rank // (tp * dp)
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
@@ -215,25 +217,27 @@ def megatron_llama_buffers(cfg: dict, full: Dict[str, torch.Tensor], tp: int, pp
     out: Expected = {}
     for i in range(stage * per, (stage + 1) * per):
         p = f"model.layers.{i}."
+        d = f"decoder.layers.{i - stage * per}."
         q = full[p + "self_attn.q_proj.weight"].view(ng, heads // ng * hd, H)
         k = full[p + "self_attn.k_proj.weight"].view(ng, hd, H)
         v = full[p + "self_attn.v_proj.weight"].view(ng, hd, H)
         qkv = torch.cat([q, k, v], dim=1)  # per query group [q_g; k_g; v_g]
-        out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = _all(qkv.chunk(tp, 0)[t].reshape(-1, H))
+        out[d + "self_attention.linear_qkv.weight"] = _all(qkv.chunk(tp, 0)[t].reshape(-1, H))
         gate, up = full[p + "mlp.gate_proj.weight"], full[p + "mlp.up_proj.weight"]
-        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = _all(torch.cat([gate.chunk(tp, 0)[t], up.chunk(tp, 0)[t]]))
-        out[p + "self_attn.o_proj.weight"] = _all(full[p + "self_attn.o_proj.weight"].chunk(tp, 1)[t])
-        out[p + "mlp.down_proj.weight"] = _all(full[p + "mlp.down_proj.weight"].chunk(tp, 1)[t])
-        out[p + "input_layernorm.weight"] = _all(full[p + "input_layernorm.weight"])
-        out[p + "post_attention_layernorm.weight"] = _all(full[p + "post_attention_layernorm.weight"])
+        out[d + "mlp.linear_fc1.weight"] = _all(torch.cat([gate.chunk(tp, 0)[t], up.chunk(tp, 0)[t]]))
+        out[d + "self_attention.linear_proj.weight"] = _all(full[p + "self_attn.o_proj.weight"].chunk(tp, 1)[t])
+        out[d + "mlp.linear_fc2.weight"] = _all(full[p + "mlp.down_proj.weight"].chunk(tp, 1)[t])
+        out[d + "input_layernorm.weight"] = _all(full[p + "input_layernorm.weight"])
+        out[d + "pre_mlp_layernorm.weight"] = _all(full[p + "post_attention_layernorm.weight"])
     vocab = cfg["vocab_size"]
     padded = -(-vocab // (128 * tp)) * (128 * tp)
-    for name, on in (("model.embed_tokens.weight", 0), ("lm_head.weight", pp - 1)):
+    for hf, name, on in (("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0),
+                         ("lm_head.weight", "output_layer.weight", pp - 1)):
         if stage == on:
-            v, m = _pad_rows(full[name], padded)
+            v, m = _pad_rows(full[hf], padded)
             out[name] = (v.chunk(tp)[t], m.chunk(tp)[t])
     if stage == pp - 1:
-        out["model.norm.weight"] = _all(full["model.norm.weight"])
+        out["decoder.final_layernorm.weight"] = _all(full["model.norm.weight"])
     return out
 
 

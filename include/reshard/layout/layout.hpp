@@ -321,6 +321,12 @@ inline void Layout::validate_buffer(std::size_t b) {
     if (ts.dtype != first.dtype)
       layout_fail(bctx(fmt::format("parts[{}]", p)), "part '{}' is {} but '{}' is {}: a buffer has one dtype",
                   ts.name, to_string(ts.dtype), first.name, to_string(first.dtype));
+    // A concat buffer's parts may live on different stages: a rank's buffer is
+    // made of the parts it holds, so one pipeline-local name (Megatron's
+    // decoder.layers.0 on every stage, local expert i on every EP rank) can
+    // hold another tensor on each stage. A flat buffer's sequence is cut over
+    // its flat axes as one, so its parts share a stage.
+    if (buf.kind == BufferKind::concat) continue;
     bool same_stage = ts.stage.size() == first.stage.size();
     for (std::size_t s = 0; same_stage && s < ts.stage.size(); ++s) {
       bool found = false;

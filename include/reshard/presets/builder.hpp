@@ -93,8 +93,18 @@ class LayoutBuilder {
   }
   void set_stage_axis(std::string_view name) { stage_axis_ = axis(name); }
 
-  /// A concat buffer of tensors (by name) along `dim`.
+  /// A concat buffer of tensors (by name) along `dim`. A name given again
+  /// appends its parts to that buffer: a stage-local name (Megatron-Core's
+  /// decoder.layers.0 on every stage, local_experts.0 on every EP rank) is
+  /// one buffer whose parts each rank holds only some of.
   void concat(std::string name, std::vector<std::string> parts, std::int64_t interleave = 1, int dim = 0) {
+    for (auto& b : L_.buffers) {
+      if (b.name != name) continue;
+      if (b.kind != BufferKind::concat || b.dim != dim || b.interleave != interleave)
+        fail("preset: buffer '{}' is made twice with another concat dim or interleave", name);
+      b.parts.insert(b.parts.end(), std::make_move_iterator(parts.begin()), std::make_move_iterator(parts.end()));
+      return;
+    }
     L_.buffers.push_back(concat_buffer(std::move(name), std::move(parts), dim, interleave));
   }
 
@@ -119,8 +129,9 @@ struct FusedBuffer {
   /// How routed experts fuse: all of a layer's experts in one buffer (each
   /// expert's parts in role order, expert after expert; a grouped manifest's
   /// stacks side by side along dim 1 when there are several), or one buffer
-  /// per expert, named with the expert id appended, unless grouped.
-  enum class Experts : std::uint8_t { one_buffer, per_expert_unless_grouped };
+  /// per expert (its name's "{}" replaced by the expert's index on its EP
+  /// rank) unless grouped, or per expert and nothing when grouped.
+  enum class Experts : std::uint8_t { one_buffer, per_expert_unless_grouped, per_expert_only };
 
   Layers layers;
   std::string_view name;
@@ -131,8 +142,11 @@ struct FusedBuffer {
 
 /// Adds every fused buffer of `table` for layers [0, layers) named
 /// prefix(l) + row.name: one table per framework instead of one loop each.
+/// Per-expert buffers number an expert e % experts_per_rank (its index on
+/// its EP rank).
 template <class Prefix>
-void add_fused_buffers(LayoutBuilder& b, const Manifest& m, std::int64_t layers, Prefix&& prefix, const std::vector<FusedBuffer>& table) {
+void add_fused_buffers(LayoutBuilder& b, const Manifest& m, std::int64_t layers, Prefix&& prefix, const std::vector<FusedBuffer>& table,
+                       std::int64_t experts_per_rank = 1) {
   const ModelConfig& c = m.config;
   auto name_of = [&](int id) { return m.tensors[static_cast<std::size_t>(id)].name; };
   using L = FusedBuffer::Layers;
@@ -154,11 +168,14 @@ void add_fused_buffers(LayoutBuilder& b, const Manifest& m, std::int64_t layers,
         continue;
       }
       const std::size_t experts = m.experts(l, f.roles.front()).size();
-      if (f.experts == FusedBuffer::Experts::per_expert_unless_grouped && !m.grouped) {
+      const bool per_expert = f.experts != FusedBuffer::Experts::one_buffer;
+      if (per_expert && m.grouped && f.experts == FusedBuffer::Experts::per_expert_only) continue;
+      if (per_expert && !m.grouped) {
         for (std::size_t e = 0; e < experts; ++e) {
           std::vector<std::string> one;
           for (Role r : f.roles) one.push_back(name_of(m.experts(l, r)[e]));
-          b.concat(fmt::format("{}{}{}", p, f.name, e), std::move(one), f.interleave);
+          b.concat(p + fmt::format(fmt::runtime(f.name), static_cast<std::int64_t>(e) % experts_per_rank), std::move(one),
+                   f.interleave);
         }
         continue;
       }

@@ -67,9 +67,25 @@
 //   them; an inference layout without MTP does not need them).
 // - Tied embeddings with pp > 1 would put one tensor on two stages, which a
 //   layout cannot express: rejected.
-// Buffer names follow Megatron's parameter names (decoder.layers.{l}...,
-// mtp.layers.{i}.transformer_layer...) with global layer numbers; tensors
-// stored alone keep their HF names.
+// Names (CONTRACT.md §5): global tensors keep the HF checkpoint's names;
+// every local buffer is named as Megatron-Core 0.19's GPTModel (local layer
+// spec, unwrapped: no Float16Module "module." prefix) names that rank's
+// parameter in named_parameters(): embedding.word_embeddings.weight,
+// decoder.layers.{l}.{input_layernorm, self_attention.linear_qkv,
+// self_attention.linear_proj, self_attention.{q,k}_layernorm,
+// pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2, mlp.router,
+// mlp.shared_experts.linear_fc{1,2}, mlp.experts.local_experts.{i}.linear_fc{1,2}}.weight,
+// decoder.final_layernorm.weight, output_layer.weight, MLA's
+// self_attention.linear_{q,kv}_{down,up}_proj / linear_q_proj and
+// {q,kv}_layernorm, MTP's mtp.layers.{k}.{enorm, hnorm, eh_proj}. The layer
+// number l is local to the pipeline stage (every stage has decoder.layers.0)
+// and i is the expert's index on its EP rank, so one name is one buffer
+// whose parts each rank holds only some of (a concat buffer's parts may
+// live on different stages: docs/layout-format.md). With group_experts the
+// stacks keep the names mlp.experts.linear_fc{1,2}.weight (TEGroupedMLP
+// keeps one weight{i} per local expert instead). Norms are in the model's
+// dtype here, as under Megatron's mixed-precision wrapper; an unwrapped
+// GPTModel keeps them in f32.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -122,6 +138,42 @@ inline std::vector<std::int64_t> megatron_stage_layers(std::int64_t layers, std:
 /// Megatron's padded vocabulary: a multiple of divisible_by * tp.
 inline std::int64_t megatron_padded_vocab(std::int64_t vocab, std::int64_t tp, std::int64_t divisible_by = 128) {
   return round_up(vocab, divisible_by * tp);
+}
+
+/// GPTModel's name of a manifest tensor that Megatron-Core stores alone
+/// (header comment), "" for the fused ones and those it does not hold (the
+/// MTP copies of the embedding and output layer). `prefix(l)` is layer l's
+/// stage-local "decoder.layers.{i}." or "mtp.layers.{k}.transformer_layer.".
+template <class Prefix>
+std::string megatron_parameter_name(const TensorInfo& t, const ModelConfig& c, Prefix&& prefix) {
+  const std::string p = t.layer >= 0 ? prefix(t.layer) : std::string();
+  const std::string mtp = t.layer >= c.layers ? fmt::format("mtp.layers.{}.", t.layer - c.layers) : std::string();
+  switch (t.role) {
+    case Role::embedding: return "embedding.word_embeddings.weight";
+    case Role::final_norm: return "decoder.final_layernorm.weight";
+    case Role::lm_head: return "output_layer.weight";
+    case Role::input_norm: return p + "input_layernorm.weight";
+    case Role::post_attn_norm: return p + "pre_mlp_layernorm.weight";
+    case Role::o: return p + "self_attention.linear_proj.weight";
+    case Role::q_norm: return p + "self_attention.q_layernorm.weight";
+    case Role::k_norm: return p + "self_attention.k_layernorm.weight";
+    case Role::q: return c.mla ? p + "self_attention.linear_q_proj.weight" : "";  // GQA: in linear_qkv
+    case Role::q_a: return p + "self_attention.linear_q_down_proj.weight";
+    case Role::q_a_norm: return p + "self_attention.q_layernorm.weight";
+    case Role::q_b: return p + "self_attention.linear_q_up_proj.weight";
+    case Role::kv_a: return p + "self_attention.linear_kv_down_proj.weight";
+    case Role::kv_a_norm: return p + "self_attention.kv_layernorm.weight";
+    case Role::kv_b: return p + "self_attention.linear_kv_up_proj.weight";
+    case Role::down: return p + "mlp.linear_fc2.weight";
+    case Role::router: return p + "mlp.router.weight";
+    case Role::router_bias: return p + "mlp.router.expert_bias";
+    case Role::shared_down: return p + "mlp.shared_experts.linear_fc2.weight";
+    case Role::mtp_enorm: return mtp + "enorm.weight";
+    case Role::mtp_hnorm: return mtp + "hnorm.weight";
+    case Role::mtp_eh_proj: return mtp + "eh_proj.weight";
+    case Role::mtp_head_norm: return mtp + "final_layernorm.weight";
+    default: return "";  // fused (qkv, gate/up, experts) or not a Megatron parameter (MTP embedding/head)
+  }
 }
 
 /// The expert factorization of one pipeline stage's ranks.
@@ -260,21 +312,39 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
       default: b.add(t, {}, st); break;  // norms, router, router bias, MLA down projections
     }
   }
-  // Fused local buffers.
+  // Local buffers under GPTModel's names (header comment): the fused ones,
+  // then one-part buffers that rename the tensors stored alone.
+  const auto first_layer = [&] {
+    std::vector<std::int64_t> first(static_cast<std::size_t>(pp), -1);
+    for (std::int64_t l = 0; l < c.layers; ++l)
+      if (first[static_cast<std::size_t>(stage[static_cast<std::size_t>(l)])] < 0)
+        first[static_cast<std::size_t>(stage[static_cast<std::size_t>(l)])] = l;
+    return first;
+  }();
+  auto prefix = [&](std::int64_t l) {
+    if (l >= c.layers) return fmt::format("mtp.layers.{}.transformer_layer.", l - c.layers);
+    return fmt::format("decoder.layers.{}.", l - first_layer[static_cast<std::size_t>(stage[static_cast<std::size_t>(l)])]);
+  };
   using F = detail::FusedBuffer;
   detail::add_fused_buffers(
-      b, m, c.total_layers(),
-      [&](std::int64_t l) {
-        return l < c.layers ? fmt::format("decoder.layers.{}.", l) : fmt::format("mtp.layers.{}.transformer_layer.", l - c.layers);
-      },
+      b, m, c.total_layers(), prefix,
       {{F::Layers::gqa_attention, "self_attention.linear_qkv.weight", {Role::q, Role::k, Role::v}, qkv_interleave},
        {F::Layers::dense_mlp, "mlp.linear_fc1.weight", {Role::gate, Role::up}},
        {F::Layers::shared_experts, "mlp.shared_experts.linear_fc1.weight", {Role::shared_gate, Role::shared_up}},
-       // Stacks: fc1 [E_local, 2*I_t, H] = per local expert [gate_t ; up_t]
-       // (TEGroupedMLP's weight{i} side by side), fc2 [E_local, H, I_t];
-       // SequentialMLP: fc1 per expert, no fc2 buffer.
-       {F::Layers::routed_experts, "mlp.experts.linear_fc1.weight", {Role::expert_gate, Role::expert_up}, 1, F::Experts::per_expert_unless_grouped},
-       {F::Layers::grouped_experts, "mlp.experts.linear_fc2.weight", {Role::expert_down}}});
+       // SequentialMLP: fc1 = [gate_t ; up_t] and fc2 = down_t per local
+       // expert. Stacks: fc1 [E_local, 2*I_t, H] = per local expert
+       // [gate_t ; up_t] (TEGroupedMLP's weight{i} side by side), fc2
+       // [E_local, H, I_t].
+       {F::Layers::routed_experts, "mlp.experts.local_experts.{}.linear_fc1.weight", {Role::expert_gate, Role::expert_up}, 1,
+        F::Experts::per_expert_unless_grouped},
+       {F::Layers::routed_experts, "mlp.experts.local_experts.{}.linear_fc2.weight", {Role::expert_down}, 1,
+        F::Experts::per_expert_only},
+       {F::Layers::grouped_experts, "mlp.experts.linear_fc2.weight", {Role::expert_down}}},
+      experts_per_rank);
+  for (const auto& t : m.tensors) {
+    const std::string name = megatron_parameter_name(t, c, prefix);
+    if (!name.empty()) b.concat(name, {t.name});
+  }
   return b.finish();
 }
 

@@ -334,7 +334,9 @@ inline ModelConfig parse_model_config(const nlohmann::json& j, const std::string
   if (c.head_dim == 0) r.bad("head_dim", "must be positive");
   c.qk_norm = c.arch != Architecture::llama;
   if (c.arch == Architecture::qwen3_moe) {
-    c.experts = r.required("num_experts");
+    // transformers 5 saves Qwen3-MoE configs with num_local_experts in place of num_experts.
+    c.experts = r.find("num_experts") || !r.find("num_local_experts") ? r.required("num_experts")
+                                                                       : r.required("num_local_experts");
     c.moe_intermediate = r.required("moe_intermediate_size");
     c.sparse_step = r.optional("decoder_sparse_step", 1);
     if (c.sparse_step == 0) r.bad("decoder_sparse_step", "must be positive");

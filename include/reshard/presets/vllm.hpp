@@ -41,7 +41,12 @@
 //   main model skips their weights, so this layout has none of them.
 // - Tied embeddings with pp > 1 would need the embedding on two stages:
 //   rejected (a layout gives a tensor one stage).
-// Buffer names follow vLLM's parameter names (model.layers.{l}...).
+// Buffer names follow vLLM 0.33's parameter names (CONTRACT.md §5:
+// named_parameters() of the model vLLM builds, model.layers.{l}... with
+// global layer numbers); the fused experts are
+// mlp.experts.routed_experts.w13_weight / .w2_weight in 0.33 (earlier
+// releases: mlp.experts.w13_weight). reshard.vllm traces a live model's
+// layout instead of trusting this table.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -175,8 +180,8 @@ inline Layout vllm_layout(const Manifest& m, const ParallelSpec& s, std::int64_t
                              {F::Layers::mla_q_lora, "self_attn.fused_qkv_a_proj.weight", {Role::q_a, Role::kv_a}},
                              {F::Layers::dense_mlp, "mlp.gate_up_proj.weight", {Role::gate, Role::up}},
                              {F::Layers::shared_experts, "mlp.shared_experts.gate_up_proj.weight", {Role::shared_gate, Role::shared_up}},
-                             {F::Layers::routed_experts, "mlp.experts.w13_weight", {Role::expert_gate, Role::expert_up}},
-                             {F::Layers::routed_experts, "mlp.experts.w2_weight", {Role::expert_down}}});
+                             {F::Layers::routed_experts, "mlp.experts.routed_experts.w13_weight", {Role::expert_gate, Role::expert_up}},
+                             {F::Layers::routed_experts, "mlp.experts.routed_experts.w2_weight", {Role::expert_down}}});
   Layout L = b.finish();
   // FP8 serving: the spec's quant=, else the config's quantization_config.
   const std::string quant = !s.quant.empty() ? s.quant : c.fp8_block.empty() ? "none" : "fp8";

@@ -1,0 +1,187 @@
+"""A live vLLM model as a refit destination: its layout traced through vLLM's own loader.
+
+On every rank of a vLLM engine (one process per tensor- and pipeline-parallel
+rank), :func:`live_layout` runs the model's own ``load_weights`` once on
+index-tagged stand-ins of the checkpoint tensors (the parameters swapped for
+float64 arrays meanwhile, then put back untouched), so each parameter says
+which slice of which checkpoint tensor vLLM puts where: fused ``qkv_proj`` and
+``gate_up_proj``, MoE ``w13`` / ``w2`` under whatever name this vLLM release
+gives them, padded vocabularies, replicated kv heads, expert placement. No
+table of names is involved. The ranks then exchange their parts and every
+rank builds the same layout (CONTRACT.md section 1; ``to_json()`` writes it),
+checks slot by slot that it reproduces what vLLM's loader did on that rank,
+and binds each parameter's own storage as its buffer.
+
+A parameter whose loader computes rather than copies (a transform, a scale)
+is not in the layout: :attr:`LiveLayout.untraced` names it with the reason and
+:attr:`LiveLayout.untraced_bytes` counts it, so a caller loads it another way
+(vLLM's ``load_weights`` of those tensors) and reports both paths.
+
+Needs vLLM (tested with 0.33.0) and its distributed state initialised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from .. import Error, Layout, layout_from_json
+from . import trace as tr
+
+#: The vLLM release whose loaders the tests run this against.
+TESTED_VLLM = "0.33.0"
+
+_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32", "torch.float64": "f64",
+           "torch.float8_e4m3fn": "fp8e4m3", "torch.float8_e5m2": "fp8e5m2", "torch.int64": "i64",
+           "torch.int32": "i32", "torch.int8": "i8", "torch.uint8": "u8"}
+
+
+def reshard_dtype(dtype: Any) -> str:
+    """reshard's name of a torch dtype."""
+    try:
+        return _DTYPES[str(dtype)]
+    except KeyError:
+        raise Error(f"dtype {dtype} has no reshard equivalent") from None
+
+
+@dataclasses.dataclass
+class LiveLayout:
+    """A rank's view of the traced layout of a live model."""
+    layout: Layout                 #: the whole layout, the same on every rank
+    buffers: Dict[str, Any]        #: this rank's parameters in the layout, by name (their own storage)
+    untraced: Dict[str, str]       #: parameters left out (any rank), with why
+    untraced_bytes: int            #: this rank's bytes of those
+    traced_bytes: int              #: this rank's bytes bound in place
+    rank: int                      #: this rank's global rank in the layout
+    seconds: float = 0.0           #: the trace, exchange, assembly and check
+
+    def to_json(self) -> str:
+        return self.layout.to_json()
+
+
+def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coords: Mapping[str, int],
+               load: Optional[Callable[[Iterable[Tuple[str, Any]]], Any]] = None) -> "Tuple[tr.RankTrace, Dict[str, Any]]":
+    """This rank's trace: ``load`` (default ``model.load_weights``) fed tagged stand-ins of ``checkpoint``
+    (``(name, shape)`` in any order). Returns the trace and each parameter's tagged slots (for
+    :func:`reshard.engines.trace.verify`). The parameters are restored, untouched, before it returns."""
+    import torch
+
+    names = [n for n, _ in checkpoint]
+    shapes = [list(s) for _, s in checkpoint]
+    if len(set(names)) != len(names):
+        raise Error("trace: a checkpoint tensor name is given twice")
+    params = [(n, p) for n, p in model.named_parameters()]
+    saved = [p.data for _, p in params]
+    load = load or model.load_weights
+    slots: Dict[str, Any] = {}
+    try:
+        for _, p in params:
+            p.data = torch.full(p.data.shape, -1.0, dtype=torch.float64)
+        with torch.no_grad():
+            load((n, tr.tag_tensor(k, s)) for k, (n, s) in enumerate(zip(names, shapes)))
+        for n, p in params:
+            slots[n] = p.data.numpy().reshape(-1)
+    finally:
+        for (_, p), d in zip(params, saved):
+            p.data = d
+    traced, untraced, ubytes = [], {}, {}
+    for (n, p), d in zip(params, saved):
+        pt, why = tr.read_parameter(n, slots[n], reshard_dtype(d.dtype), names, shapes)
+        if pt is None:
+            untraced[n] = why
+            ubytes[n] = d.numel() * d.element_size()
+        else:
+            traced.append(pt)
+    return tr.RankTrace(dict(coords), traced, untraced, ubytes), slots
+
+
+def _vllm_mesh() -> "Tuple[List[Tuple[str, int]], Dict[str, int], Any]":
+    from vllm.distributed import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pp_group().world_size
+    dp = ps.get_dp_group().world_size if hasattr(ps, "get_dp_group") else 1
+    if dp != 1:
+        raise Error(f"vLLM with data parallel size {dp}: each replica is its own engine; trace each one "
+                    f"(a mesh with dp is not built from one engine's ranks yet)")
+    coords = {"pp": ps.get_pp_group().rank_in_group, "tp": ps.get_tensor_model_parallel_rank()}
+    return [("pp", pp), ("tp", tp)], coords, ps.get_world_group().cpu_group
+
+
+def _gather_torch(group: Any) -> Callable[[Any], List[Any]]:
+    import torch.distributed as dist
+
+    def gather(obj: Any) -> List[Any]:
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    return gather
+
+
+def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, first_rank: int = 0,
+                gather: Optional[Callable[[Any], List[Any]]] = None, load: Optional[Callable] = None,
+                axes: Optional[Sequence[Tuple[str, int]]] = None, coords: Optional[Mapping[str, int]] = None,
+                origin: Optional[str] = None) -> LiveLayout:
+    """The destination layout of a live vLLM model, traced on this rank and exchanged with the others.
+
+    Call it on every rank of the engine, after the model is built (weights
+    loaded or not; they are left as they are). ``checkpoint``: the checkpoint
+    tensors' ``(name, shape)`` (e.g. a source layout's tensors, or a
+    safetensors index). ``first_rank``: this engine's first global rank in the
+    refit (the trainer's world size when disaggregated). ``gather`` exchanges a
+    picklable object among the engine's ranks (default: vLLM's world group
+    over torch.distributed); ``axes`` / ``coords`` default to vLLM's parallel
+    state (pp, tp). Raises :class:`reshard.Error` on every rank when any
+    rank's check fails.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    if axes is None or coords is None:
+        vaxes, vcoords, group = _vllm_mesh()
+        axes = axes or vaxes
+        coords = coords or vcoords
+        gather = gather or _gather_torch(group)
+    if gather is None:
+        raise Error("live_layout: give gather= with axes= and coords=")
+    mine, slots = trace_rank(model, checkpoint, coords, load)
+    parts = gather(pickle.dumps(mine))
+    traces = [pickle.loads(b) for b in parts]
+    shapes = {n: list(s) for n, s in checkpoint}
+    pos = 0
+    for a, s in axes:
+        pos = pos * s + coords[a]
+    rank = first_rank + pos
+    origin = origin or f"vllm live layout ({', '.join(f'{a}={s}' for a, s in axes)})"
+    err = None
+    layout = None
+    try:
+        _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
+        index = {n: k for k, (n, _) in enumerate(checkpoint)}
+        for pt in mine.params:
+            if any(pt.name in t.untraced for t in traces):
+                continue
+            why = tr.verify(layout, rank, pt, slots[pt.name], index)
+            if why:
+                err = f"rank {rank}: the traced layout does not reproduce vLLM's loader on parameter '{pt.name}': {why}"
+                break
+    except Error as e:
+        err = f"rank {rank}: {e}"
+    verdicts = gather(err)
+    bad = [v for v in verdicts if v]
+    if bad:
+        raise Error(bad[0] if len(bad) == 1 else f"{bad[0]} (and {len(bad) - 1} more ranks failed)")
+    untraced: Dict[str, str] = {}
+    for t in traces:
+        untraced.update(t.untraced)
+    params = dict(model.named_parameters())
+    bufs = {}
+    for b in layout.buffers(rank):
+        p = params.get(b["name"])
+        if p is None:
+            raise Error(f"rank {rank}: the layout names buffer '{b['name']}' that the model has no parameter of")
+        bufs[b["name"]] = p.data
+    ubytes = sum(p.data.numel() * p.data.element_size() for n, p in params.items() if n in untraced)
+    tbytes = sum(t.numel() * t.element_size() for t in bufs.values())
+    return LiveLayout(layout, bufs, untraced, ubytes, tbytes, rank, time.perf_counter() - t0)

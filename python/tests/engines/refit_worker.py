@@ -1,0 +1,140 @@
+"""One process of a refit from a Megatron-Core layout into a live vLLM engine (the vLLM venv).
+
+  refit_worker.py source  --rank R ...   a training rank: reshard.megatron_layout's buffers, filled from the
+                                         seeded checkpoint by the contract oracle (oracle.contract_buffers)
+  refit_worker.py vllm    --rank R ...   an inference rank: a live vLLM model on the CPU, its layout traced
+                                         through vLLM's loader (reshard.engines.vllm.live_layout)
+
+Both read and write through a TCPStore the test hosts. The vLLM rank serves version 0 (vLLM's own
+load_weights), then takes version 1 by a reshard refit into its live parameters, then compares every
+parameter, bit for bit, with vLLM's own load_weights of version 1. It also binds the live model to
+reshard.vllm_layout (the preset) and checks that the preset puts every slot where the trace does, and
+that a missing, renamed, reshaped or retyped parameter fails naming it. The result is one JSON file.
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # oracle.py
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+import oracle  # noqa: E402
+import reshard  # noqa: E402
+
+UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["source", "vllm"])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--train", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", action="store_true")
+    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.environ.update(UCX_ENV)
+    out = {"role": a.role, "rank": a.rank}
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", a.store_port, None, False,
+                                           timeout=datetime.timedelta(seconds=180))
+        cfg_path = pathlib.Path(a.config)
+        src = reshard.megatron_layout(cfg_path, a.train)
+        full1 = oracle.full_tensors(src, seed=1)
+        if a.role == "source":
+            bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full1, a.rank).items()}
+            dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
+            with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
+                out["report"] = r.refit()
+            out["ok"] = True
+        else:
+            out.update(run_vllm(a, store, src, full1, cfg_path))
+    except reshard.Error as e:
+        out.update(ok=False, error=str(e), kind=type(e).__name__)
+    except BaseException:
+        out.update(ok=False, error=traceback.format_exc(), kind="crash")
+    pathlib.Path(a.out).write_text(json.dumps(out))
+
+
+def run_vllm(a, store, src, full1, cfg_path):
+    import vllm_cpu
+    from reshard.engines import vllm as rv
+
+    work = pathlib.Path(a.work)
+    os.environ.update(vllm_cpu.cpu_env(work))
+    cfg = json.loads(cfg_path.read_text())
+    model, _ = vllm_cpu.build(vllm_cpu.model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
+    vrank = int(os.environ["RANK"])
+    # Version 0 served first, as an engine that has loaded its checkpoint.
+    vllm_cpu.load(model, oracle.full_tensors(src, seed=0).items())
+    params = dict(model.named_parameters())
+    checkpoint = [(n, tuple(t.shape)) for n, t in full1.items()]
+    live = rv.live_layout(model, checkpoint, first_rank=len(src.ranks))
+    res = {"trace_seconds": live.seconds, "untraced": live.untraced, "untraced_bytes": live.untraced_bytes,
+           "traced_bytes": live.traced_bytes, "global_rank": live.rank}
+    if vrank == 0:
+        store.set("dst_layout", live.to_json())
+    # The elements this rank must receive: every non-padding slot of its buffers.
+    real = 0
+    for b in live.layout.buffers(live.rank):
+        real += sum(n for _, n, t, _ in live.layout.slot_runs(live.rank, b["name"]) if t is not None) \
+            * torch.tensor([], dtype=reshard.torch_dtype(b["dtype"])).element_size()
+    res["needed_bytes"] = real
+    res["preset"] = check_preset(cfg_path, a, live, params)
+    with reshard.Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport="ucx", store=store) as r:
+        res["report"] = r.refit()
+    got = {n: p.detach().clone() for n, p in params.items()}
+    vllm_cpu.load(model, full1.items())  # vLLM's own loader: the reference
+    bad = []
+    for n, p in params.items():
+        if not torch.equal(got[n].view(torch.int16) if got[n].dtype == torch.bfloat16 else got[n],
+                           p.detach().view(torch.int16) if p.dtype == torch.bfloat16 else p.detach()):
+            bad.append(f"{n}: {int((got[n] != p.detach()).sum())} of {p.numel()} elements differ")
+    res.update(ok=not bad, mismatches=bad, params=len(params),
+               elements=sum(p.numel() for p in params.values()))
+    return res
+
+
+def check_preset(cfg_path, a, live, params):
+    """The preset for this vLLM release against the live model: same buffers, every slot the same
+    checkpoint element as the trace; and bind_parameters' errors for planted mismatches."""
+    from reshard.engines import bind_parameters
+
+    spec = f"tp={a.tp}" + (f",ep={a.tp}" if a.ep else "")
+    preset = reshard.vllm_layout(cfg_path, spec, first_rank=live.layout.ranks[0])
+    rank = live.rank
+    bound = bind_parameters(params.items(), preset, rank, engine="the live vLLM model")
+    traced = {b["name"] for b in live.layout.buffers(rank)}
+    assert set(bound) == traced, f"preset buffers {sorted(set(bound) ^ traced)} differ from the trace"
+    for n in sorted(traced):
+        assert preset.slot_runs(rank, n) == live.layout.slot_runs(rank, n), f"preset and trace differ on {n}"
+    errors = {}
+    name = sorted(bound)[len(bound) // 2]
+    planted = {
+        "missing": {k: v for k, v in params.items() if k != name},
+        "renamed": {(k + "_old" if k == name else k): v for k, v in params.items()},
+        "reshaped": {k: (v.detach().reshape(-1)[:-1] if k == name else v) for k, v in params.items()},
+        "retyped": {k: (v.detach().float() if k == name else v) for k, v in params.items()},
+    }
+    for kind, named in planted.items():
+        try:
+            bind_parameters(named, preset, rank, engine="the live vLLM model")
+            errors[kind] = None
+        except reshard.Error as e:
+            errors[kind] = str(e)
+    return {"buffers": len(bound), "planted": name, "errors": errors}
+
+
+if __name__ == "__main__":
+    main()
