@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Refits into live engines (part of the README's test command and .ci/run):
 # vLLM 0.33 in its own venv under $HOME/.cache/reshard-vllm-venv (created
-# once, then reused: vLLM pins its own torch, ~9.5 GB, about 8 minutes the
-# first time), reshard installed into it, then python/tests/engines: live
-# vLLM models built on the CPU by vLLM's own loader, one process per rank,
-# their layouts traced through vLLM's load_weights, refit from Megatron-Core
-# layouts over UCX and compared bit for bit with vLLM's own loader. Any
-# failure, and a run that collects no tests (pytest exit 5), fails the script.
+# once, then reused: vLLM pins its own torch, ~9.5 GB, about 5 minutes the
+# first time) and Megatron-Core 0.19 in another (Python 3.12), reshard
+# installed into both, then python/tests/engines: live vLLM models built on
+# the CPU by vLLM's own loader, one process per rank, their layouts traced
+# through vLLM's load_weights, refit from live Megatron-Core GPTModels, from
+# FSDP2 models and from Megatron layouts over UCX, and compared bit for bit
+# with vLLM's own loader. Any failure, and a run that collects no tests
+# (pytest exit 5), fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RESHARD_VLLM_VENV:-$HOME/.cache/reshard-vllm-venv}"
@@ -25,6 +27,26 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 echo "engine_tests: installing reshard into $VENV (compiles the module)"
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation .
+# Megatron-Core 0.19 (the live trainers) needs Python 3.12: pyenv's on this
+# kind of machine. Its own venv, torch 2.15 (~5 GB, a few minutes the first time).
+MVENV="${RESHARD_MEGATRON_VENV:-$HOME/.cache/reshard-megatron-venv}"
+if [ ! -x "$MVENV/bin/python" ]; then
+  PY312="$(command -v python3.12 || ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python 2>/dev/null | tail -1 || true)"
+  if [ -z "$PY312" ]; then
+    echo "engine_tests: Megatron-Core 0.19 needs Python 3.12 (python3.12 or pyenv's 3.12); none found" >&2
+    exit 1
+  fi
+  echo "engine_tests: creating the venv $MVENV (Megatron-Core 0.19.2, torch 2.15: ~5 GB) with $PY312"
+  "$PY312" -m venv "$MVENV"
+fi
+MPY="$MVENV/bin/python"
+if ! "$MPY" -c "import megatron.core, sys; sys.exit(megatron.core.__version__ != '0.19.2')" 2>/dev/null; then
+  "$MPY" -m pip install -q --disable-pip-version-check "megatron-core==0.19.2" "torch==2.15.0" numpy
+fi
+"$MPY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core
+echo "engine_tests: installing reshard into $MVENV (compiles the module for Python 3.12)"
+"$MPY" -m pip install -q --disable-pip-version-check --no-build-isolation .
+export RESHARD_MEGATRON_PYTHON="$MPY" RESHARD_REQUIRE_MEGATRON=1
 export UCX_TLS="${UCX_TLS:-tcp,self,sm}" UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" GLOO_SOCKET_IFNAME=lo
 cd python/tests
 "$PY" -m pytest -q -p no:cacheprovider engines

@@ -247,7 +247,9 @@ def buffers_from_state_dict(state_dict: Mapping[str, Any], layout: Layout, rank:
     """Picks this rank's buffers out of a module's ``state_dict()`` by name (``prefix + buffer name``).
 
     The layout's buffer names are the parameter names of the framework the
-    layout describes (the presets use Megatron-Core's and vLLM's). Raises
+    layout describes (the presets use Megatron-Core 0.19's GPTModel names and
+    vLLM 0.33's; :func:`reshard.engines.bind_parameters` also checks each
+    tensor's element count and dtype). Raises
     :class:`Error` naming every buffer the state dict lacks. The tensors are
     the module's own (``state_dict()`` returns detached views of the
     parameters): a refit writes the module's parameters in place.

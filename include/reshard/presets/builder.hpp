@@ -138,6 +138,7 @@ struct FusedBuffer {
   std::vector<Role> roles;
   std::int64_t interleave = 1;
   Experts experts = Experts::one_buffer;
+  std::string_view grouped_name = {};  ///< per_expert_unless_grouped: the stacks' buffer name
 };
 
 /// Adds every fused buffer of `table` for layers [0, layers) named
@@ -181,7 +182,8 @@ void add_fused_buffers(LayoutBuilder& b, const Manifest& m, std::int64_t layers,
       }
       for (std::size_t e = 0; e < experts; ++e)
         for (Role r : f.roles) parts.push_back(name_of(m.experts(l, r)[e]));
-      b.concat(p + std::string(f.name), std::move(parts), f.interleave, m.grouped && f.roles.size() > 1 ? 1 : 0);
+      b.concat(p + std::string(m.grouped && !f.grouped_name.empty() ? f.grouped_name : f.name), std::move(parts), f.interleave,
+               m.grouped && f.roles.size() > 1 ? 1 : 0);
     }
   }
 }

@@ -336,7 +336,7 @@ inline Layout megatron_layout(const Manifest& m, const ParallelSpec& s, std::int
        // [gate_t ; up_t] (TEGroupedMLP's weight{i} side by side), fc2
        // [E_local, H, I_t].
        {F::Layers::routed_experts, "mlp.experts.local_experts.{}.linear_fc1.weight", {Role::expert_gate, Role::expert_up}, 1,
-        F::Experts::per_expert_unless_grouped},
+        F::Experts::per_expert_unless_grouped, "mlp.experts.linear_fc1.weight"},
        {F::Layers::routed_experts, "mlp.experts.local_experts.{}.linear_fc2.weight", {Role::expert_down}, 1,
         F::Experts::per_expert_only},
        {F::Layers::grouped_experts, "mlp.experts.linear_fc2.weight", {Role::expert_down}}},

@@ -78,8 +78,12 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
     try:
         for _, p in params:
             p.data = torch.full(p.data.shape, -1.0, dtype=torch.float64)
-        with torch.no_grad():
-            load((n, tr.tag_tensor(k, s)) for k, (n, s) in enumerate(zip(names, shapes)))
+        try:
+            with torch.no_grad():
+                load((n, tr.tag_tensor(k, s)) for k, (n, s) in enumerate(zip(names, shapes)))
+        except Exception as e:  # the engine's own loader refused the checkpoint's names or shapes
+            raise Error(f"trace: the model's load_weights failed on the tagged checkpoint: "
+                        f"{type(e).__name__}: {e}") from e
         for n, p in params:
             slots[n] = p.data.numpy().reshape(-1)
     finally:

@@ -34,11 +34,12 @@ UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["source", "vllm"])
+    ap.add_argument("role", choices=["source", "megatron", "fsdp", "vllm"])
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--train", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--first-rank", type=int, required=True, help="the vLLM engine's first global rank")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--work", required=True)
@@ -50,16 +51,31 @@ def main():
         store = torch.distributed.TCPStore("127.0.0.1", a.store_port, None, False,
                                            timeout=datetime.timedelta(seconds=180))
         cfg_path = pathlib.Path(a.config)
-        src = reshard.megatron_layout(cfg_path, a.train)
-        full1 = oracle.full_tensors(src, seed=1)
-        if a.role == "source":
+        # The checkpoint: HF names and shapes (the presets' global tensors), seeded values per version.
+        ckpt = reshard.megatron_layout(cfg_path, "tp=1")
+        full1 = oracle.full_tensors(ckpt, seed=1)
+        if a.train.startswith("fsdp"):
+            src = None
+            if a.role == "fsdp":
+                out["report"] = run_fsdp(a, store, cfg_path, full1)
+                out["ok"] = True
+            else:
+                src = reshard.layout_from_json(store.get("src_layout").decode(), "the FSDP2 trainer's layout")
+        else:
+            src = reshard.megatron_layout(cfg_path, a.train)
+        if a.role == "fsdp":
+            pass  # done above
+        elif a.role == "megatron":
+            out["report"] = run_megatron(a, store, src, cfg_path, full1)
+            out["ok"] = True
+        elif a.role == "source":
             bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full1, a.rank).items()}
             dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
             with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
                 out["report"] = r.refit()
             out["ok"] = True
         else:
-            out.update(run_vllm(a, store, src, full1, cfg_path))
+            out.update(run_vllm(a, store, src, ckpt, full1, cfg_path))
     except reshard.Error as e:
         out.update(ok=False, error=str(e), kind=type(e).__name__)
     except BaseException:
@@ -67,7 +83,58 @@ def main():
     pathlib.Path(a.out).write_text(json.dumps(out))
 
 
-def run_vllm(a, store, src, full1, cfg_path):
+def run_megatron(a, store, src, cfg_path, full1):
+    """A training rank of a live Megatron-Core GPTModel (local layer spec, gloo, under the Float16Module
+    mixed-precision wrapper), bound to reshard.megatron_layout by its own parameter names, version 1
+    written into its parameters, then refit from them."""
+    import megatron_cpu
+    from reshard.engines import bind_parameters
+
+    model = megatron_cpu.build(json.loads(cfg_path.read_text()), a.train)
+    bufs = bind_parameters(model.named_parameters(), src, a.rank, engine="the live GPTModel")
+    expected = oracle.contract_buffers(src, full1, a.rank)
+    with torch.no_grad():
+        for n, t in bufs.items():
+            t.view(-1).copy_(expected[n][0].reshape(-1))
+    dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
+    with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
+        report = r.refit()
+    report["parameters"] = len(bufs)
+    return report
+
+
+def run_fsdp(a, store, cfg_path, full1):
+    """A training rank of an FSDP2 (fully_shard) HuggingFace model on gloo, version 1 loaded, its
+    layout read from its DTensor parameters (reshard.engines.dtensor)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from reshard.engines.dtensor import dtensor_layout
+
+    torch.distributed.init_process_group("gloo")
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    cfg = json.loads(cfg_path.read_text())
+    hf = transformers.AutoConfig.for_model(cfg.get("model_type", "llama"), **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+    missing, unexpected = model.load_state_dict(full1, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    layout, bufs = dtensor_layout(model.named_parameters(), first_rank=0, origin="fsdp2 trainer")
+    if a.rank == 0:
+        store.set("src_layout", layout.to_json())
+    dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
+    with reshard.Resharder(layout, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
+        report = r.refit()
+    torch.distributed.destroy_process_group()
+    return report
+
+
+def run_vllm(a, store, src, ckpt, full1, cfg_path):
     import vllm_cpu
     from reshard.engines import vllm as rv
 
@@ -77,10 +144,10 @@ def run_vllm(a, store, src, full1, cfg_path):
     model, _ = vllm_cpu.build(vllm_cpu.model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
     vrank = int(os.environ["RANK"])
     # Version 0 served first, as an engine that has loaded its checkpoint.
-    vllm_cpu.load(model, oracle.full_tensors(src, seed=0).items())
+    vllm_cpu.load(model, oracle.full_tensors(ckpt, seed=0).items())
     params = dict(model.named_parameters())
     checkpoint = [(n, tuple(t.shape)) for n, t in full1.items()]
-    live = rv.live_layout(model, checkpoint, first_rank=len(src.ranks))
+    live = rv.live_layout(model, checkpoint, first_rank=a.first_rank)
     res = {"trace_seconds": live.seconds, "untraced": live.untraced, "untraced_bytes": live.untraced_bytes,
            "traced_bytes": live.traced_bytes, "global_rank": live.rank}
     if vrank == 0:

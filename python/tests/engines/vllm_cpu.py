@@ -34,6 +34,8 @@ def model_dir(config: dict, work: pathlib.Path) -> pathlib.Path:
                                   "Qwen3MoeForCausalLM": "qwen3_moe",
                                   "DeepseekV3ForCausalLM": "deepseek_v3"}[cfg["architectures"][0]])
     cfg.setdefault("max_position_embeddings", 512)
+    if cfg["architectures"][0] == "DeepseekV3ForCausalLM":
+        cfg.setdefault("topk_method", "noaux_tc")  # HF's default: the router has e_score_correction_bias
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 

@@ -1,0 +1,97 @@
+"""A trainer's layout read from its DTensor parameters (FSDP2, torch tensor parallel).
+
+FSDP2 / DTensor trainers (veRL, SkyRL, TRL, torchtitan) carry their layout
+exactly in each parameter: a ``DeviceMesh`` (global ranks, dim names) and one
+placement per mesh dim. :func:`dtensor_layout` turns them into a layout
+(CONTRACT.md section 1) that every rank builds alike with no exchange:
+
+* the mesh's dims become axes (``mesh_dim_names``, else ``mesh0``, ``mesh1``...),
+  its global ranks the layout's ``ranks`` (offset by ``first_rank``);
+* ``Shard(d)`` on mesh dim i cuts tensor dim d over axis i with torch.chunk
+  semantics (``"split": "chunk"``: FSDP2's uneven shards); several mesh dims
+  sharding one tensor dim cut it in mesh-dim order, chunk within chunk
+  (explicit part sizes); ``Replicate()`` replicates;
+* each parameter is a tensor stored alone under its own name (HuggingFace names
+  for HF models), its local shard (``to_local()``) the rank's buffer, bound in
+  place.
+
+``Partial`` and ``_StridedShard`` placements (FSDP2 over tensor parallel) are
+refused, naming the parameter. The dtype is the parameter's: an f32 master copy
+refits into f32 destinations only (no cast in flight yet).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Tuple
+
+from .. import Error, Layout, layout_from_json
+from .vllm import reshard_dtype
+
+
+def _chunk_sizes(n: int, k: int) -> List[int]:
+    q = -(-n // k) if n else 0
+    return [max(0, min(n, (p + 1) * q) - p * q) for p in range(k)]
+
+
+def _nested_chunk_sizes(n: int, ks: List[int]) -> List[int]:
+    """Part sizes of a dim chunked by ks[0], then each part by ks[1], ... (mixed radix, first major)."""
+    sizes = [n]
+    for k in ks:
+        sizes = [s for part in sizes for s in _chunk_sizes(part, k)]
+    return sizes
+
+
+def dtensor_layout(named: Iterable[Tuple[str, Any]], *, first_rank: int = 0,
+                   origin: str = "dtensor layout") -> "Tuple[Layout, Dict[str, Any]]":
+    """The layout of a module's DTensor parameters and this rank's buffers (their local shards).
+
+    ``named``: ``model.named_parameters()`` (FSDP2-wrapped names are the
+    module's own). Every parameter must be a DTensor on one mesh.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = None
+    tensors, bufs = [], {}
+    for name, p in named:
+        if not isinstance(p, DTensor):
+            raise Error(f"{origin}: parameter '{name}' is a plain tensor, not a DTensor (wrap the whole module)")
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise Error(f"{origin}: parameter '{name}' lives on another device mesh than the others")
+        axes = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
+        shape = list(p.shape)
+        cuts: Dict[int, List[int]] = {}
+        for i, pl in enumerate(p.placements):
+            if type(pl) is Shard:
+                cuts.setdefault(pl.dim % len(shape), []).append(i)
+            elif not isinstance(pl, Replicate):
+                raise Error(f"{origin}: parameter '{name}' has placement {pl} on mesh dim {i} "
+                            f"({axes[i]}): only Shard(d) and Replicate() are read")
+        dims = []
+        for d, n in enumerate(shape):
+            if d not in cuts:
+                dims.append(None)
+                continue
+            ks = [mesh.size(i) for i in cuts[d]]
+            spec: Dict[str, Any] = {"axes": [axes[i] for i in cuts[d]]}
+            if len(ks) == 1:
+                spec["split"] = "chunk"
+            else:
+                spec["split"] = _nested_chunk_sizes(n, ks)
+            dims.append(spec)
+        tensors.append({"name": name, "shape": shape, "dtype": reshard_dtype(p.dtype), "dims": dims})
+        local = p.to_local()
+        if local.numel() and not local.is_contiguous():
+            raise Error(f"{origin}: parameter '{name}': its local shard is not contiguous")
+        bufs[name] = local.detach()
+    if mesh is None:
+        raise Error(f"{origin}: no parameters")
+    axes = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
+    ranks = [first_rank + int(r) for r in mesh.mesh.flatten().tolist()]
+    doc = {"mesh": {"axes": [[a, int(mesh.size(i))] for i, a in enumerate(axes)], "ranks": ranks},
+           "tensors": tensors, "buffers": []}
+    layout = layout_from_json(doc, origin)
+    me = first_rank + int(mesh.get_rank())
+    held = {b["name"] for b in layout.buffers(me)}
+    return layout, {n: t for n, t in bufs.items() if n in held}

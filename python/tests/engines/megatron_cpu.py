@@ -1,0 +1,74 @@
+"""Megatron-Core 0.19 on a CPU, one process per rank (gloo), as ../shared/ENGINES.md measured it: a real
+GPTModel (local layer spec) of a HuggingFace config under a Megatron spec such as "tp=2,pp=2" or
+"tp=2,dp=2,ep=2,etp=1", wrapped in Megatron's Float16Module (bf16 everywhere, every name prefixed
+"module.").
+
+Used by the engine tests' workers; needs the Megatron venv (scripts/engine_tests.sh). The caller sets
+MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE for the trainer's own gloo group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_spec(spec: str) -> dict:
+    out = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "etp": None}
+    for kv in spec.split(","):
+        k, v = kv.split("=")
+        out[k.strip()] = int(v)
+    return out
+
+
+def build(cfg: dict, spec: str):
+    """This process's rank of a GPTModel for ``cfg`` (a config.json dict) under ``spec``."""
+    from megatron.core import parallel_state as mps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = parse_spec(spec)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    etp = s["etp"] if s["etp"] is not None else s["tp"]
+    mps.initialize_model_parallel(tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
+                                  context_parallel_size=s["cp"], expert_model_parallel_size=s["ep"],
+                                  expert_tensor_parallel_size=etp)
+    # The model-parallel RNG states Megatron's initializers fork (a CPU generator stands in for CUDA's).
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    qk_norm = cfg["architectures"][0].startswith("Qwen3")
+    moe = {}
+    if experts:
+        moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                   moe_router_topk=cfg.get("num_experts_per_tok", 2), moe_grouped_gemm=False,
+                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                   # HF Qwen3-MoE: layer l has experts unless in mlp_only_layers or (l+1) % step != 0.
+                   moe_layer_freq=[0 if (l in cfg.get("mlp_only_layers", []) or
+                                         (l + 1) % cfg.get("decoder_sparse_step", 1)) else 1
+                                   for l in range(cfg["num_hidden_layers"])])
+    tc = TransformerConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=H, num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads", heads), kv_channels=cfg.get("head_dim", H // heads),
+        ffn_hidden_size=cfg["intermediate_size"], gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), add_bias_linear=False,
+        qk_layernorm=qk_norm, tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
+        context_parallel_size=s["cp"], expert_model_parallel_size=s["ep"], expert_tensor_parallel_size=etp,
+        sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16, **moe)
+    if experts:  # per-layer specs: dense and MoE layers as moe_layer_freq says
+        layer_spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm)
+    vocab = cfg["vocab_size"]
+    padded = -(-vocab // (128 * s["tp"])) * (128 * s["tp"])  # make_vocab_size_divisible_by=128
+    model = GPTModel(config=tc, transformer_layer_spec=layer_spec, vocab_size=padded,
+                     max_sequence_length=cfg.get("max_position_embeddings", 512),
+                     pre_process=mps.is_pipeline_first_stage(), post_process=mps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+                     position_embedding_type="rope")
+    return Float16Module(tc, model)
