@@ -43,6 +43,13 @@ MPY="$MVENV/bin/python"
 if ! "$MPY" -c "import megatron.core, sys; sys.exit(megatron.core.__version__ != '0.19.2')" 2>/dev/null; then
   "$MPY" -m pip install -q --disable-pip-version-check "megatron-core==0.19.2" "torch==2.15.0" numpy
 fi
+# Megatron-Bridge 0.6 (the oracle that loads a HF checkpoint into a live GPTModel) without its full
+# dependencies (they pull in TransformerEngine): what loading needs, as shared/ENGINES.md measured.
+if ! "$MPY" -m pip show -q megatron-bridge >/dev/null 2>&1; then
+  "$MPY" -m pip install -q --disable-pip-version-check --no-deps "megatron-bridge==0.6.2"
+  "$MPY" -m pip install -q --disable-pip-version-check "transformers<=5.12.1" einops omegaconf pyyaml tqdm rich \
+    regex six accelerate safetensors
+fi
 "$MPY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core
 echo "engine_tests: installing reshard into $MVENV (compiles the module for Python 3.12)"
 "$MPY" -m pip install -q --disable-pip-version-check --no-build-isolation .

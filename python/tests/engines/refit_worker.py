@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--first-rank", type=int, required=True, help="the vLLM engine's first global rank")
     ap.add_argument("--ep", action="store_true")
+    ap.add_argument("--bridge", action="store_true", help="live Megatron ranks load version 1 by Megatron-Bridge")
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
@@ -86,16 +87,32 @@ def main():
 def run_megatron(a, store, src, cfg_path, full1):
     """A training rank of a live Megatron-Core GPTModel (local layer spec, gloo, under the Float16Module
     mixed-precision wrapper), bound to reshard.megatron_layout by its own parameter names, version 1
-    written into its parameters, then refit from them."""
+    loaded by Megatron-Bridge, then refit from its parameters."""
     import megatron_cpu
     from reshard.engines import bind_parameters
 
-    model = megatron_cpu.build(json.loads(cfg_path.read_text()), a.train)
+    cfg = json.loads(cfg_path.read_text())
+    model = megatron_cpu.build(cfg, a.train)
     bufs = bind_parameters(model.named_parameters(), src, a.rank, engine="the live GPTModel")
+    # Version 1 by Megatron-Bridge's own conversion (--bridge); it must equal what the preset says
+    # each parameter holds (the contract oracle over reshard.megatron_layout), real elements only.
+    # Without --bridge the oracle writes version 1 through the model's own parameter names.
     expected = oracle.contract_buffers(src, full1, a.rank)
-    with torch.no_grad():
-        for n, t in bufs.items():
-            t.view(-1).copy_(expected[n][0].reshape(-1))
+    if a.bridge:
+        megatron_cpu.bridge_load(model, cfg, full1, pathlib.Path(a.work))
+    else:
+        with torch.no_grad():
+            for n, t in bufs.items():
+                t.view(-1).copy_(expected[n][0].reshape(-1))
+    bad = []
+    for n, t in bufs.items():
+        v, m = expected[n]
+        got = t.reshape(v.shape)
+        if not torch.equal(got[m], v[m]):
+            bad.append(f"{n}: {int((got[m] != v[m]).sum())} of {int(m.sum())} elements differ")
+    if bad:
+        raise reshard.Error(f"rank {a.rank}: Megatron-Bridge's conversion differs from reshard.megatron_layout: "
+                            + "; ".join(bad[:6]))
     dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
     with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
         report = r.refit()
