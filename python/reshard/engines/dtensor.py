@@ -21,8 +21,7 @@ refits into f32 destinations only (no cast in flight yet).
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from .. import Error, Layout, layout_from_json
 from .vllm import reshard_dtype
@@ -41,6 +40,42 @@ def _nested_chunk_sizes(n: int, ks: List[int]) -> List[int]:
     return sizes
 
 
+def placement_layout(params: Iterable[Tuple[str, Sequence[int], str, Sequence[Tuple[str, int]]]],
+                     axes: Sequence[Tuple[str, int]], ranks: Sequence[int], *, origin: str) -> Layout:
+    """A layout from per-parameter placements on one mesh: ``params`` are ``(name, shape, dtype,
+    placements)`` with one ``("shard", dim)`` or ``("replicate", 0)`` per mesh axis (DTensor's and
+    vLLM's ``ParamMeta`` semantics: torch.chunk, outer mesh axis first when two shard one dim)."""
+    tensors = []
+    for name, shape, dtype, placements in params:
+        shape = list(shape)
+        if len(placements) != len(axes):
+            raise Error(f"{origin}: parameter '{name}' has {len(placements)} placements for a "
+                        f"{len(axes)}-D mesh")
+        cuts: Dict[int, List[int]] = {}
+        for i, (kind, d) in enumerate(placements):
+            if kind == "shard":
+                if not -len(shape) <= d < len(shape):
+                    raise Error(f"{origin}: parameter '{name}' shards dim {d} of a {len(shape)}-D tensor")
+                cuts.setdefault(d % len(shape), []).append(i)
+            elif kind != "replicate":
+                raise Error(f"{origin}: parameter '{name}' has placement {kind} on mesh dim {i} "
+                            f"({axes[i][0]}): only Shard(d) and Replicate() are read")
+        dims = []
+        for d, n in enumerate(shape):
+            if d not in cuts:
+                dims.append(None)
+                continue
+            ks = [axes[i][1] for i in cuts[d]]
+            dims.append({"axes": [axes[i][0] for i in cuts[d]],
+                         "split": "chunk" if len(ks) == 1 else _nested_chunk_sizes(n, ks)})
+        tensors.append({"name": name, "shape": shape, "dtype": dtype, "dims": dims})
+    if not tensors:
+        raise Error(f"{origin}: no parameters")
+    doc = {"mesh": {"axes": [[a, int(s)] for a, s in axes], "ranks": [int(r) for r in ranks]},
+           "tensors": tensors, "buffers": []}
+    return layout_from_json(doc, origin)
+
+
 def dtensor_layout(named: Iterable[Tuple[str, Any]], *, first_rank: int = 0,
                    origin: str = "dtensor layout") -> "Tuple[Layout, Dict[str, Any]]":
     """The layout of a module's DTensor parameters and this rank's buffers (their local shards).
@@ -51,7 +86,7 @@ def dtensor_layout(named: Iterable[Tuple[str, Any]], *, first_rank: int = 0,
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = None
-    tensors, bufs = [], {}
+    params, bufs = [], {}
     for name, p in named:
         if not isinstance(p, DTensor):
             raise Error(f"{origin}: parameter '{name}' is a plain tensor, not a DTensor (wrap the whole module)")
@@ -59,39 +94,20 @@ def dtensor_layout(named: Iterable[Tuple[str, Any]], *, first_rank: int = 0,
             mesh = p.device_mesh
         elif p.device_mesh != mesh:
             raise Error(f"{origin}: parameter '{name}' lives on another device mesh than the others")
-        axes = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
-        shape = list(p.shape)
-        cuts: Dict[int, List[int]] = {}
+        placements = []
         for i, pl in enumerate(p.placements):
-            if type(pl) is Shard:
-                cuts.setdefault(pl.dim % len(shape), []).append(i)
-            elif not isinstance(pl, Replicate):
-                raise Error(f"{origin}: parameter '{name}' has placement {pl} on mesh dim {i} "
-                            f"({axes[i]}): only Shard(d) and Replicate() are read")
-        dims = []
-        for d, n in enumerate(shape):
-            if d not in cuts:
-                dims.append(None)
-                continue
-            ks = [mesh.size(i) for i in cuts[d]]
-            spec: Dict[str, Any] = {"axes": [axes[i] for i in cuts[d]]}
-            if len(ks) == 1:
-                spec["split"] = "chunk"
-            else:
-                spec["split"] = _nested_chunk_sizes(n, ks)
-            dims.append(spec)
-        tensors.append({"name": name, "shape": shape, "dtype": reshard_dtype(p.dtype), "dims": dims})
+            placements.append(("shard", pl.dim) if type(pl) is Shard else
+                              ("replicate", 0) if isinstance(pl, Replicate) else (str(pl), 0))
+        params.append((name, list(p.shape), reshard_dtype(p.dtype), placements))
         local = p.to_local()
         if local.numel() and not local.is_contiguous():
             raise Error(f"{origin}: parameter '{name}': its local shard is not contiguous")
         bufs[name] = local.detach()
     if mesh is None:
         raise Error(f"{origin}: no parameters")
-    axes = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
-    ranks = [first_rank + int(r) for r in mesh.mesh.flatten().tolist()]
-    doc = {"mesh": {"axes": [[a, int(mesh.size(i))] for i, a in enumerate(axes)], "ranks": ranks},
-           "tensors": tensors, "buffers": []}
-    layout = layout_from_json(doc, origin)
-    me = first_rank + int(mesh.get_rank())
-    held = {b["name"] for b in layout.buffers(me)}
+    names = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
+    axes = [(a, int(mesh.size(i))) for i, a in enumerate(names)]
+    layout = placement_layout(params, axes, [first_rank + int(r) for r in mesh.mesh.flatten().tolist()],
+                              origin=origin)
+    held = {b["name"] for b in layout.buffers(first_rank + int(mesh.get_rank()))}
     return layout, {n: t for n, t in bufs.items() if n in held}

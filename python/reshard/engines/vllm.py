@@ -52,7 +52,8 @@ class LiveLayout:
     buffers: Dict[str, Any]        #: this rank's parameters in the layout, by name (their own storage)
     untraced: Dict[str, str]       #: parameters left out (any rank), with why
     untraced_bytes: int            #: this rank's bytes of those
-    traced_bytes: int              #: this rank's bytes bound in place
+    traced_bytes: int              #: this rank's bytes bound in place (padding included)
+    real_bytes: int                #: of those, the checkpoint elements' (what a refit writes here)
     rank: int                      #: this rank's global rank in the layout
     seconds: float = 0.0           #: the trace, exchange, assembly and check
 
@@ -188,4 +189,5 @@ def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, 
         bufs[b["name"]] = p.data
     ubytes = sum(p.data.numel() * p.data.element_size() for n, p in params.items() if n in untraced)
     tbytes = sum(t.numel() * t.element_size() for t in bufs.values())
-    return LiveLayout(layout, bufs, untraced, ubytes, tbytes, rank, time.perf_counter() - t0)
+    real = sum(n * bufs[b].element_size() for b in bufs for _, n, t, _ in layout.slot_runs(rank, b) if t is not None)
+    return LiveLayout(layout, bufs, untraced, ubytes, tbytes, real, rank, time.perf_counter() - t0)

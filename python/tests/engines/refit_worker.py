@@ -169,12 +169,7 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
            "traced_bytes": live.traced_bytes, "global_rank": live.rank}
     if vrank == 0:
         store.set("dst_layout", live.to_json())
-    # The elements this rank must receive: every non-padding slot of its buffers.
-    real = 0
-    for b in live.layout.buffers(live.rank):
-        real += sum(n for _, n, t, _ in live.layout.slot_runs(live.rank, b["name"]) if t is not None) \
-            * torch.tensor([], dtype=reshard.torch_dtype(b["dtype"])).element_size()
-    res["needed_bytes"] = real
+    res["needed_bytes"] = live.real_bytes  # every non-padding slot of its buffers
     res["preset"] = check_preset(cfg_path, a, live, params)
     with reshard.Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport="ucx", store=store) as r:
         res["report"] = r.refit()
