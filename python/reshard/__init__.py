@@ -246,8 +246,12 @@ def allocate(layout: Layout, rank: int, framework: str = "torch", *, fill: Optio
 def buffers_from_state_dict(state_dict: Mapping[str, Any], layout: Layout, rank: int, prefix: str = "") -> "dict[str, Any]":
     """Picks this rank's buffers out of a module's ``state_dict()`` by name (``prefix + buffer name``).
 
-    The layout's buffer names are the parameter names of the framework the
-    layout describes (the presets use Megatron-Core's and vLLM's). Raises
+    The presets name buffers as Megatron-Core's ``GPTModel`` (stage-local
+    ``decoder.layers.{i}``, rank-local ``local_experts.{e}``; the norms as
+    the non-Transformer-Engine spec names them) and vLLM 0.33 name their
+    parameters; docs/python.md ("Bringing your own trainer") lists them
+    with their fused forms. A state dict under other names needs a rename
+    (or ``prefix``) first. Raises
     :class:`Error` naming every buffer the state dict lacks. The tensors are
     the module's own (``state_dict()`` returns detached views of the
     parameters): a refit writes the module's parameters in place.
@@ -349,7 +353,7 @@ class _StoreAdapter:
                 pass
 
 
-_generations: "dict[tuple[int, str], int]" = {}
+_generations: "dict[tuple[int, str, int], int]" = {}
 _generations_lock = threading.Lock()
 
 
@@ -358,8 +362,10 @@ class Resharder:
 
     Every global rank of both layouts creates one, with the same layouts, the
     same store and the same ``prefix``, in the same order as its other
-    Resharders on that store (the k-th Resharder of a process meets the k-th
-    of the others: keys ``{prefix}/{k}/...``). Construction is collective:
+    Resharders on that store (rank R's k-th Resharder on a store object and
+    prefix meets the k-th of every other rank: keys ``{prefix}/{k}/...``;
+    counted per store object, prefix and rank, so rank threads of one
+    process may share one store client). Construction is collective:
     it connects the ranks, plans this rank's part and checks its buffers
     (a bad buffer on any rank makes every rank's constructor raise).
 
@@ -423,9 +429,11 @@ class Resharder:
             raise Error("Resharder: a store is needed for the rendezvous (torch.distributed.TCPStore or an object "
                         "with set(key, bytes) and get(key) -> bytes)")
         adapter = _StoreAdapter(store)
+        # Counted per (store object, prefix, rank): rank threads of one process may share a store client.
         with _generations_lock:
-            g = _generations.get((id(store), prefix), 0)
-            _generations[(id(store), prefix)] = g + 1
+            key = (id(store), prefix, int(rank))
+            g = _generations.get(key, 0)
+            _generations[key] = g + 1
         self._store = store
         self._prefix = f"{prefix}/{g}"
         self._stall = float(stall_timeout)
