@@ -96,3 +96,12 @@ TEST_CASE("LayoutBuilder: an unknown axis or dtype is a LayoutError naming the t
   // Validation errors name the default origin plainly too.
   CHECK(test_util::error_of([] { LayoutBuilder({{"tp", 2}}).tensor("w", {3}, "f32", {"tp"}).build(); }).rfind("layout written in code: tensor 'w': dims[0]", 0) == 0);
 }
+
+TEST_CASE("LayoutBuilder: a flat bucket written like its file is the file's layout") {
+  const Layout b = LayoutBuilder({{"dp", 2}}).tensor("a", {6}, "f32").tensor("b", {3, 2}, "f32").flat("bucket", {"a", "b"}, "dp").build();
+  const Layout f = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["dp", 2]]},
+    "tensors": [{"name": "a", "shape": [6], "dtype": "f32"}, {"name": "b", "shape": [3, 2], "dtype": "f32"}],
+    "buffers": [{"name": "bucket", "parts": ["a", "b"], "flat": {"axes": ["dp"]}}]})"), "file");
+  CHECK(layout_to_json(b) == layout_to_json(f));
+  CHECK(rank_buffers(b, 1).at(0).elements == 6);
+}
