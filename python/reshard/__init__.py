@@ -30,6 +30,7 @@ Example (one process, all ranks as threads)::
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
@@ -353,7 +354,13 @@ class _StoreAdapter:
                 pass
 
 
+def _is_torch_store(store: Any) -> bool:
+    """A torch.distributed store (TCPStore, FileStore, PrefixStore ...): it has wait(keys, timedelta)."""
+    return any(c.__name__ == "Store" and c.__module__.startswith("torch") for c in type(store).__mro__)
+
+
 _generations: "dict[tuple[int, str, int], int]" = {}
+_ranks_on_store: "dict[int, set[int]]" = {}  # the ranks of this process that made a Resharder on each store object
 _generations_lock = threading.Lock()
 
 
@@ -434,6 +441,7 @@ class Resharder:
             key = (id(store), prefix, int(rank))
             g = _generations.get(key, 0)
             _generations[key] = g + 1
+            _ranks_on_store.setdefault(id(store), set()).add(int(rank))
         self._store = store
         self._prefix = f"{prefix}/{g}"
         self._stall = float(stall_timeout)
@@ -470,8 +478,33 @@ class Resharder:
             return
         key = f"{self._prefix}/closed"
         world = len(self._r.world)
-        add(key, 1)
-        deadline = time.monotonic() + self._stall * 1.25 + 1
+        bound = self._stall * 1.25 + 1
+        deadline = time.monotonic() + bound
+        n = int(add(key, 1))
+        # One rank per store client: wait blocks the client, so ranks sharing one poll instead.
+        with _generations_lock:
+            alone = len(_ranks_on_store.get(id(self._store), ())) == 1
+        wait = self._store.wait if alone and _is_torch_store(self._store) else None
+        if wait is not None:
+            # The last rank out says so under one key that the others wait for (TCPStore.wait: one
+            # request each, answered when it is set): no rank polls the count while the store's
+            # host, out as soon as that key is set, exits (a poll in flight then made c10d print a
+            # recvValue trace).
+            done = f"{self._prefix}/all_closed"
+            if n >= world:
+                self._store.set(done, b"1")
+            try:
+                wait([done], datetime.timedelta(seconds=bound))
+                return
+            except Exception:
+                if time.monotonic() < deadline:
+                    return  # the store's host left: it does so only once every rank counted itself out
+                try:
+                    n = int(add(key, 0))
+                except Exception:
+                    return  # the store's host left
+                raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
+                                     f"{bound:.1f} s (a rank died or did not call close())") from None
         while True:
             try:
                 n = int(add(key, 0))
@@ -481,7 +514,7 @@ class Resharder:
                 return
             if time.monotonic() > deadline:
                 raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
-                                     f"{self._stall * 1.25 + 1:.1f} s (a rank died or did not call close())")
+                                     f"{bound:.1f} s (a rank died or did not call close())")
             time.sleep(0.005)
 
     def invalidate_delta_base(self) -> None:

@@ -146,3 +146,20 @@ def test_readme_snippet_prints_no_warning_and_no_leak(alive_at_exit):
     assert "leaked" not in res.stderr and "leaked" not in res.stdout, res.stderr
     assert res.stderr.strip() == "", res.stderr
     assert "[0.0, 2.0]" in res.stdout  # the snippet's own last line: rank 8's qkv came from training ranks 0 and 2
+
+
+@ucx_only
+def test_close_with_rank0_hosting_the_store_prints_nothing(models, capfd):
+    """Rank 0 hosts the TCPStore and exits as soon as its close() returns; every rank's close() ends
+    cleanly, and no process prints c10d's 'recvValue failed' trace (a rank polling the store while
+    its host exits), three jobs in a row."""
+    from test_multiprocess import layouts
+
+    src, dst = layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    for job in range(3):
+        results, codes = run_job(models, ranks, "ok", rank0_hosts=True)
+        assert codes == {r: 0 for r in ranks}, (job, codes, results)
+        assert all(results[r][1] == "ok" for r in ranks), (job, results)
+        err = capfd.readouterr().err
+        assert "recvValue" not in err and "Traceback" not in err, f"job {job}:\n{err}"
