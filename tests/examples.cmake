@@ -13,3 +13,10 @@ add_test(NAME example.find_package
          COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${CMAKE_BINARY_DIR} -DSOURCE_DIR=${PROJECT_SOURCE_DIR}/examples/find-package
                  -DWORK_DIR=${_consumer} -DGENERATOR=${CMAKE_GENERATOR} -P ${CMAKE_CURRENT_SOURCE_DIR}/cli/find_package_example.cmake)
 set_tests_properties(example.find_package PROPERTIES TIMEOUT 600 LABELS example)
+
+# examples/layout_in_code.cpp: layouts written in code with reshard::LayoutBuilder (as the JSON reads), a tp=3 -> tp=2 refit
+# into a fused buffer, every element checked against a formula written out by hand.
+add_executable(example_layout_in_code ${PROJECT_SOURCE_DIR}/examples/layout_in_code.cpp)
+target_link_libraries(example_layout_in_code PRIVATE reshard::reshard reshard_warnings)
+add_test(NAME example.layout_in_code COMMAND example_layout_in_code)
+set_tests_properties(example.layout_in_code PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "^ok: 0 wrong elements")

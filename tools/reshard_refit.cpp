@@ -15,6 +15,8 @@
 // element of the delta destination checked against the dense one.
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -319,6 +321,53 @@ int exec_nccl_build(char** argv) {
 }
 #endif
 
+/// Prints "  ... PHASE (N s)" after every `every` of silence: planning, setup
+/// and the element checks of a large model take tens of seconds each on a
+/// small machine, and a command silent for that long looks hung.
+class Heartbeat {
+  using Clock = std::chrono::steady_clock;
+
+ public:
+  explicit Heartbeat(std::string phase, std::chrono::seconds every = std::chrono::seconds(5))
+      : phase_(std::move(phase)), every_(every), since_(Clock::now()), last_(since_), thread_([this] { loop(); }) {}
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+  ~Heartbeat() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  /// A line was just printed: the phase is now `phase`, the silence starts again.
+  void phase(std::string phase) {
+    std::lock_guard<std::mutex> l(m_);
+    phase_ = std::move(phase);
+    since_ = last_ = Clock::now();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> l(m_);
+    while (!stop_) {
+      const auto due = last_ + every_;
+      if (cv_.wait_until(l, due, [&] { return stop_ || last_ + every_ != due; })) continue;
+      const auto now = Clock::now();
+      fmt::print("  ... {} ({:.0f} s)\n", phase_, std::chrono::duration<double>(now - since_).count());
+      std::fflush(stdout);
+      last_ = now;
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::string phase_;
+  std::chrono::seconds every_;
+  Clock::time_point since_, last_;
+  std::thread thread_;  // last: starts once the rest is set
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -489,21 +538,28 @@ int main(int argc, char** argv) {
       ho.pipeline = pipeline;
       opt.staged = std::make_shared<const StagedSchedule>(plan_hierarchical(src, dst, place, ho));
     }
+    std::optional<Heartbeat> heartbeat;  // between the progress lines, at least every 5 s
     if (!json) {
       // Progress on stdout (the --json report stays one object): planning,
       // setup and each iteration of a large model take seconds each.
       fmt::print("reshard-refit: {}: planning and setting up {} + {} ranks{} ...\n", model, src.mesh.size(), dst.mesh.size(),
                  no_baseline ? "" : " (and the traditional refit's full-tensor buffers)");
       std::fflush(stdout);
-      opt.progress = [](int done, int of) {
+      heartbeat.emplace("planning and setting up");
+      opt.progress = [&heartbeat](int done, int of) {
         if (done == 0)
           fmt::print("  set up; refitting {} iterations of each method, every element checked after each\n", of);
         else
           fmt::print("  iteration {}/{} done\n", done, of);
         std::fflush(stdout);
+        if (done < of)
+          heartbeat->phase(fmt::format("iteration {}/{}: refitting both ways, then checking every element", done + 1, of));
+        else
+          heartbeat->phase("gathering the figures");
       };
     }
     const auto r = refit_harness::run_refit(src, dst, opt);
+    heartbeat.reset();
     const bool ok = r.reshard.validated && (no_baseline || r.baseline.validated);
     const double speedup = r.reshard.median > 0 && !no_baseline ? r.baseline.median / r.reshard.median : 0;
 

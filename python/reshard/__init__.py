@@ -30,6 +30,7 @@ Example (one process, all ranks as threads)::
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
@@ -246,10 +247,13 @@ def allocate(layout: Layout, rank: int, framework: str = "torch", *, fill: Optio
 def buffers_from_state_dict(state_dict: Mapping[str, Any], layout: Layout, rank: int, prefix: str = "") -> "dict[str, Any]":
     """Picks this rank's buffers out of a module's ``state_dict()`` by name (``prefix + buffer name``).
 
-    The layout's buffer names are the parameter names of the framework the
-    layout describes (the presets use Megatron-Core 0.19's GPTModel names and
-    vLLM 0.33's; :func:`reshard.engines.bind_parameters` also checks each
-    tensor's element count and dtype). Raises
+    The presets name buffers as Megatron-Core 0.19's ``GPTModel`` (stage-local
+    ``decoder.layers.{i}``, rank-local ``local_experts.{e}``; the norms as
+    the non-Transformer-Engine spec names them) and vLLM 0.33 name their
+    parameters; docs/python.md ("Bringing your own trainer") lists them
+    with their fused forms. A state dict under other names needs a rename
+    (or ``prefix``) first; :func:`reshard.engines.bind_parameters` also
+    checks each tensor's element count and dtype. Raises
     :class:`Error` naming every buffer the state dict lacks. The tensors are
     the module's own (``state_dict()`` returns detached views of the
     parameters): a refit writes the module's parameters in place.
@@ -351,7 +355,13 @@ class _StoreAdapter:
                 pass
 
 
-_generations: "dict[tuple[int, str], int]" = {}
+def _is_torch_store(store: Any) -> bool:
+    """A torch.distributed store (TCPStore, FileStore, PrefixStore ...): it has wait(keys, timedelta)."""
+    return any(c.__name__ == "Store" and c.__module__.startswith("torch") for c in type(store).__mro__)
+
+
+_generations: "dict[tuple[int, str, int], int]" = {}
+_ranks_on_store: "dict[int, set[int]]" = {}  # the ranks of this process that made a Resharder on each store object
 _generations_lock = threading.Lock()
 
 
@@ -360,8 +370,10 @@ class Resharder:
 
     Every global rank of both layouts creates one, with the same layouts, the
     same store and the same ``prefix``, in the same order as its other
-    Resharders on that store (the k-th Resharder of a process meets the k-th
-    of the others: keys ``{prefix}/{k}/...``). Construction is collective:
+    Resharders on that store (rank R's k-th Resharder on a store object and
+    prefix meets the k-th of every other rank: keys ``{prefix}/{k}/...``;
+    counted per store object, prefix and rank, so rank threads of one
+    process may share one store client). Construction is collective:
     it connects the ranks, plans this rank's part and checks its buffers
     (a bad buffer on any rank makes every rank's constructor raise).
 
@@ -425,9 +437,12 @@ class Resharder:
             raise Error("Resharder: a store is needed for the rendezvous (torch.distributed.TCPStore or an object "
                         "with set(key, bytes) and get(key) -> bytes)")
         adapter = _StoreAdapter(store)
+        # Counted per (store object, prefix, rank): rank threads of one process may share a store client.
         with _generations_lock:
-            g = _generations.get((id(store), prefix), 0)
-            _generations[(id(store), prefix)] = g + 1
+            key = (id(store), prefix, int(rank))
+            g = _generations.get(key, 0)
+            _generations[key] = g + 1
+            _ranks_on_store.setdefault(id(store), set()).add(int(rank))
         self._store = store
         self._prefix = f"{prefix}/{g}"
         self._stall = float(stall_timeout)
@@ -464,8 +479,33 @@ class Resharder:
             return
         key = f"{self._prefix}/closed"
         world = len(self._r.world)
-        add(key, 1)
-        deadline = time.monotonic() + self._stall * 1.25 + 1
+        bound = self._stall * 1.25 + 1
+        deadline = time.monotonic() + bound
+        n = int(add(key, 1))
+        # One rank per store client: wait blocks the client, so ranks sharing one poll instead.
+        with _generations_lock:
+            alone = len(_ranks_on_store.get(id(self._store), ())) == 1
+        wait = self._store.wait if alone and _is_torch_store(self._store) else None
+        if wait is not None:
+            # The last rank out says so under one key that the others wait for (TCPStore.wait: one
+            # request each, answered when it is set): no rank polls the count while the store's
+            # host, out as soon as that key is set, exits (a poll in flight then made c10d print a
+            # recvValue trace).
+            done = f"{self._prefix}/all_closed"
+            if n >= world:
+                self._store.set(done, b"1")
+            try:
+                wait([done], datetime.timedelta(seconds=bound))
+                return
+            except Exception:
+                if time.monotonic() < deadline:
+                    return  # the store's host left: it does so only once every rank counted itself out
+                try:
+                    n = int(add(key, 0))
+                except Exception:
+                    return  # the store's host left
+                raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
+                                     f"{bound:.1f} s (a rank died or did not call close())") from None
         while True:
             try:
                 n = int(add(key, 0))
@@ -475,7 +515,7 @@ class Resharder:
                 return
             if time.monotonic() > deadline:
                 raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
-                                     f"{self._stall * 1.25 + 1:.1f} s (a rank died or did not call close())")
+                                     f"{bound:.1f} s (a rank died or did not call close())")
             time.sleep(0.005)
 
     def invalidate_delta_base(self) -> None:

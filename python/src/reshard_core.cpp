@@ -615,6 +615,14 @@ struct StoreGather {
   }
 };
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 class PyResharder {
  public:
   PyResharder(Layout src, Layout dst, std::int64_t rank, nb::handle buffers, nb::object adapter, std::string prefix, double timeout_s,
@@ -675,7 +683,22 @@ class PyResharder {
       throw;
     }
   }
-  ~PyResharder() { close(false); }
+  /// Dropped without close(): no barrier; the transport goes at once (its
+  /// destructor progresses UCX for up to about 2 s while busy peers do not
+  /// answer) with the GIL released, so the other Python threads run
+  /// meanwhile. At interpreter exit the GIL is kept (releasing it there
+  /// would end this thread).
+  ~PyResharder() {
+    if (!t_) return;
+    if (interpreter_finalizing()) {
+      r_.reset();
+      t_.reset();
+      return;
+    }
+    nb::gil_scoped_release nogil;
+    r_.reset();
+    t_.reset();
+  }
 
   nb::dict refit(std::optional<std::uint64_t> version) {
     if (!r_) fail("Resharder (rank {}): closed", rank_);
@@ -714,8 +737,8 @@ class PyResharder {
   /// Collective: the ranks agree they are done, then the transport goes.
   void close(bool barrier) {
     if (!t_) return;
+    nb::gil_scoped_release nogil;  // the transport's destructor progresses UCX for a while
     if (barrier) {
-      nb::gil_scoped_release nogil;
       try {
         t_->all_gather({}, Clock::now() + std::chrono::seconds(30));
       } catch (...) {

@@ -491,3 +491,48 @@ TEST_CASE("ucx: ranks that disagree on the protocol all fail at construction, sa
     CHECK(o.report.find("every rank must use the same") != std::string::npos);
   }
 }
+
+TEST_CASE("ucx: a transport dropped without a closing all-gather while its peers are busy never aborts; every rank exits 0") {
+  // Issue 39: the source ranks refit twice, then destroy their Resharder and
+  // UcxTransport at once while the destination ranks sit for 3 s without
+  // progressing UCX (as Python code between calls does). The endpoint-close
+  // requests cannot complete before the peers progress; destroying the
+  // worker with them still queued used to abort (ucp_ep.c: 'req->flags &
+  // UCP_REQUEST_FLAG_RELEASED'). Both protocols; the put protocol also
+  // leaves registered memory behind.
+  const Layout src = layout(kSrc, "src.json"), dst = layout(kDst, "dst.json");
+  for (UcxProtocol proto : {UcxProtocol::tag, UcxProtocol::put}) {
+    CAPTURE(to_string(proto));
+    auto outs = fork_world::run(4, [&](int r, Bootstrap& boot, const auto& report) {
+      UcxOptions uo;
+      uo.protocol = proto;
+      std::string first;
+      std::int64_t wrong = 0;
+      {
+        UcxTransport t(std::move(boot), uo);
+        auto sm = refit_test::make_side(src, r, true, 0);
+        auto dm = refit_test::make_side(dst, r, false, 0);
+        LocalBuffers bufs{refit_test::views(src, sm), refit_test::views(dst, dm)};
+        Resharder<Layout, UcxTransport> rs(src, dst, bufs, t);
+        for (int k = 0; k < 2; ++k) {
+          refit_test::write_side(src, sm, true, static_cast<std::uint64_t>(k));
+          refit_test::write_side(dst, dm, false, static_cast<std::uint64_t>(k));
+          t.all_gather({}, in(10s));
+          rs.refit();
+          wrong += refit_test::count_wrong(dst, dm, r, static_cast<std::uint64_t>(k), &first);
+        }
+        if (r >= 2) std::this_thread::sleep_for(3s);  // busy elsewhere: no UCX progress
+      }  // dropped without a closing all-gather
+      report(wrong ? first : "ok");
+      return 0;
+    });
+    INFO(fork_world::describe(outs));
+    for (const auto& o : outs) {
+      CAPTURE(o.rank);
+      CHECK_FALSE(o.hung);
+      CHECK(o.exited);
+      CHECK(o.code == 0);
+      CHECK(o.report == "ok");
+    }
+  }
+}

@@ -8,10 +8,10 @@
 
 namespace reshard {
 
-/// Where a fault sits in a layout description: the file (or "<memory>"),
+/// Where a fault sits in a layout description: the file (or "layout written in code"),
 /// the tensor or buffer, and the field path inside it (e.g. "dims[1].split").
 struct ErrorContext {
-  std::string file = "<memory>";
+  std::string file = "layout written in code";
   std::string tensor;
   std::string field;
 };

@@ -6,7 +6,9 @@
 // and read-only: the planner only ever sees validated layouts.
 #include <array>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -92,6 +94,37 @@ inline TensorSpec tensor_spec(std::string name, std::vector<std::int64_t> shape,
   return t;
 }
 
+/// One dimspec of tensor_spec()'s dims: a DimSpec, or {} (not cut). An axis
+/// name or a null written as in a layout file stops the compiler with a
+/// sentence saying where names are taken (LayoutBuilder).
+struct DimSpecArg {
+  DimSpec spec;
+  DimSpecArg() = default;
+  DimSpecArg(DimSpec s) : spec(std::move(s)) {}
+  template <std::size_t N>
+  DimSpecArg(const char (&)[N]) {
+    static_assert(N == 0,
+                  "reshard: tensor_spec() takes each dim as a DimSpec of axis indices (DimSpec{{AxisRef{axis}}}, or {} for a dim "
+                  "not cut), not an axis name as a layout file writes it: to write \"tp\", {\"ep\", \"tp\"} or nullptr, build the "
+                  "layout with reshard::LayoutBuilder (reshard/layout/layout_builder.hpp)");
+  }
+  template <class Null>
+    requires std::same_as<Null, std::nullptr_t>
+  DimSpecArg(Null) {
+    static_assert(!std::same_as<Null, std::nullptr_t>,
+                  "reshard: tensor_spec() takes a dim not cut as {} (an empty DimSpec), not nullptr; LayoutBuilder "
+                  "(reshard/layout/layout_builder.hpp) takes dims as a layout file writes them, nullptr included");
+  }
+};
+
+/// tensor_spec() with the dims braced in place: {cut, {}, ...}.
+inline TensorSpec tensor_spec(std::string name, std::vector<std::int64_t> shape, DType dtype, std::initializer_list<DimSpecArg> dims,
+                              std::vector<StageCoord> stage = {}) {
+  std::vector<DimSpec> d;
+  for (const auto& a : dims) d.push_back(a.spec);
+  return tensor_spec(std::move(name), std::move(shape), dtype, std::move(d), std::move(stage));
+}
+
 /// A concat buffer: the parts' local arrays along `dim`, in `interleave` rounds.
 inline BufferSpec concat_buffer(std::string name, std::vector<std::string> parts, int dim = 0, std::int64_t interleave = 1) {
   BufferSpec b;
@@ -117,7 +150,7 @@ struct LayoutSpec {
   Mesh mesh;
   std::vector<TensorSpec> tensors;
   std::vector<BufferSpec> buffers;
-  std::string origin = "<memory>";  ///< file name, for messages
+  std::string origin = "layout written in code";  ///< file name, for messages (name it: the default says only where it came from)
 };
 
 /// A validated LayoutSpec, read-only from then on: what validation resolved
@@ -232,11 +265,17 @@ inline bool checked_mul(std::int64_t a, std::int64_t b, std::int64_t& out) {
 }
 }  // namespace detail
 
-/// Checks one axis reference against the mesh.
-inline void validate_axis_ref(const Mesh& mesh, const AxisRef& r, const ErrorContext& c) {
+/// Checks one axis reference against the mesh; a size of 0 (none given)
+/// becomes the rest of the axis, axis size / stride.
+inline void validate_axis_ref(const Mesh& mesh, AxisRef& r, const ErrorContext& c) {
   if (r.axis < 0 || r.axis >= static_cast<int>(mesh.axes.size()))
-    layout_fail(c, "axis index {} is not an axis of the mesh", r.axis);
+    layout_fail(c, "axis index {} is not an axis of the mesh (it has {})", r.axis, mesh.axes.size());
   const auto& ax = mesh.axes[static_cast<std::size_t>(r.axis)];
+  if (r.size == 0 && r.stride >= 1) {
+    if (ax.size % r.stride != 0)
+      layout_fail(c, "sub-axis of '{}' without a size: stride {} does not divide the axis size {}", ax.name, r.stride, ax.size);
+    r.size = ax.size / r.stride;
+  }
   if (r.stride < 1 || r.size < 1)
     layout_fail(c, "sub-axis of '{}' needs stride >= 1 and size >= 1 (got stride {}, size {})", ax.name,
                 r.stride, r.size);
@@ -266,7 +305,7 @@ inline void Layout::validate_tensor(std::size_t i, std::vector<std::vector<AxisR
     layout_fail(ctx(t.name, "dims"), "has {} dimspecs for a tensor of {} dims", t.dims.size(),
                 t.shape.size());
   auto& used = refs[i];
-  auto use = [&](const AxisRef& r, const std::string& field) {
+  auto use = [&](AxisRef& r, const std::string& field) {
     validate_axis_ref(mesh, r, ctx(t.name, field));
     for (const auto& u : used)
       if (detail::refs_overlap(u, r))
@@ -283,7 +322,8 @@ inline void Layout::validate_tensor(std::size_t i, std::vector<std::vector<AxisR
     if (st.coord < 0 || st.coord >= ax.size)
       layout_fail(ctx(t.name, field), "coordinate {} is outside axis '{}' of size {}", st.coord, ax.name,
                   ax.size);
-    use(AxisRef{st.axis, 1, ax.size}, field);
+    AxisRef whole{st.axis, 1, ax.size};
+    use(whole, field);
   }
   t.cuts.clear();
   for (std::size_t d = 0; d < t.dims.size(); ++d) {

@@ -20,11 +20,14 @@ struct Axis {
 };
 
 /// A reference to a mesh axis or to a sub-axis of it: the digit
-/// (c / stride) % size of the rank's coordinate c on that axis.
+/// (c / stride) % size of the rank's coordinate c on that axis. `size` 0
+/// (the default, as the JSON's omitted "size") is the rest of the axis,
+/// axis size / stride: `AxisRef{tp}` cuts over the whole tp axis. Layout
+/// validation resolves it; an explicit 1 is a cut into one part.
 struct AxisRef {
   int axis = 0;
   std::int64_t stride = 1;
-  std::int64_t size = 1;
+  std::int64_t size = 0;
   friend bool operator==(const AxisRef&, const AxisRef&) = default;
 };
 

@@ -559,8 +559,11 @@ inline UcxTransport::~UcxTransport() {
     return true;
   };
   progress_until(Clock::now() + std::chrono::milliseconds(1000), all_closed);
-  for (void* r : closing)
-    if (ucp_request_check_status(r) != UCS_INPROGRESS) ucp_request_free(r);
+  // Every close request is released, complete or not: UCX frees an incomplete
+  // one when it completes, and ucp_worker_destroy, which completes them now
+  // (a peer busy elsewhere never answered the close), asserts that each was
+  // released: destroying the worker with one held aborted the process.
+  for (void* r : closing) ucp_request_free(r);
   for (auto& [id, r] : regions_)
     if (r.memh) ucp_mem_unmap(ctx_, r.memh);
   ucp_worker_destroy(worker_);
