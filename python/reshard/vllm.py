@@ -276,11 +276,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.resharder = None
 
 
-def _register() -> None:
+def register() -> None:
+    """Registers the backend in both factories (idempotent): importing this module does it, and so does
+    vLLM's plugin loader in each process it starts (the package's ``vllm.general_plugins`` entry point)."""
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, ReshardWeightTransferEngine)
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, ReshardTrainerEngine)
 
 
-_register()
+register()
