@@ -55,28 +55,24 @@ def main():
         # The checkpoint: HF names and shapes (the presets' global tensors), seeded values per version.
         ckpt = reshard.megatron_layout(cfg_path, "tp=1")
         full1 = oracle.full_tensors(ckpt, seed=1)
-        if a.train.startswith("fsdp"):
-            src = None
-            if a.role == "fsdp":
-                out["report"] = run_fsdp(a, store, cfg_path, full1)
-                out["ok"] = True
-            else:
-                src = reshard.layout_from_json(store.get("src_layout").decode(), "the FSDP2 trainer's layout")
-        else:
-            src = reshard.megatron_layout(cfg_path, a.train)
         if a.role == "fsdp":
-            pass  # done above
+            out["report"] = run_fsdp(a, store, cfg_path, full1)
+            out["ok"] = True
+        elif a.train.startswith("fsdp"):  # a vLLM rank of an FSDP2 job: the trainer publishes its layout
+            src = reshard.layout_from_json(store.get("src_layout").decode(), "the FSDP2 trainer's layout")
+            out.update(run_vllm(a, store, src, ckpt, full1, cfg_path))
         elif a.role == "megatron":
-            out["report"] = run_megatron(a, store, src, cfg_path, full1)
+            out["report"] = run_megatron(a, store, reshard.megatron_layout(cfg_path, a.train), cfg_path, full1)
             out["ok"] = True
         elif a.role == "source":
+            src = reshard.megatron_layout(cfg_path, a.train)
             bufs = {n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full1, a.rank).items()}
             dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
             with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
                 out["report"] = r.refit()
             out["ok"] = True
         else:
-            out.update(run_vllm(a, store, src, ckpt, full1, cfg_path))
+            out.update(run_vllm(a, store, reshard.megatron_layout(cfg_path, a.train), ckpt, full1, cfg_path))
     except reshard.Error as e:
         out.update(ok=False, error=str(e), kind=type(e).__name__)
     except BaseException:
