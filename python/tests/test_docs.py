@@ -20,8 +20,9 @@ def test_the_check_fails_when_the_doc_drifts(tmp_path, monkeypatch):
 
     doc = tmp_path / "python.md"
     text = (REPO / "docs" / "python.md").read_text()
-    assert "`output_layer.weight`" in text
-    at = text.rindex("`output_layer.weight`")  # in the last table
+    end = text.index(t.END)  # the edit lands inside the generated tables, not in prose after them
+    assert "`output_layer.weight`" in text[:end]
+    at = text.rindex("`output_layer.weight`", 0, end)  # in the last table
     doc.write_text(text[:at] + "`output_layer.weights`" + text[at + len("`output_layer.weight`"):])
     monkeypatch.setattr(t, "DOC", doc)
     monkeypatch.setattr(sys, "argv", ["preset_buffer_table.py", "--check"])
