@@ -26,21 +26,16 @@ import json
 import pickle
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .. import Error, Layout, layout_from_json
+from .. import _TORCH_DTYPES, Error, Layout, layout_from_json
 from . import trace as tr
 
 #: The vLLM release whose loaders the tests run this against.
 TESTED_VLLM = "0.33.0"
 
-_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32", "torch.float64": "f64",
-           "torch.float8_e4m3fn": "fp8e4m3", "torch.float8_e5m2": "fp8e5m2", "torch.int64": "i64",
-           "torch.int32": "i32", "torch.int8": "i8", "torch.uint8": "u8"}
-
-
 def reshard_dtype(dtype: Any) -> str:
     """reshard's name of a torch dtype."""
     try:
-        return _DTYPES[str(dtype)]
+        return {f"torch.{t}": name for name, t in _TORCH_DTYPES.items()}[str(dtype)]
     except KeyError:
         raise Error(f"dtype {dtype} has no reshard equivalent") from None
 

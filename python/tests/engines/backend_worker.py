@@ -75,25 +75,16 @@ class CommandClient:
 
 
 def trainer(a, store):
-    import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+    import fsdp_cpu
     import reshard.vllm as rv  # registers the backend
 
-    torch.distributed.init_process_group("gloo")
-    world = torch.distributed.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     cfg = json.loads(pathlib.Path(a.config).read_text())
-    hf = transformers.AutoConfig.for_model("llama", **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
     ckpt = reshard.megatron_layout(pathlib.Path(a.config), "tp=1")
-    model.load_state_dict(oracle.full_tensors(ckpt, seed=1), strict=False)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_cpu.build(cfg, oracle.full_tensors(ckpt, seed=1))
+    world = torch.distributed.get_world_size()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     client = CommandClient(store, a.vllm_tp)
     t0 = time.monotonic()

@@ -17,6 +17,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+import fsdp_cpu
+
 
 def parse_spec(spec: str) -> dict:
     out = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "etp": None}
@@ -117,7 +119,7 @@ def bridge_load(model, cfg: dict, tensors: dict, work: pathlib.Path):
     d = work / "hf-checkpoint"
     d.mkdir(parents=True, exist_ok=True)
     c = dict(cfg)
-    c.setdefault("model_type", {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}[c["architectures"][0]])
+    c["model_type"] = fsdp_cpu.model_type(c)
     (d / "config.json").write_text(json.dumps(c))
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
     AutoBridge.from_hf_pretrained(str(d)).load_hf_weights([model])

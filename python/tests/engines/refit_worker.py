@@ -119,24 +119,10 @@ def run_megatron(a, store, src, cfg_path, full1):
 def run_fsdp(a, store, cfg_path, full1):
     """A training rank of an FSDP2 (fully_shard) HuggingFace model on gloo, version 1 loaded, its
     layout read from its DTensor parameters (reshard.engines.dtensor)."""
-    import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+    import fsdp_cpu
     from reshard.engines.dtensor import dtensor_layout
 
-    torch.distributed.init_process_group("gloo")
-    world = torch.distributed.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    cfg = json.loads(cfg_path.read_text())
-    hf = transformers.AutoConfig.for_model(cfg.get("model_type", "llama"), **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
-    missing, unexpected = model.load_state_dict(full1, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_cpu.build(json.loads(cfg_path.read_text()), full1)
     layout, bufs = dtensor_layout(model.named_parameters(), first_rank=0, origin="fsdp2 trainer")
     if a.rank == 0:
         store.set("src_layout", layout.to_json())

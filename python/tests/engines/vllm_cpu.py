@@ -14,6 +14,8 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
+import fsdp_cpu
+
 
 def cpu_env(work: pathlib.Path) -> Dict[str, str]:
     """The environment a vLLM CPU process of a test needs: everything it writes stays under ``work``."""
@@ -30,9 +32,7 @@ def model_dir(config: dict, work: pathlib.Path) -> pathlib.Path:
     d = work / "model"
     d.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
-    cfg.setdefault("model_type", {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                                  "Qwen3MoeForCausalLM": "qwen3_moe",
-                                  "DeepseekV3ForCausalLM": "deepseek_v3"}[cfg["architectures"][0]])
+    cfg["model_type"] = fsdp_cpu.model_type(cfg)
     cfg.setdefault("max_position_embeddings", 512)
     if cfg["architectures"][0] == "DeepseekV3ForCausalLM":
         cfg.setdefault("topk_method", "noaux_tc")  # HF's default: the router has e_score_correction_bias
