@@ -31,7 +31,14 @@ echo "engine_tests: installing reshard into $VENV (compiles the module)"
 # kind of machine. Its own venv, torch 2.15 (~5 GB, a few minutes the first time).
 MVENV="${RESHARD_MEGATRON_VENV:-$HOME/.cache/reshard-megatron-venv}"
 if [ ! -x "$MVENV/bin/python" ]; then
-  PY312="$(command -v python3.12 || ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python 2>/dev/null | tail -1 || true)"
+  # pyenv's own 3.12 first: its python3.12 shim refuses to run unless 3.12 is a global version.
+  PY312=""
+  for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python "$(command -v python3.12 || true)"; do
+    if [ -n "$c" ] && [ -x "$c" ] && "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      PY312="$c"
+      break
+    fi
+  done
   if [ -z "$PY312" ]; then
     echo "engine_tests: Megatron-Core 0.19 needs Python 3.12 (python3.12 or pyenv's 3.12); none found" >&2
     exit 1
