@@ -88,6 +88,7 @@ void write_picture(const std::string& path, const Schedule& s, const Layout& src
 struct TopologyRun {
   std::string topology, placement;
   bool hierarchical = false, simulate = false, fp8_wire = false;
+  bool cast = false;  ///< --cast: PlanOptions::cast
   double delta_density = -1, delta_device_gbps = 3000;  ///< --simulate --delta-density: also a delta refit
   int pipeline = 4;
   std::int64_t split_bytes = std::int64_t{1} << 62;
@@ -175,6 +176,7 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
   // balances the senders with the topology in view, and a plan of whole
   // pieces has copies linear in the ranks instead of ranks x replicas.
   PlanOptions po;
+  po.cast = tr.cast;
   po.split_bytes = tr.split_bytes;
   po.min_slab_bytes = tr.min_slab_bytes;
   // SenderChoice balances whole pieces here with the topology in view; the
@@ -301,6 +303,9 @@ int main(int argc, char** argv) {
   auto* rank_opt = app.add_option("--rank", rank, "plan only what this global rank sends and receives")
                        ->check(CLI::NonNegativeNumber);
   TopologyRun topo_run;
+  app.add_flag("--cast", topo_run.cast,
+               "convert a tensor whose float dtype (f32, bf16, f16) differs between the layouts in flight; "
+               "without it that is an error");
   auto* topo_opt = app.add_option("--topology", topo_run.topology,
                                   "cluster: a preset (h100-8x400g, h200-8x400g, gb200-nvl72, loopback) or a JSON file; "
                                   "replica choice then prefers the destination's node and NVLink domain");
@@ -390,6 +395,7 @@ int main(int argc, char** argv) {
       return flushed();
     }
     PlanOptions opt;
+    opt.cast = topo_run.cast;
     opt.only_rank = rank;
     opt.threads = 0;  // a full plan uses every core
     opt.min_slab_bytes = topo_run.min_slab_bytes;

@@ -662,6 +662,7 @@ inline void write_schedule_json_impl(std::ostream& os, const Schedule& s, const 
     if (c.quant == CopyQuant::sender) put(",\"quantize\":\"sender\"");
     else if (c.quant == CopyQuant::receiver) put(",\"quantize\":\"receiver\"");
     else if (c.quant == CopyQuant::scale) put(",\"quantize\":\"scale\"");
+    else if (c.quant == CopyQuant::cast) put(",\"quantize\":\"cast\"");
     buf.push_back('}');
     if (buf.size() > (std::size_t{1} << 20)) flush();
   }

@@ -310,7 +310,7 @@ class Resharder {
   /// Keeps the layouts; setup() binds buffers and compiles later.
   Resharder(const LayoutT& src, const LayoutT& dst, ResharderOptions opt = {})
       : given_(given_layouts(src, dst)), src_(lower_layout(src)), dst_(lower_layout(dst)), opt_(std::move(opt)) {
-    src_of_dst_ = match_tensors(src_, dst_);  // same tensors on both sides, else a clear error now
+    src_of_dst_ = match_tensors(src_, dst_, opt_.plan.cast);  // same tensors on both sides, else a clear error now
   }
   /// Resharder<Layout, ...> only: the two layouts in any forms that lower to
   /// a Layout (a compile-time training layout and a runtime inference one, a
@@ -362,8 +362,9 @@ class Resharder {
     const Schedule* run_schedule = schedule_.get();
     if (error.empty() && QuantRefit::needed(*schedule_)) {
       try {
-        if (opt_.staged || opt_.double_buffered)
-          fail("rank {}: quantized (FP8) destinations run single-buffered and unstaged only", me_);
+        if (opt_.staged || opt_.double_buffered || opt_.delta.enabled)
+          fail("rank {}: quantized (FP8) destinations and casts in flight run single-buffered, unstaged and dense only "
+               "(not with ResharderOptions::{})", me_, opt_.staged ? "staged" : opt_.double_buffered ? "double_buffered" : "delta");
         quant_ = std::make_unique<QuantRefit>(src_, dst_, *schedule_, me_, s, d, opt_.executor.device);
         s = quant_->src_buffers();
         d = quant_->dst_buffers();

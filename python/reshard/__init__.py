@@ -172,9 +172,11 @@ class Schedule:
                 f"{st['bytes']} B over the network, {st['local_bytes']} B local, {st['ranks']} ranks>")
 
 
-def plan(src: Layout, dst: Layout, rank: Optional[int] = None) -> Schedule:
-    """Plans the refit from ``src`` to ``dst``; ``rank`` plans only what that global rank sends and receives."""
-    return Schedule(_core.plan(src, dst, rank))
+def plan(src: Layout, dst: Layout, rank: Optional[int] = None, *, cast: bool = False) -> Schedule:
+    """Plans the refit from ``src`` to ``dst``; ``rank`` plans only what that global rank sends and receives.
+    ``cast=True``: a tensor whose float dtype differs between the sides (f32, bf16, f16) is converted in
+    flight (see :class:`Resharder`); else that is an error naming it."""
+    return Schedule(_core.plan(src, dst, rank, 0, bool(cast)))
 
 
 # --- buffers -------------------------------------------------------------------
@@ -291,13 +293,14 @@ def _prepare(bufs: Any) -> Any:
 
 
 def refit_local(src: Layout, dst: Layout, buffers: Mapping[int, RankBuffers], *, iterations: int = 1,
-                timeout: float = 300.0, staging_budget: Optional[int] = None) -> dict:
+                timeout: float = 300.0, staging_budget: Optional[int] = None, cast: bool = False) -> dict:
     """Refits ``src`` -> ``dst`` with every rank of both sides as a thread of this process.
 
     ``buffers`` maps each global rank to its buffers ``{name: tensor}``
     (``{"src": {...}, "dst": {...}}`` where a rank has a buffer of one name on
     both sides). Source tensors are read, destination tensors written in
-    place. The GIL is released while the threads run.
+    place. The GIL is released while the threads run. ``cast`` as for
+    :class:`Resharder`.
 
     Returns a report: ``bytes_moved`` (bytes between different ranks, per
     refit), ``seconds`` (median over ``iterations``, first start to last
@@ -307,7 +310,7 @@ def refit_local(src: Layout, dst: Layout, buffers: Mapping[int, RankBuffers], *,
     if not isinstance(buffers, Mapping):
         raise Error("refit_local: buffers must map each global rank to {buffer name: tensor}")
     prepared = {r: _prepare(b) for r, b in buffers.items()}
-    return _core.refit_local(src, dst, prepared, iterations, float(timeout), staging_budget)
+    return _core.refit_local(src, dst, prepared, iterations, float(timeout), staging_budget, bool(cast))
 
 
 class _StoreAdapter:
@@ -420,6 +423,14 @@ class Resharder:
     rank sent). The destination must hold what the last refit wrote: a rank
     whose destination something else wrote (inference processing weights
     in place) calls :meth:`invalidate_delta_base` before the next refit.
+
+    ``cast=True`` (every rank alike): a tensor whose float dtype differs
+    between the sides (f32, bf16, f16: an f32 master copy or an unwrapped
+    model's f32 norms into a bf16 engine) is converted in flight, rounding to
+    nearest even as ``Tensor.to()`` does; the sender converts what it sends
+    (into a shadow of the destination's dtype, host memory), so the
+    destination's dtype crosses the wire. Not with ``delta`` or
+    ``double_buffered``. Without it such a tensor is an error naming it.
     """
 
     def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",
@@ -427,7 +438,8 @@ class Resharder:
                  protocol: str = "tag", ucx_config: Optional[Mapping[str, str]] = None,
                  staging_budget: Optional[int] = None, fast_data_endpoint: bool = False,
                  double_buffered: bool = False, back_buffers: Optional[Mapping[str, Any]] = None,
-                 delta: bool = False, shadow_budget: Optional[int] = None, dense_above: Optional[float] = None) -> None:
+                 delta: bool = False, shadow_budget: Optional[int] = None, dense_above: Optional[float] = None,
+                 cast: bool = False) -> None:
         if transport != "ucx":
             raise Error(f"Resharder: transport '{transport}' is not available from Python (use 'ucx'; "
                         "refit_local runs every rank in one process)")
@@ -451,7 +463,7 @@ class Resharder:
                                      float(stall_timeout), protocol, sorted((ucx_config or {}).items()), staging_budget,
                                      bool(fast_data_endpoint), bool(double_buffered),
                                      None if back_buffers is None else _prepare(back_buffers), bool(delta), shadow_budget,
-                                     None if dense_above is None else float(dense_above))
+                                     None if dense_above is None else float(dense_above), bool(cast))
 
     def refit(self, version: Optional[int] = None) -> dict:
         """Moves the weights (collective: every rank calls it). Returns this rank's report.

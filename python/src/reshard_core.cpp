@@ -379,10 +379,11 @@ std::string schedule_json(const Schedule& s) {
   return os.str();
 }
 
-PySchedule make_plan(const Layout& src, const Layout& dst, std::optional<std::int64_t> rank, int threads) {
+PySchedule make_plan(const Layout& src, const Layout& dst, std::optional<std::int64_t> rank, int threads, bool cast) {
   PlanOptions po;
   po.only_rank = rank ? *rank : -1;
   po.threads = threads;
+  po.cast = cast;
   if (rank && *rank < 0) fail("plan: rank {} is negative", *rank);
   Schedule s;
   {
@@ -435,7 +436,7 @@ ExecutorOptions executor_options(double timeout_s, std::optional<std::int64_t> s
 
 /// Every rank of both layouts as a thread of this process (LocalWorld).
 nb::dict refit_local(const Layout& src, const Layout& dst, nb::handle buffers, int iterations, double timeout_s,
-                     std::optional<std::int64_t> staging_budget) {
+                     std::optional<std::int64_t> staging_budget, bool cast) {
   if (!nb::isinstance<nb::dict>(buffers)) fail("refit_local: buffers must be a dict of global rank -> {{buffer name: tensor}}");
   if (iterations < 1) fail("refit_local: iterations must be at least 1; got {}", iterations);
   const auto ranks = world_of(src, dst);
@@ -458,13 +459,14 @@ nb::dict refit_local(const Layout& src, const Layout& dst, nb::handle buffers, i
   }
   ResharderOptions ro;
   ro.executor = executor_options(timeout_s, staging_budget);
+  ro.plan.cast = cast;
   std::vector<RefitReport> reports(ranks.size());
   std::vector<std::vector<Clock::time_point>> t0(ranks.size()), t1(ranks.size());
   double plan_seconds = 0;
   std::int64_t transport_bytes = 0;
   {
     nb::gil_scoped_release nogil;
-    PlanOptions po;
+    PlanOptions po = ro.plan;
     po.threads = 0;
     ro.schedule = std::make_shared<const Schedule>(plan(src, dst, po));
     plan_seconds = ro.schedule->stats.plan_seconds;
@@ -628,7 +630,7 @@ class PyResharder {
   PyResharder(Layout src, Layout dst, std::int64_t rank, nb::handle buffers, nb::object adapter, std::string prefix, double timeout_s,
               double stall_s, std::string protocol, std::vector<std::pair<std::string, std::string>> ucx_config,
               std::optional<std::int64_t> staging_budget, bool fast_data_endpoint, bool double_buffered, nb::handle back_buffers,
-              bool delta, std::optional<std::int64_t> shadow_budget, std::optional<double> dense_above)
+              bool delta, std::optional<std::int64_t> shadow_budget, std::optional<double> dense_above, bool cast)
       : src_(std::move(src)), dst_(std::move(dst)), rank_(rank), adapter_(std::move(adapter)) {
     ranks_ = world_of(src_, dst_);
     if (!std::binary_search(ranks_.begin(), ranks_.end(), rank))
@@ -649,6 +651,7 @@ class PyResharder {
     ResharderOptions ro;
     ro.executor = executor_options(timeout_s, staging_budget);
     ro.double_buffered = double_buffered;
+    ro.plan.cast = cast;
     if (!delta && (shadow_budget || dense_above)) fail("Resharder: shadow_budget and dense_above apply to delta refits; delta is off");
     ro.delta.enabled = delta_ = delta;
     double_buffered_ = double_buffered;
@@ -858,19 +861,20 @@ NB_MODULE(_core, m) {
       })
       .def_ro("src_origin", &PySchedule::src_origin)
       .def_ro("dst_origin", &PySchedule::dst_origin);
-  m.def("plan", &make_plan, "src"_a, "dst"_a, "rank"_a = nb::none(), "threads"_a = 0);
+  m.def("plan", &make_plan, "src"_a, "dst"_a, "rank"_a = nb::none(), "threads"_a = 0, "cast"_a = false);
 
   m.def("refit_local", &refit_local, "src"_a, "dst"_a, "buffers"_a, "iterations"_a = 1, "timeout"_a = 300.0,
-        "staging_budget"_a = nb::none());
+        "staging_budget"_a = nb::none(), "cast"_a = false);
 
 #ifdef RESHARD_HAVE_UCX
   nb::class_<PyResharder>(m, "UcxResharder")
       .def(nb::init<Layout, Layout, std::int64_t, nb::handle, nb::object, std::string, double, double, std::string,
                     std::vector<std::pair<std::string, std::string>>, std::optional<std::int64_t>, bool, bool, nb::handle, bool,
-                    std::optional<std::int64_t>, std::optional<double>>(),
+                    std::optional<std::int64_t>, std::optional<double>, bool>(),
            "src"_a, "dst"_a, "rank"_a, "buffers"_a, "adapter"_a, "prefix"_a, "timeout"_a, "stall_timeout"_a, "protocol"_a, "ucx_config"_a,
            "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false, "double_buffered"_a = false,
-           "back_buffers"_a = nb::none(), "delta"_a = false, "shadow_budget"_a = nb::none(), "dense_above"_a = nb::none())
+           "back_buffers"_a = nb::none(), "delta"_a = false, "shadow_budget"_a = nb::none(), "dense_above"_a = nb::none(),
+           "cast"_a = false)
       .def("refit", &PyResharder::refit, "version"_a = nb::none())
       .def("close", &PyResharder::close, "barrier"_a = true)
       .def("invalidate_delta_base", &PyResharder::invalidate_delta_base)

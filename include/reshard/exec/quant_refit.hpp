@@ -1,6 +1,7 @@
 #pragma once
 // QuantRefit: runs a schedule with copies into quantized (FP8) destination
-// tensors (docs/fp8.md) on one rank, around a plain Executor:
+// tensors (docs/fp8.md), or copies that cast between float dtypes
+// (PlanOptions::cast), on one rank, around a plain Executor:
 //  * before the run, the sender quantizes every tile it holds whole of the
 //    tensors it sends quantized, into an FP8 shadow of its source buffer (the
 //    same element offsets) and the tiles' scales into a scale shadow (at the
@@ -8,7 +9,11 @@
 //    from the shadow, scale copies the scales;
 //  * receiver copies land source-dtype elements in a staging copy of the
 //    destination buffer (the same element offsets); after the run the
-//    receiver quantizes those tiles into the FP8 buffer and its scale tensor.
+//    receiver quantizes those tiles into the FP8 buffer and its scale tensor;
+//  * before the run, the sender converts its elements of every tensor it
+//    sends cast into a shadow of the destination's dtype (the same element
+//    offsets; one per element size), which its cast copies read (host
+//    memory only, yet).
 // expanded() is the schedule the Executor runs: plain copies, with the shadow
 // and staging buffers appended to the buffer lists (ids computed from the
 // schedule alone, so every rank agrees). Dense buffers only.
@@ -31,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "../base/float_convert.hpp"
 #include "../base/multi_index.hpp"
 #include "../cuda/device_engine.hpp"
 #include "../layout/layout.hpp"
@@ -181,6 +187,10 @@ class QuantRefit {
   StreamOrder before_run(const StreamOrder& order = {}) {
     if (!engine_) {
       replay(sender_jobs_);
+      for (const auto& j : cast_jobs_)
+        for (std::size_t k = 0; k + 1 < j.runs.size(); k += 2)
+          convert_elements(j.from_dtype, j.to_dtype, j.from + j.runs[k] * element_bytes(j.from_dtype),
+                           j.to + j.runs[k] * element_bytes(j.to_dtype), j.runs[k + 1]);
       return order;
     }
     engine_->stream_wait(order.sources_final);
@@ -209,15 +219,19 @@ class QuantRefit {
     expanded_.src_buffers = s.src_buffers;
     for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#fp8");
     for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#scale");
+    for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#cast2");  // 2-byte destinations
+    for (const auto& b : s.src_buffers) expanded_.src_buffers.push_back(b + "#cast4");  // 4-byte (f32)
     expanded_.dst_buffers = s.dst_buffers;
     for (const auto& b : s.dst_buffers) expanded_.dst_buffers.push_back(b + "#staged");
     expanded_.only_rank = s.only_rank;
     expanded_.stats = s.stats;
     shadow_.resize(S);
     scale_shadow_.resize(S);
+    cast_shadow_[0].resize(S);
+    cast_shadow_[1].resize(S);
     staged_.resize(D);
     src_ptrs_ = srcb_;
-    src_ptrs_.resize(3 * S, nullptr);
+    src_ptrs_.resize(5 * S, nullptr);
     dst_ptrs_ = dstb_;
     dst_ptrs_.resize(2 * D, nullptr);
     const auto spos = src_.mesh.position_of(me_), dpos = dst_.mesh.position_of(me_);
@@ -225,6 +239,21 @@ class QuantRefit {
     for (Copy c : s.copies) {
       const CopyQuant q = c.quant;
       c.quant = CopyQuant::none;
+      if (q == CopyQuant::cast) {
+        const auto b = static_cast<std::size_t>(c.src_buffer);
+        const std::size_t k = c.element_bytes == 2 ? 0 : 1;
+        c.src_buffer = static_cast<std::int32_t>((3 + k) * S + b);
+        if (c.src_rank == me_) {
+          if (engine_)
+            fail("rank {}: tensor '{}' is cast in flight, which runs on host memory only yet (ExecutorOptions::device is set)", me_,
+                 dst_.tensors[static_cast<std::size_t>(c.tensor)].name);
+          need_bound(srcb_, b, "source", s.src_buffers);
+          add_tensor(cast_tensors_, c.tensor);
+          ensure(cast_shadow_[k][b], src_ptrs_[(3 + k) * S + b], *srcb_[b], c.element_bytes, expanded_.src_buffers[(3 + k) * S + b]);
+        }
+        expanded_.copies.push_back(c);
+        continue;
+      }
       const int qt = q == CopyQuant::scale ? dst_.tensors[static_cast<std::size_t>(c.tensor)].scale_of : c.tensor;
       if (q == CopyQuant::sender || q == CopyQuant::scale) {
         const auto b = static_cast<std::size_t>(c.src_buffer);
@@ -250,7 +279,8 @@ class QuantRefit {
       }
       expanded_.copies.push_back(c);
     }
-    if (!sender_tensors_.empty() && !spos) fail("rank {} sends quantized tiles but is not in the source layout", me_);
+    if ((!sender_tensors_.empty() || !cast_tensors_.empty()) && !spos)
+      fail("rank {} sends quantized or cast elements but is not in the source layout", me_);
     if (!receiver_tensors_.empty() && !dpos) fail("rank {} receives quantized tiles but is not in the destination layout", me_);
     spos_ = spos.value_or(-1);
     dpos_ = dpos.value_or(-1);
@@ -258,6 +288,7 @@ class QuantRefit {
     for (int t : receiver_tensors_) need_bound(dstb_, static_cast<std::size_t>(dst_.buffer_of(dst_.tensors[static_cast<std::size_t>(t)].quant->scale_tensor)), "destination", s.dst_buffers);
     compile_sender(s);
     compile_receiver();
+    compile_casts();
     if (engine_) {
       sender_batches_ = upload(sender_jobs_);
       receiver_batches_ = upload(receiver_jobs_);
@@ -409,6 +440,33 @@ class QuantRefit {
     }
   }
 
+  /// A tensor this rank sends cast: every element it holds, as runs of its
+  /// source buffer, converted into the shadow at the same element offsets.
+  struct CastJob {
+    DType from_dtype = DType::f32, to_dtype = DType::bf16;
+    const std::byte* from = nullptr;
+    std::byte* to = nullptr;
+    std::vector<std::int64_t> runs;  ///< (element offset, count) pairs
+  };
+
+  void compile_casts() {
+    for (int t : cast_tensors_) {
+      const auto& ts = dst_.tensors[static_cast<std::size_t>(t)];
+      const int st = src_.find_tensor(ts.name);
+      const auto b = static_cast<std::size_t>(src_.buffer_of(st));
+      CastJob j;
+      j.from_dtype = src_.tensors[static_cast<std::size_t>(st)].dtype;
+      j.to_dtype = ts.dtype;
+      j.from = srcb_[b]->data;
+      j.to = cast_shadow_[element_bytes(ts.dtype) == 2 ? 0 : 1][b];
+      for (const auto& r : PieceRuns::of(src_, spos_, st).runs) {
+        j.runs.push_back(r.b0);
+        j.runs.push_back(r.count);
+      }
+      cast_jobs_.push_back(std::move(j));
+    }
+  }
+
   static void add_tensor(std::vector<int>& v, int t) {
     if (std::find(v.begin(), v.end(), t) == v.end()) v.push_back(t);
   }
@@ -449,13 +507,15 @@ class QuantRefit {
   Schedule expanded_;
   std::shared_ptr<DeviceCopyEngine> engine_;  ///< device buffers: the engine that quantizes; null on the host
   std::vector<std::byte*> shadow_, scale_shadow_, staged_;  ///< per buffer id (null where none)
+  std::array<std::vector<std::byte*>, 2> cast_shadow_;        ///< per buffer id: 2-byte and 4-byte destination dtypes
   std::vector<std::unique_ptr<std::byte[]>> host_memory_;
   std::vector<std::byte*> device_memory_;  ///< from engine_->allocate_staging
   std::vector<std::size_t> sender_batches_, receiver_batches_;  ///< device: uploaded tile batches
   std::vector<std::unique_ptr<BoundBuffer>> owned_;
-  std::vector<int> sender_tensors_, receiver_tensors_;
+  std::vector<int> sender_tensors_, receiver_tensors_, cast_tensors_;
   std::vector<Copy> receiver_copies_;  ///< into this rank, expanded
   std::vector<TileJobs> sender_jobs_, receiver_jobs_;
+  std::vector<CastJob> cast_jobs_;
 };
 
 

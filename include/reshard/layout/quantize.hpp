@@ -22,6 +22,7 @@
 
 #include "../base/dtype.hpp"
 #include "../base/error.hpp"
+#include "../base/float_convert.hpp"  // the exact widenings of the sources
 #include "../base/hd.hpp"  // the pure bit functions below are also the CUDA kernels' (cuda/quantize_kernels.cuh)
 
 namespace reshard {
@@ -65,43 +66,6 @@ inline float f32_from_e4m3(std::uint8_t c) {
   if (e == 15 && m == 7) return std::nanf("");
   if (e == 0) return s * std::ldexp(static_cast<float>(m), -9);
   return s * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
-}
-
-RESHARD_HD inline float f32_from_bf16(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
-
-/// f16 -> f32 (exact; a NaN becomes the quiet NaN 0x7FC00000 with its sign),
-/// on the bits (no libm: device code shares it).
-RESHARD_HD inline float f32_from_f16(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t e = (h >> 10) & 31u, m = h & 0x3FFu;
-  std::uint32_t v;
-  if (e == 0) v = std::bit_cast<std::uint32_t>(static_cast<float>(m) * 0x1p-24f);  // m * 2^-24, exact
-  else if (e == 31) v = m ? 0x7FC00000u : 0x7F800000u;
-  else v = (e + 112u) << 23 | m << 13;  // exponent bias 15 -> 127
-  return std::bit_cast<float>(v | sign);
-}
-
-/// Element `i` of a source row of dtype `dt` (bf16, f16 or f32) as f32.
-inline float load_f32(DType dt, const std::byte* row, std::int64_t i) {
-  switch (dt) {
-    case DType::bf16: {
-      std::uint16_t b;
-      std::memcpy(&b, row + 2 * i, 2);
-      return f32_from_bf16(b);
-    }
-    case DType::f16: {
-      std::uint16_t b;
-      std::memcpy(&b, row + 2 * i, 2);
-      return f32_from_f16(b);
-    }
-    case DType::f32: {
-      float f;
-      std::memcpy(&f, row + 4 * i, 4);
-      return f;
-    }
-    default:
-      fail("quantize: source dtype {} is not bf16, f16 or f32", to_string(dt));
-  }
 }
 
 /// A tile in a compiled run: (end row, scale byte offset), see quantize_tiles.
@@ -159,22 +123,6 @@ inline void quantize_tile(QuantScheme scheme, DType dt, Rows&& rows, std::byte* 
 }
 
 namespace detail {
-template <DType D>
-inline float load_as(const std::byte* p, std::int64_t i) {
-  if constexpr (D == DType::bf16) {
-    std::uint16_t b;
-    std::memcpy(&b, p + 2 * i, 2);
-    return f32_from_bf16(b);
-  } else if constexpr (D == DType::f16) {
-    std::uint16_t b;
-    std::memcpy(&b, p + 2 * i, 2);
-    return f32_from_f16(b);
-  } else {
-    float f;
-    std::memcpy(&f, p + 4 * i, 4);
-    return f;
-  }
-}
 /// quantize_rows for one source dtype, every row `Fixed` elements long when
 /// Fixed > 0 (a constant trip count, which the compiler unrolls), else as
 /// `rows` says.

@@ -622,6 +622,12 @@ inline StagedSchedule plan_hierarchical(const Layout& src, const Layout& dst, co
   const auto t0 = std::chrono::steady_clock::now();
   PlanOptions po = opt.plan;
   po.only_rank = -1;
+  const std::vector<int> src_of = match_tensors(src, dst, po.cast);
+  for (std::size_t t = 0; t < src_of.size(); ++t)
+    if (src_of[t] >= 0 && !dst.tensors[t].quant && src.tensors[static_cast<std::size_t>(src_of[t])].dtype != dst.tensors[t].dtype)
+      layout_fail(ErrorContext{dst.origin, dst.tensors[t].name, "dtype"},
+                  "staged (hierarchical) plans do not cast in flight yet ({} in {}); plan it directly",
+                  to_string(src.tensors[static_cast<std::size_t>(src_of[t])].dtype), src.origin);
   Schedule direct = plan(src, dst, po);
   HierarchicalReport rep;
   StagedSchedule s = stage_hierarchical(std::move(direct), src, dst, place, opt, &rep);

@@ -42,6 +42,12 @@ namespace reshard {
 struct PlanOptions {
   /// >= 0: plan only the copies this global rank sends or receives.
   std::int64_t only_rank = -1;
+  /// A tensor whose float dtype differs between the sides (f32, bf16, f16:
+  /// an f32 master copy into a bf16 engine) is converted in flight: the
+  /// sender converts what it sends, rounding to nearest even as torch's
+  /// Tensor.to() does, and the destination's dtype crosses the wire
+  /// (CopyQuant::cast). Off: such a tensor is an error naming it.
+  bool cast = false;
   /// Pieces with R > 1 replicas and at least this many bytes are cut into R
   /// slabs of equal needed element counts (along one dim; for flat sources,
   /// along the row-major order), one per replica, so every replica sends its
@@ -70,7 +76,8 @@ struct PlanOptions {
 
 /// Checks that two layouts describe the same tensors; returns, for each
 /// destination tensor, the id of the source tensor with the same name.
-inline std::vector<int> match_tensors(const Layout& src, const Layout& dst) {
+/// `cast`: float dtypes may differ (PlanOptions::cast).
+inline std::vector<int> match_tensors(const Layout& src, const Layout& dst, bool cast = false) {
   std::vector<int> map(dst.tensors.size(), -1);
   for (std::size_t t = 0; t < dst.tensors.size(); ++t) {
     const auto& d = dst.tensors[t];
@@ -86,9 +93,13 @@ inline std::vector<int> match_tensors(const Layout& src, const Layout& dst) {
         layout_fail(ErrorContext{dst.origin, d.name, "dtype"},
                     "a quantized tensor's source must be bf16, f16 or f32, but it is {} in {}", to_string(st.dtype),
                     src.origin);
-    } else if (st.dtype != d.dtype)
-      layout_fail(ErrorContext{dst.origin, d.name, "dtype"}, "dtype {} differs from {} in {}", to_string(d.dtype),
-                  to_string(st.dtype), src.origin);
+    } else if (st.dtype != d.dtype && !(cast && castable(st.dtype) && castable(d.dtype))) {
+      layout_fail(ErrorContext{dst.origin, d.name, "dtype"}, "dtype {} differs from {} in {}{}", to_string(d.dtype),
+                  to_string(st.dtype), src.origin,
+                  castable(st.dtype) && castable(d.dtype)
+                      ? " (float dtypes convert in flight with PlanOptions::cast: Python cast=True, reshard-plan --cast)"
+                      : "");
+    }
     map[t] = s;
   }
   return map;
@@ -200,7 +211,7 @@ class Planner {
       if (!L->validated())
         fail("plan: the {} layout is empty (default-constructed or moved from): build it from a LayoutSpec", side);
     }
-    src_of_dst_ = match_tensors(src, dst);
+    src_of_dst_ = match_tensors(src, dst, opt.cast);
     for (auto r : dst.mesh.global_ranks()) sides_meet_ = sides_meet_ || src.mesh.position_of(r).has_value();
   }
 
@@ -1157,7 +1168,12 @@ class Planner {
       cp.tensor = c.dt;
       cp.element_bytes = ebytes;
       WideDims ext, sst, dst;  // dims [0, r) set per copy
-      const auto& quant = dst_.tensors[static_cast<std::size_t>(c.dt)].quant;
+      const auto& dts = dst_.tensors[static_cast<std::size_t>(c.dt)];
+      const auto& quant = dts.quant;
+      if (!quant && dts.dtype != sts.dtype) {  // a cast (PlanOptions::cast): the destination's dtype crosses
+        cp.quant = CopyQuant::cast;
+        cp.element_bytes = static_cast<std::int32_t>(element_bytes(dts.dtype));
+      }
       while (true) {
         if (quant) {
           const CopyQuant at = quant_side(*quant, c, groups, idx, n);
@@ -1356,7 +1372,7 @@ struct ReplicaShares {
 
 inline ReplicaShares replica_shares(const Schedule& s, const Layout& src, const Layout& dst) {
   ReplicaShares out;
-  const std::vector<int> src_of = match_tensors(src, dst);
+  const std::vector<int> src_of = match_tensors(src, dst, true);  // names only: the plan checked the dtypes
   const std::int64_t P = src.mesh.size();
   const auto T = static_cast<std::int64_t>(src.tensors.size());
   StorageClasses classes(src);

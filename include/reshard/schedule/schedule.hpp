@@ -13,12 +13,14 @@
 
 namespace reshard {
 
-/// Where a copy into a quantized destination tensor is quantized (docs/fp8.md).
+/// Where a copy into a quantized destination tensor is quantized (docs/fp8.md),
+/// or that a copy converts between float dtypes (PlanOptions::cast).
 enum class CopyQuant : std::uint8_t {
   none,      ///< a plain copy
   sender,    ///< the sender quantizes whole tiles: FP8 crosses the wire (element_bytes 1)
   receiver,  ///< source-dtype elements cross; the receiver quantizes once its tiles are complete
   scale,     ///< scale entries of sender-quantized tiles: src offsets name each tile's first element
+  cast,      ///< the sender converts its elements to the destination's dtype, which crosses (its element_bytes)
 };
 
 /// A strided box copy between two local buffers: the box (offsets, extents
@@ -27,7 +29,7 @@ struct Copy : StridedBox {
   std::int32_t src_buffer = 0, dst_buffer = 0;  ///< ids into each layout's local_buffers()
   std::int32_t tensor = 0;                      ///< destination-layout tensor id
   std::int32_t element_bytes = 1;
-  CopyQuant quant = CopyQuant::none;            ///< into a quantized destination: see CopyQuant
+  CopyQuant quant = CopyQuant::none;            ///< into a quantized destination, or a cast: see CopyQuant
   std::int64_t src_rank = 0, dst_rank = 0;
 
   std::int64_t bytes() const { return elements() * element_bytes; }

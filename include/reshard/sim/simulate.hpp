@@ -950,7 +950,7 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
   // moves, and less than a receiver-quantized one (source dtype), so the
   // bound stays a bound whatever the planner decides. A scale tensor has no
   // source: its bytes leave the GPUs holding its weight.
-  std::vector<int> src_of = match_tensors(src, dst);
+  std::vector<int> src_of = match_tensors(src, dst, true);  // casts count at the destination's dtype, as they cross
   for (std::size_t t = 0; t < dst.tensors.size(); ++t)
     if (const int w = dst.tensors[t].scale_of; src_of[t] < 0 && w >= 0) src_of[t] = src_of[static_cast<std::size_t>(w)];
   // What a position holds of a tensor: (domain, part) and a linear interval
