@@ -21,7 +21,7 @@ PY="$VENV/bin/python"
 if ! "$PY" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check "vllm==$VLLM_VERSION"
 fi
-"$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core pytest
+"$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core pytest "ray==2.60.0"
 if command -v ccache >/dev/null 2>&1; then
   export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
 fi

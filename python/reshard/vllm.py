@@ -28,10 +28,18 @@ Phases (vLLM's four, plus the trainer's ``send_weights``):
 
 Rendezvous: a ``torch.distributed.TCPStore`` that trainer rank 0 hosts
 (``store_host`` / ``store_port``; port 0 picks a free one). Transport: UCX.
+``delta=True`` on the trainer's init info makes every update a delta refit
+(only the elements that changed since the last committed version move,
+exactly; docs/delta.md). A trainer parameter whose float dtype differs from
+vLLM's (an FSDP2 f32 master copy into a bf16 engine) is cast in flight as
+vLLM's loader would (round to nearest even; the sender converts, so the
+engine's dtype crosses the wire); not with ``delta``. Errors name reshard's
+ranks: the trainer's ranks first, then the vLLM ranks (each message says
+which are which).
 Not supported yet: sources whose parameters are not plain placements (use
 ``reshard.Resharder`` with a layout, e.g. Megatron-Core's), quantized (FP8)
-destinations through this backend, delta updates through this backend, and
-parameters vLLM's loader computes rather than copies (named at init).
+destinations through this backend, and parameters vLLM's loader computes
+rather than copies (named at init).
 """
 from __future__ import annotations
 
@@ -80,6 +88,21 @@ def layout_from_param_meta(metas: List[ParamMeta], world_size: int, *, origin: s
     return placement_layout(params, axes, owners, origin=origin)
 
 
+def rank_legend(trainer_world: int, vllm_world: int) -> str:
+    """Which of reshard's ranks are whose, for error messages: the trainer's ranks come first."""
+    def span(a, b):
+        return f"{a}" if a == b else f"{a}-{b}"
+    return (f"reshard ranks {span(0, trainer_world - 1)} are trainer ranks {span(0, trainer_world - 1)}, "
+            f"{span(trainer_world, trainer_world + vllm_world - 1)} vLLM ranks {span(0, vllm_world - 1)}")
+
+
+def _with_legend(e: Error, legend: str) -> Error:
+    try:
+        return type(e)(f"{e} [{legend}]")
+    except TypeError:
+        return Error(f"{e} [{legend}]")
+
+
 # --- trainer side ---------------------------------------------------------------
 
 
@@ -95,6 +118,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     transport: str = "ucx"
     timeout: float = 300.0
     stall_timeout: float = 10.0
+    delta: bool = False
 
 
 class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
@@ -126,13 +150,14 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                                                     timeout=datetime.timedelta(seconds=info.timeout))
         worker_info = {"store_host": info.store_host, "store_port": port, "trainer_world": info.world_size,
                        "src_layout": self.src.to_json(), "prefix": info.prefix, "transport": info.transport,
-                       "timeout": info.timeout, "stall_timeout": info.stall_timeout}
+                       "timeout": info.timeout, "stall_timeout": info.stall_timeout, "delta": info.delta}
         rpc = _Background(lambda: client.init_weight_transfer_engine(worker_info)) if self.is_sender else None
         try:
             dst = layout_from_json(self.store.get(f"{info.prefix}/dst_layout").decode(), "the vLLM engine's traced layout")
+            self.legend = rank_legend(info.world_size, len(dst.ranks))
             self.resharder = Resharder(self.src, dst, rank=info.rank, buffers=self.buffers, transport=info.transport,
                                        store=self.store, prefix=info.prefix, timeout=info.timeout,
-                                       stall_timeout=info.stall_timeout)
+                                       stall_timeout=info.stall_timeout, delta=info.delta, cast=True)
         finally:
             if rpc:
                 rpc.join()
@@ -147,16 +172,26 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 b.copy_(t.detach().reshape(b.shape))
 
     def send_weights(self) -> None:
+        """One update (every trainer rank at once): the sender (rank 0) drives the vLLM engines' phases
+        while every rank runs its end of the refit. A failed refit raises naming the failed ranks, with
+        what the engines answered; the engines then refuse to publish the version."""
         self._rebind()
         self.version += 1
         if self.is_sender:
             self.client.start_weight_update()
         rpc = _Background(lambda: self.client.update_weights({"version": self.version})) if self.is_sender else None
+        failed: Optional[Error] = None
         try:
             self.last_report = self.resharder.refit()
-        finally:
-            if rpc:
-                rpc.join()
+        except Error as e:
+            failed = e
+        # The engines' answers are joined either way; the refit's error is the one that names the rank.
+        engines = rpc.join_error() if rpc else None
+        if failed is not None:
+            raise _with_legend(failed, self.legend + (f"; the vLLM engines said: {engines}" if engines else "")) \
+                from failed
+        if engines is not None:
+            raise engines
         if self.is_sender:
             self.client.finish_weight_update(str(self.version))
 
@@ -182,9 +217,13 @@ class _Background:
         self.thread.start()
 
     def join(self) -> None:
+        e = self.join_error()
+        if e is not None:
+            raise e
+
+    def join_error(self) -> Optional[BaseException]:
         self.thread.join()
-        if self.error is not None:
-            raise self.error
+        return self.error
 
 
 # --- inference (vLLM worker) side ------------------------------------------------
@@ -200,6 +239,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     transport: str = "ucx"
     timeout: float = 300.0
     stall_timeout: float = 10.0
+    delta: bool = False
 
 
 @dataclass
@@ -237,9 +277,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if live.rank == info.trainer_world:
             store.set(f"{info.prefix}/dst_layout", live.to_json())
         self.live = live
+        self.legend = rank_legend(info.trainer_world, len(live.layout.ranks))
         self.resharder = Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport=info.transport,
                                    store=store, prefix=info.prefix, timeout=info.timeout,
-                                   stall_timeout=info.stall_timeout)
+                                   stall_timeout=info.stall_timeout, delta=info.delta, cast=True)
         self.failed = None
 
     def start_weight_update(self) -> None:
@@ -255,8 +296,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.last_report = self.resharder.refit()
         except Error as e:
             self.pending = None
-            self.failed = f"the update to version {update_info.version} failed, parameters are stale: {e}"
-            raise
+            self.failed = (f"the update to version {update_info.version} failed, parameters are stale: {e} "
+                           f"[{self.legend}]")
+            raise _with_legend(e, self.legend) from e
 
     def update_weights(self, update_info: Dict[str, Any]) -> None:
         # vLLM's default synchronizes torch.accelerator afterwards, which initialises CUDA even for a

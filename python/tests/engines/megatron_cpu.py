@@ -17,7 +17,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-import fsdp_cpu
+from reshard.engines.cpu import model_type
 
 
 def parse_spec(spec: str) -> dict:
@@ -119,7 +119,7 @@ def bridge_load(model, cfg: dict, tensors: dict, work: pathlib.Path):
     d = work / "hf-checkpoint"
     d.mkdir(parents=True, exist_ok=True)
     c = dict(cfg)
-    c["model_type"] = fsdp_cpu.model_type(c)
+    c["model_type"] = model_type(c)
     (d / "config.json").write_text(json.dumps(c))
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
     AutoBridge.from_hf_pretrained(str(d)).load_hf_weights([model])

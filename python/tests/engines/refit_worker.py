@@ -119,10 +119,10 @@ def run_megatron(a, store, src, cfg_path, full1):
 def run_fsdp(a, store, cfg_path, full1):
     """A training rank of an FSDP2 (fully_shard) HuggingFace model on gloo, version 1 loaded, its
     layout read from its DTensor parameters (reshard.engines.dtensor)."""
-    import fsdp_cpu
+    from reshard.engines.cpu import fsdp_model
     from reshard.engines.dtensor import dtensor_layout
 
-    model = fsdp_cpu.build(json.loads(cfg_path.read_text()), full1)
+    model = fsdp_model(json.loads(cfg_path.read_text()), full1)
     layout, bufs = dtensor_layout(model.named_parameters(), first_rank=0, origin="fsdp2 trainer")
     if a.rank == 0:
         store.set("src_layout", layout.to_json())
@@ -134,16 +134,16 @@ def run_fsdp(a, store, cfg_path, full1):
 
 
 def run_vllm(a, store, src, ckpt, full1, cfg_path):
-    import vllm_cpu
+    from reshard.engines import cpu
     from reshard.engines import vllm as rv
 
     work = pathlib.Path(a.work)
-    os.environ.update(vllm_cpu.cpu_env(work))
+    os.environ.update(cpu.vllm_env(work))
     cfg = json.loads(cfg_path.read_text())
-    model, _ = vllm_cpu.build(vllm_cpu.model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
+    model, _ = cpu.vllm_model(cpu.vllm_model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
     vrank = int(os.environ["RANK"])
     # Version 0 served first, as an engine that has loaded its checkpoint.
-    vllm_cpu.load(model, oracle.full_tensors(ckpt, seed=0).items())
+    cpu.vllm_load(model, oracle.full_tensors(ckpt, seed=0).items())
     params = dict(model.named_parameters())
     checkpoint = [(n, tuple(t.shape)) for n, t in full1.items()]
     live = rv.live_layout(model, checkpoint, first_rank=a.first_rank)
@@ -155,13 +155,7 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
     res["preset"] = check_preset(cfg_path, a, live, params)
     with reshard.Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport="ucx", store=store) as r:
         res["report"] = r.refit()
-    got = {n: p.detach().clone() for n, p in params.items()}
-    vllm_cpu.load(model, full1.items())  # vLLM's own loader: the reference
-    bad = []
-    for n, p in params.items():
-        if not torch.equal(got[n].view(torch.int16) if got[n].dtype == torch.bfloat16 else got[n],
-                           p.detach().view(torch.int16) if p.dtype == torch.bfloat16 else p.detach()):
-            bad.append(f"{n}: {int((got[n] != p.detach()).sum())} of {p.numel()} elements differ")
+    bad = cpu.differing_parameters(model, full1.items())  # against vLLM's own loader
     res.update(ok=not bad, mismatches=bad, params=len(params),
                elements=sum(p.numel() for p in params.values()))
     return res

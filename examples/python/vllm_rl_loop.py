@@ -1,0 +1,394 @@
+"""An RL loop on Ray, on a CPU: FSDP2 trainer actors refit live vLLM rollout actors through vLLM's own
+weight-transfer API with the "reshard" backend, step after step, checked against vLLM's own loader.
+
+    python examples/python/vllm_rl_loop.py --model examples/models/tiny-llama.json --steps 3 --json
+
+Trainer actors (``--trainers`` ranks, one gloo group) hold an FSDP2 HuggingFace model and take real
+optimizer steps on a toy objective. Rollout actors (``--rollout-tp`` ranks, ``--expert-parallel`` for an
+MoE) each hold one rank of a live vLLM engine, built on the CPU by vLLM's own loader
+(:mod:`reshard.engines.cpu`), with the engine ``WeightTransferEngineFactory`` makes for
+``WeightTransferConfig(backend="reshard")``. Trainer rank 0 drives the engines' four phases through a
+client that calls the rollout actors over Ray (vLLM's weight-sync client protocol); every trainer rank
+calls ``send_weights()`` of the engine ``WeightTransferTrainerFactory.trainer_init`` makes. Everything
+meets through Ray: ports are picked by the actors that listen on them.
+
+Every step: an optimizer step; an update through the backend (timed); every rollout parameter compared,
+bit for bit, with vLLM's own ``load_weights`` of the trainer's full state dict; then (unless
+``--no-peer``) the same version through the path vLLM's ``nccl`` backend takes, with gloo in place of
+NCCL: trainer rank 0 broadcasts each full tensor to every rollout rank, which calls ``load_weights``
+(timed the same way, same processes). ``--delta`` makes the backend's updates delta refits;
+``--master-f32`` keeps the trainer's parameters in f32 (FSDP2's MixedPrecisionPolicy computing in bf16,
+as veRL runs it), which the backend casts to vLLM's bf16 in flight.
+``--kill rollout:K@S`` (or ``trainer:K@S``) kills that actor inside step S's update: the step must fail
+on every other actor, naming it, and no engine may publish the version.
+
+The last line with ``--json`` is the summary ../shared/CONTRACT.md section 5 fixes: ``validated``,
+``steps``, ``seconds`` (median update time through the backend) and ``peer_seconds`` (median of the
+broadcast + ``load_weights`` path), with bytes, per-step times and any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import ray
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RolloutClient:
+    """vLLM's weight-sync client protocol over Ray: each call runs on every rollout actor and waits for
+    all of them; a failure names each actor that failed or died."""
+
+    def __init__(self, rollouts):
+        self.rollouts = rollouts
+
+    def call(self, method, *args):
+        refs = [getattr(a, method).remote(*args) for a in self.rollouts]
+        errors = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                errors.append(f"rollout actor {i} (vLLM rank {i}) died")
+            except ray.exceptions.RayTaskError as e:
+                errors.append(f"rollout actor {i}: {e.cause if e.cause is not None else e}")
+        if errors:
+            import reshard
+            raise reshard.Error(f"{method}: " + "; ".join(errors))
+
+    def init_weight_transfer_engine(self, init_info):
+        self.call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self):
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.call("finish_weight_update")
+
+
+class Trainer:
+    """One rank of an FSDP2 trainer (gloo) and its end of the weight transfer."""
+
+    def __init__(self, rank, world, cfg, master_port, seed, lr, optimizer, kill_at, master_f32):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+        import torch
+
+        from reshard.engines.cpu import fsdp_model
+        self.torch, self.rank, self.world, self.cfg = torch, rank, world, cfg
+        self.model = fsdp_model(cfg, seed=seed, master_f32=master_f32)
+        opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
+        self.opt = opt(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(1000 + rank)
+        self.engine, self.kill_at = None, kill_at
+
+    def listen_port(self):
+        return free_port()
+
+    def init_transfer(self, store_port, rollouts, delta):
+        import reshard.vllm as rv
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        t0 = time.monotonic()
+        self.client = RolloutClient(rollouts)
+        self.rollouts = rollouts
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            rv.ReshardTrainerInitInfo(rank=self.rank, world_size=self.world, store_port=store_port, delta=delta),
+            client=self.client, source=ModuleSource(self.model))
+        return time.monotonic() - t0
+
+    def train_step(self):
+        ids = self.torch.randint(0, self.cfg["vocab_size"], (2, 16), generator=self.gen)
+        loss = self.model(input_ids=ids).logits.float().pow(2).mean()  # a toy objective, a real step
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def full_state(self):
+        """The full state dict (a collective of every trainer rank); rank 0 puts it in Ray's store."""
+        full = {n: p.full_tensor() for n, p in self.model.named_parameters()}
+        return [ray.put(full)] if self.rank == 0 else None
+
+    def send(self):
+        """One update through the backend: (seconds, bytes this rank sent) or the error."""
+        if self.kill_at and self.engine.version + 1 == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash at the start of an update
+        t0 = time.monotonic()
+        try:
+            self.engine.send_weights()
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+        return {"seconds": time.monotonic() - t0, "bytes": self.engine.last_report["bytes_sent"]}
+
+    def peer_init(self, port, rollouts):
+        self.rollouts = rollouts
+        if self.rank != 0:
+            return
+        refs = [r.peer_init.remote(port, i + 1, len(rollouts) + 1) for i, r in enumerate(rollouts)]
+        self.peer = peer_group(port, 0, len(rollouts) + 1, host=True)
+        ray.get(refs)
+
+    def peer_send(self):
+        """vLLM's nccl backend's path on gloo: every trainer rank gathers the full tensors (FSDP2), rank 0
+        broadcasts each to every rollout rank, which loads it with load_weights as it arrives."""
+        t0 = time.monotonic()
+        full = [(n, p.full_tensor()) for n, p in self.model.named_parameters()]
+        if self.rank != 0:
+            return None
+        meta = [(n, list(t.shape), str(t.dtype).split(".")[-1]) for n, t in full]
+        refs = [r.peer_receive.remote(meta) for r in self.rollouts]
+        for _, t in full:
+            self.peer.broadcast(t, 0).wait()
+        ray.get(refs)
+        return {"seconds": time.monotonic() - t0, "bytes": sum(t.numel() * t.element_size() for _, t in full)
+                * len(self.rollouts)}
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def peer_group(port, rank, size, host=False):
+    import torch
+    store = torch.distributed.TCPStore("127.0.0.1", port, size, host, timeout=datetime.timedelta(seconds=120))
+    return torch.distributed.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=300))
+
+
+class Rollout:
+    """One rank of a vLLM engine (CPU recipe) and the engine the "reshard" backend gives it."""
+
+    def __init__(self, rank, tp, cfg, master_port, work, expert_parallel, kill_at):
+        from reshard.engines import cpu
+        work = pathlib.Path(work)
+        os.environ.update(cpu.vllm_env(work / f"rollout{rank}"), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
+        import torch
+        from vllm.config import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        import reshard.vllm  # noqa: F401  registers the backend (so does vLLM's plugin loader)
+        self.torch, self.cpu, self.rank, self.kill_at = torch, cpu, rank, kill_at
+        self.model, vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work / "model-dir" / str(rank)), tp,
+                                          expert_parallel=expert_parallel)
+        self.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vcfg,
+                                                                torch.device("cpu"), self.model)
+
+    def ready(self):
+        return True
+
+    # The engine's phases, called by trainer rank 0's RolloutClient.
+    def init_weight_transfer_engine(self, init_info):
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self):
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info):
+        if self.kill_at and update_info.get("version") == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of an update
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self):
+        self.engine.finish_weight_update()
+
+    def check(self, full_ref, version):
+        """Every parameter against vLLM's own load_weights of the trainer's full state dict."""
+        assert self.engine.version == version, f"published version {self.engine.version}, expected {version}"
+        full = ray.get(full_ref[0])
+        bad = self.cpu.differing_parameters(self.model, full.items())
+        if bad:
+            raise AssertionError(f"vLLM rank {self.rank}, version {version}: {len(bad)} parameters differ from "
+                                 f"vLLM's loader: {bad[:4]}")
+        return {"received": self.engine.last_report["bytes_received"], "held": self.engine.live.real_bytes,
+                "parameters": len(list(self.model.parameters()))}
+
+    def state(self):
+        return {"version": self.engine.version, "failed": self.engine.failed}
+
+    def trace_seconds(self):
+        """How long init_transfer_engine's trace of vLLM's loader took here."""
+        return self.engine.live.seconds
+
+    def peer_init(self, port, rank, size):
+        self.peer = peer_group(port, rank, size)
+
+    def peer_receive(self, meta):
+        torch = self.torch
+
+        def arriving():
+            for name, shape, dtype in meta:
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.peer.broadcast(t, 0).wait()
+                yield name, t
+        self.cpu.vllm_load(self.model, arriving())
+
+    def close(self):
+        self.engine.shutdown()
+
+
+def run(a) -> dict:
+    cfg = json.loads(pathlib.Path(a.model).read_text())
+    work = pathlib.Path(a.work or tempfile.mkdtemp(prefix="vllm-rl-loop-", dir="/tmp"))  # vLLM binds sockets in it
+    env = {"UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"), "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    os.environ.update(env)
+    # Ray's own files in a short path of their own (its sockets' paths must fit 107 bytes), removed after.
+    ray_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=a.verbose,
+             runtime_env={"env_vars": env}, _temp_dir=ray_dir)
+    out = {"model": str(a.model), "trainers": a.trainers, "rollout_tp": a.rollout_tp,
+           "expert_parallel": a.expert_parallel, "delta": a.delta, "master_f32": a.master_f32,
+           "optimizer": a.optimizer, "lr": a.lr}
+    try:
+        t0 = time.monotonic()
+        TrainerActor = ray.remote(num_cpus=0)(Trainer)
+        RolloutActor = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
+        tport, vport = free_port(), free_port()
+        kill = {a.kill[:2]: a.kill[2]} if a.kill else {}
+        trainers = [TrainerActor.remote(r, a.trainers, cfg, tport, a.seed, a.lr, a.optimizer,
+                                        kill.get(("trainer", r), 0), a.master_f32) for r in range(a.trainers)]
+        rollouts = [RolloutActor.remote(r, a.rollout_tp, cfg, vport, str(work), a.expert_parallel,
+                                        kill.get(("rollout", r), 0)) for r in range(a.rollout_tp)]
+        ray.get([r.ready.remote() for r in rollouts] + [t.listen_port.remote() for t in trainers])
+        out["build_seconds"] = time.monotonic() - t0
+        store_port = ray.get(trainers[0].listen_port.remote())  # trainer rank 0 hosts the backend's store
+        inits = ray.get([t.init_transfer.remote(store_port, rollouts, a.delta) for t in trainers])
+        out["init_seconds"] = max(inits)
+        out["trace_seconds"] = ray.get([r.trace_seconds.remote() for r in rollouts])
+        if a.peer:
+            peer_port = ray.get(trainers[0].listen_port.remote())
+            ray.get([t.peer_init.remote(peer_port, rollouts) for t in trainers])
+        validated, times, peer_times, sent, peer_bytes, losses = True, [], [], [], [], []
+        for step in range(1, a.steps + 1):
+            losses.append(ray.get([t.train_step.remote() for t in trainers])[0])
+            t_step = time.monotonic()
+            res = [outcome(ref) for ref in [t.send.remote() for t in trainers]]
+            errors = {f"trainer {i}": r["error"] for i, r in enumerate(res) if "error" in r}
+            if errors:
+                out["failure"] = failure(step, errors, rollouts, time.monotonic() - t_step)
+                validated = False
+                break
+            times.append(res[0]["seconds"])
+            sent.append(sum(r["bytes"] for r in res))
+            full = next(f for f in ray.get([t.full_state.remote() for t in trainers]) if f is not None)
+            checks = ray.get([r.check.remote(full, step) for r in rollouts])
+            out.setdefault("received", []).append([c["received"] for c in checks])
+            out["held"] = [c["held"] for c in checks]
+            del full
+            if a.peer:
+                pres = ray.get([t.peer_send.remote() for t in trainers])[0]
+                peer_times.append(pres["seconds"])
+                peer_bytes.append(pres["bytes"])
+        if "failure" not in out:
+            ray.get([t.close.remote() for t in trainers] + [r.close.remote() for r in rollouts])
+        out.update(validated=validated and len(times) == a.steps, steps=len(times), update_seconds=times,
+                   peer_update_seconds=peer_times, bytes=sent, peer_bytes=peer_bytes, losses=losses,
+                   seconds=statistics.median(times) if times else None,
+                   peer_seconds=statistics.median(peer_times) if peer_times else None)
+        if times and peer_times:
+            out["speedup"] = out["peer_seconds"] / out["seconds"]
+            out["bytes_ratio"] = statistics.median(peer_bytes) / statistics.median(sent)
+        return out
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+        if not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def outcome(ref) -> dict:
+    """An actor call's result, or what became of the actor."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError:
+        return {"error": "dead"}
+
+
+def failure(step, errors, rollouts, seconds):
+    """What every actor says after a failed step: the trainers' errors, each surviving engine's state and
+    its answer to a finish_weight_update of the failed version (which must not publish it)."""
+    published, finish = {}, {}
+    for i, r in enumerate(rollouts):
+        st = outcome(r.state.remote())
+        if st.get("error") == "dead":
+            errors[f"rollout {i}"] = "dead"
+            continue
+        errors[f"rollout {i}"] = st["failed"] or "no failure reported"
+        try:
+            ray.get(r.finish_weight_update.remote())
+            finish[f"rollout {i}"] = "published"
+        except ray.exceptions.RayTaskError as e:
+            finish[f"rollout {i}"] = str(e.cause if e.cause is not None else e)
+        published[f"rollout {i}"] = outcome(r.state.remote()).get("version")
+    return {"step": step, "seconds": seconds, "errors": errors, "finish": finish, "published": published}
+
+
+def kill_spec(text: str):
+    try:
+        role, rest = text.split(":")
+        rank, step = (int(x) for x in rest.split("@"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': expected ROLE:RANK@STEP, e.g. rollout:1@2") from None
+    if role not in ("trainer", "rollout") or rank < 0 or step < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': ROLE is trainer or rollout, RANK >= 0, STEP >= 1")
+    return role, rank, step
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(pathlib.Path(__file__).resolve().parents[1] / "models" / "tiny-llama.json"),
+                    help="a HuggingFace config.json (Llama, Qwen3, Qwen3-MoE ...)")
+    ap.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks")
+    ap.add_argument("--rollout-tp", type=int, default=2, help="vLLM tensor-parallel ranks (one rollout actor each)")
+    ap.add_argument("--expert-parallel", action="store_true", help="vLLM's enable_expert_parallel (MoE)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--delta", action="store_true", help="delta refits through the backend")
+    ap.add_argument("--master-f32", action="store_true",
+                    help="f32 trainer parameters computed in bf16 (FSDP2 MixedPrecisionPolicy): cast in flight")
+    ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip the broadcast + load_weights peer")
+    ap.add_argument("--kill", type=kill_spec, metavar="ROLE:RANK@STEP",
+                    help="kill an actor in a step's update, e.g. rollout:1@2 or trainer:1@2")
+    ap.add_argument("--work", help="a folder for vLLM's and Ray's files (default: a temporary one, removed)")
+    ap.add_argument("--verbose", action="store_true", help="the actors' logs on stderr")
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
+    a = ap.parse_args(argv)
+    if a.kill and a.kill[1] >= (a.trainers if a.kill[0] == "trainer" else a.rollout_tp):
+        ap.error(f"--kill {a.kill[0]}:{a.kill[1]}: there are {a.trainers} trainer and {a.rollout_tp} rollout actors")
+    try:
+        out = run(a)
+    except Exception:
+        out = {"validated": False, "error": traceback.format_exc()}
+    if a.json:
+        print(json.dumps(out), flush=True)
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+    return 0 if out.get("validated") or (a.kill and "failure" in out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Live engines on a CPU, one process per rank, as ../shared/ENGINES.md measured them: what the engine
+tests, ``examples/python/vllm_rl_loop.py`` and a user unit-testing a refit on a laptop build.
+
+* vLLM 0.33 (its own venv): :func:`vllm_env`, then :func:`vllm_model` builds the real model class of a
+  ``config.json`` with vLLM's own loader (no weights) for one rank of a tp (and ep) engine, and
+  :func:`vllm_load` is vLLM's own ``load_weights``: the reference every refit is compared with. The
+  caller sets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK for vLLM's own gloo group.
+* FSDP2 (any torch): :func:`fsdp_model` is a HuggingFace model of a config, one gloo process per rank,
+  ``fully_shard`` per decoder layer and at the root (as veRL, SkyRL and TRL shard).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+#: The HF model_type of each architecture the example configs use (they do not all spell it).
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "DeepseekV3ForCausalLM": "deepseek_v3"}
+
+
+def model_type(cfg: Mapping) -> str:
+    """The HuggingFace ``model_type`` of a config.json dict (given, or from its architecture)."""
+    if cfg.get("model_type"):
+        return cfg["model_type"]
+    arch = (cfg.get("architectures") or ["<none>"])[0]
+    if arch not in MODEL_TYPES:
+        raise ValueError(f"config.json: no model_type and architecture '{arch}' is not one of {sorted(MODEL_TYPES)}")
+    return MODEL_TYPES[arch]
+
+
+def hf_model(cfg: Mapping, *, seed: int = 0, dtype=torch.bfloat16):
+    """A HuggingFace causal LM of ``cfg`` (a config.json dict), initialised from ``seed`` (the same on every
+    rank that passes the same seed)."""
+    import transformers
+
+    hf = transformers.AutoConfig.for_model(model_type(cfg),
+                                           **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(hf, dtype=dtype)
+
+
+def fsdp_model(cfg: Mapping, weights: Optional[Mapping[str, torch.Tensor]] = None, *, seed: int = 0,
+               master_f32: bool = False):
+    """This rank's FSDP2 model: ``weights`` (HF name -> full tensor) when given, else initialised from
+    ``seed`` alike on every rank; gloo initialised here when it is not yet. bf16 parameters, or with
+    ``master_f32`` f32 sharded parameters computed in bf16 (``MixedPrecisionPolicy``, as veRL runs FSDP2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("fsdp",))
+    model = hf_model(cfg, seed=seed, dtype=torch.float32 if master_f32 else torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if master_f32 else None
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or any("rotary" not in m for m in missing):
+            raise ValueError(f"fsdp_model: the weights do not fit the model: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+    kw = {"mp_policy": policy} if policy is not None else {}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def vllm_env(work: pathlib.Path) -> Dict[str, str]:
+    """The environment a vLLM CPU process needs (set before vLLM is imported): everything it writes
+    stays under ``work``."""
+    work = pathlib.Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    return {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "XDG_CACHE_HOME": str(work / "cache"),
+            "HF_HOME": str(work / "hf"), "TMPDIR": str(work), "VLLM_RPC_BASE_PATH": str(work),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "GLOO_SOCKET_IFNAME": "lo",
+            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def vllm_model_dir(cfg: Mapping, work: pathlib.Path) -> pathlib.Path:
+    """A folder vLLM reads as a model: its config.json only (load_format="dummy", no tokenizer)."""
+    d = pathlib.Path(work) / "model"
+    d.mkdir(parents=True, exist_ok=True)
+    c = dict(cfg)
+    c["model_type"] = model_type(c)
+    c.setdefault("max_position_embeddings", 512)
+    if c["architectures"][0] == "DeepseekV3ForCausalLM":
+        c.setdefault("topk_method", "noaux_tc")  # HF's default: the router has e_score_correction_bias
+    (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+def vllm_model(model_path: pathlib.Path, tp: int, *, expert_parallel: bool = False):
+    """This process's rank of a vLLM engine: the bare module (no weights loaded) and its VllmConfig."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    args = EngineArgs(model=str(model_path), skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+                      tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+                      distributed_executor_backend="external_launcher", enforce_eager=True, max_model_len=256)
+    cfg = args.create_engine_config()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ctx = set_current_vllm_config(cfg)
+    ctx.__enter__()  # kept for the life of the process: loaders read the current config
+    init_distributed_environment(world, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)), backend="gloo")
+    initialize_model_parallel(tensor_model_parallel_size=tp)
+    with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+        model = get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
+    return model, cfg
+
+
+def vllm_load(model, tensors: Iterable[Tuple[str, torch.Tensor]]):
+    """vLLM's own loader: the reference every refit is compared with."""
+    with torch.no_grad():
+        return model.load_weights(iter(tensors))
+
+
+def differing_parameters(model, reference: Iterable[Tuple[str, torch.Tensor]]) -> "list[str]":
+    """Each parameter of a live vLLM ``model`` that differs, bit for bit, from what vLLM's own loader
+    makes of ``reference`` (a full state dict), with how many elements differ. The model is left holding
+    the loader's result."""
+    params = dict(model.named_parameters())
+    got = {n: p.detach().clone() for n, p in params.items()}
+    vllm_load(model, reference)
+
+    def bits(t):
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+    return [f"{n}: {int((got[n] != p.detach()).sum())} of {p.numel()} elements differ"
+            for n, p in params.items() if not torch.equal(bits(got[n]), bits(p.detach()))]
