@@ -176,48 +176,48 @@ struct CastRun {
   std::int64_t wrong = 0, checked = 0;
   std::string first;
   std::int64_t wire_bytes = 0;
+  std::vector<std::string> errors;  ///< per rank whose setup or refit threw
 };
 
-/// Refits src -> dst `refits` times on the local transport with cast on,
-/// source values from source_value(), and checks every destination element.
-CastRun cast_refits(const Layout& src, const Layout& dst, int refits) {
+/// Refits src -> dst `refits` times on the local transport with cast on (and
+/// `opt`'s other options), source values from source_value(), and checks
+/// every destination element.
+CastRun cast_refits(const Layout& src, const Layout& dst, int refits, ResharderOptions opt = {}) {
   CastRun out;
-  const auto ranks = world_of(src, dst);
-  const std::size_t n = ranks.size();
-  std::vector<SideMemory> smem(n), dmem(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    smem[i] = make_side(src, ranks[i], true, 0);
-    dmem[i] = make_side(dst, ranks[i], false, 0);
-  }
-  ResharderOptions opt;
+  DenseWorld mem(src, dst);
   opt.plan.cast = true;
   std::mutex m;
-  LocalWorld world(ranks);
+  LocalWorld world(mem.ranks);
   world.run([&](LocalTransport& t) {
-    const std::size_t i = index_of(ranks, t.rank());
+    const std::size_t i = index_of(mem.ranks, t.rank());
     LocalBuffers bufs;
-    bufs.src = views(src, smem[i]);
-    bufs.dst = views(dst, dmem[i]);
-    Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
-    for (int k = 0; k < refits; ++k) {
-      const auto salt = static_cast<std::uint64_t>(k);
-      for_each_held_slot(smem[i], [&](std::size_t, std::size_t, const oracle::Slot& s, std::byte* p, std::size_t) {
-        if (!s.padding()) store(p, src.tensors[static_cast<std::size_t>(s.tensor)].dtype,
-                                source_value(src.tensors[static_cast<std::size_t>(s.tensor)].name, s.index, salt));
-      });
-      const RefitReport rep = r.refit();
+    bufs.src = views(src, mem.src_mem[i]);
+    bufs.dst = views(dst, mem.dst_mem[i]);
+    try {
+      Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
+      for (int k = 0; k < refits; ++k) {
+        const auto salt = static_cast<std::uint64_t>(k);
+        for_each_held_slot(mem.src_mem[i], [&](std::size_t, std::size_t, const oracle::Slot& s, std::byte* p, std::size_t) {
+          if (!s.padding()) store(p, src.tensors[static_cast<std::size_t>(s.tensor)].dtype,
+                                  source_value(src.tensors[static_cast<std::size_t>(s.tensor)].name, s.index, salt));
+        });
+        const RefitReport rep = r.refit();
+        std::lock_guard lk(m);
+        out.wire_bytes += rep.bytes_sent;
+        for_each_held_slot(mem.dst_mem[i], [&](std::size_t, std::size_t, const oracle::Slot& s, const std::byte* p, std::size_t E) {
+          if (s.padding()) return;
+          const auto& dt = dst.tensors[static_cast<std::size_t>(s.tensor)];
+          const auto& st = src.tensors[static_cast<std::size_t>(src.find_tensor(dt.name))];
+          const auto want = expected(st.dtype, dt.dtype, source_value(dt.name, s.index, salt));
+          ++out.checked;
+          if (std::memcmp(p, want.data(), E) != 0 && out.wrong++ == 0)
+            out.first = fmt::format("refit {}: rank {} {}[{}] ({} -> {})", k, t.rank(), dt.name, s.index, to_string(st.dtype),
+                                    to_string(dt.dtype));
+        });
+      }
+    } catch (const Error& e) {
       std::lock_guard lk(m);
-      out.wire_bytes += rep.bytes_sent;
-      for_each_held_slot(dmem[i], [&](std::size_t, std::size_t, const oracle::Slot& s, const std::byte* p, std::size_t E) {
-        if (s.padding()) return;
-        const auto& dt = dst.tensors[static_cast<std::size_t>(s.tensor)];
-        const auto& st = src.tensors[static_cast<std::size_t>(src.find_tensor(dt.name))];
-        const auto want = expected(st.dtype, dt.dtype, source_value(dt.name, s.index, salt));
-        ++out.checked;
-        if (std::memcmp(p, want.data(), E) != 0 && out.wrong++ == 0)
-          out.first = fmt::format("refit {}: rank {} {}[{}] ({} -> {})", k, t.rank(), dt.name, s.index, to_string(st.dtype),
-                                  to_string(dt.dtype));
-      });
+      out.errors.push_back(e.what());
     }
   });
   return out;
@@ -238,6 +238,7 @@ TEST_CASE("a refit casts f32 -> bf16, f32 -> f16, bf16 -> f32 and f16 -> bf16 in
                                tensor("same", {16, 8}, {DimSpec{}, cut(4)}, DType::f32)});
   const CastRun r = cast_refits(src, dst, 3);
   INFO(r.first);
+  REQUIRE(r.errors.empty());
   CHECK(r.wrong == 0);
   CHECK(r.checked == 3 * (64 * 96 * 2 + 32 * 40 + 48 + 16 * 8));
   // The destination's dtype crosses the wire: every element once (no rank
@@ -250,6 +251,7 @@ TEST_CASE("a cast refit where ranks are on both sides (colocated) converts the l
   const Layout dst = one_axis("tp", 2, 0, {tensor("w", {8, 130}, {cut(2), DimSpec{}}, DType::bf16)});
   const CastRun r = cast_refits(src, dst, 2);
   INFO(r.first);
+  REQUIRE(r.errors.empty());
   CHECK(r.wrong == 0);
   CHECK(r.checked == 2 * 8 * 130);
 }
@@ -282,30 +284,16 @@ TEST_CASE("without cast a float dtype mismatch names the tensor and says how to 
 TEST_CASE("a cast refit with delta or double buffering is refused on every rank, naming why") {
   const Layout src = one_axis("tp", 2, 0, {tensor("w", {8, 8}, {cut(2), DimSpec{}}, DType::f32)});
   const Layout dst = one_axis("tp", 2, 2, {tensor("w", {8, 8}, {cut(2), DimSpec{}}, DType::bf16)});
-  ResharderOptions opt;
-  opt.plan.cast = true;
-  opt.delta.enabled = true;
-  const auto ranks = world_of(src, dst);
-  std::vector<SideMemory> smem, dmem;
-  for (auto r : ranks) {
-    smem.push_back(make_side(src, r, true, 0));
-    dmem.push_back(make_side(dst, r, false, 0));
+  for (const char* which : {"delta", "double_buffered"}) {
+    CAPTURE(which);
+    ResharderOptions opt;
+    opt.delta.enabled = std::string(which) == "delta";
+    opt.double_buffered = !opt.delta.enabled;
+    const CastRun r = cast_refits(src, dst, 1, opt);
+    REQUIRE(r.errors.size() == 4);
+    CHECK(std::any_of(r.errors.begin(), r.errors.end(), [&](const std::string& e) {
+      return e.find(std::string("ResharderOptions::") + which) != std::string::npos;
+    }));
+    CHECK(r.checked == 0);
   }
-  std::mutex m;
-  std::vector<std::string> errors;
-  LocalWorld world(ranks);
-  world.run([&](LocalTransport& t) {
-    const std::size_t i = index_of(ranks, t.rank());
-    LocalBuffers bufs;
-    bufs.src = views(src, smem[i]);
-    bufs.dst = views(dst, dmem[i]);
-    try {
-      Resharder<Layout, LocalTransport> r(src, dst, bufs, t, opt);
-    } catch (const Error& e) {
-      std::lock_guard lk(m);
-      errors.push_back(e.what());
-    }
-  });
-  REQUIRE(errors.size() == ranks.size());
-  CHECK(std::any_of(errors.begin(), errors.end(), [](const std::string& e) { return e.find("ResharderOptions::delta") != std::string::npos; }));
 }

@@ -286,3 +286,17 @@ def check(got: Dict[str, torch.Tensor], expected: Expected, poison, where: str) 
             assert (g[pad] == poison).all(), f"{where}: {name}: a padding slot was written"
         n += int(m.sum())
     return n
+
+
+def refit_buffers(src: reshard.Layout, dst: reshard.Layout, full: Dict[str, torch.Tensor], poison, split: bool = True):
+    """Every rank's buffers for a refit_local of ``full``: sources from the contract oracle, destinations
+    filled with ``poison``; per rank ``{"src": ..., "dst": ...}``, or one dict where ``split`` is False."""
+    bufs = {}
+    for r in src.ranks:
+        bufs.setdefault(r, {"src": {}, "dst": {}})["src"] = {
+            n: v.clone() for n, (v, _) in contract_buffers(src, full, r).items()}
+    for r in dst.ranks:
+        bufs.setdefault(r, {"src": {}, "dst": {}})["dst"] = reshard.allocate(dst, r, fill=poison)
+    if split:
+        return bufs
+    return {r: {**b["src"], **b["dst"]} for r, b in bufs.items()}

@@ -42,12 +42,7 @@ def test_cast_in_flight_equals_torch_conversion(models, src_dtype, dst_dtype):
     dst = with_dtype(reshard.vllm_layout(cfg, "tp=4", first_rank=2), dst_dtype)
     full = probe_tensors(src, 3, src_dtype)
     expected_full = {n: t.to(reshard.torch_dtype(dst_dtype)) for n, t in full.items()}  # torch is the oracle
-    bufs = {}
-    for r in src.ranks:
-        bufs.setdefault(r, {"src": {}, "dst": {}})["src"] = {
-            n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, r).items()}
-    for r in dst.ranks:
-        bufs.setdefault(r, {"src": {}, "dst": {}})["dst"] = reshard.allocate(dst, r, fill=POISON)
+    bufs = oracle.refit_buffers(src, dst, full, POISON)
     with pytest.raises(reshard.LayoutError, match="cast=True"):
         reshard.refit_local(src, dst, bufs)
     rep = reshard.refit_local(src, dst, bufs, cast=True)

@@ -19,15 +19,7 @@ def pair(examples, name):
 
 def buffers_for(src, dst, full, split=True):
     """Sources from the contract oracle, destinations poisoned; the two sides apart or together."""
-    bufs = {}
-    for r in src.ranks:
-        bufs.setdefault(r, {"src": {}, "dst": {}})["src"] = {
-            n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full, r).items()}
-    for r in dst.ranks:
-        bufs.setdefault(r, {"src": {}, "dst": {}})["dst"] = reshard.allocate(dst, r, fill=POISON)
-    if split:
-        return bufs
-    return {r: {**b["src"], **b["dst"]} for r, b in bufs.items()}
+    return oracle.refit_buffers(src, dst, full, POISON, split)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
