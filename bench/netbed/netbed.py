@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -235,10 +234,8 @@ def start_guardian(prefix: str, names: list[str]) -> tuple[subprocess.Popen, int
 def guard_main(a) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    while True:
-        rl, _, _ = select.select([a.fd], [], [])
-        if not os.read(a.fd, 64):
-            break
+    while os.read(a.fd, 64):  # blocks until netbed's end closes (its exit, however it died)
+        pass
     left = sweep(a.prefix, a.names.split(","))
     if left:
         print(f"netbed guardian: could not delete {' '.join(left)}", file=sys.stderr)

@@ -16,8 +16,8 @@ Predictions: `reshard-plan ... --topology T --simulate --stats` with T the netbe
 (bench/netbed/topology.py): every host its own node (or nodes of 2 for hier), `nic_gbps` the link rate times
 1448/1514 (TCP payload of a 1514-byte frame at MTU 1500, which htb counts whole), on the `loopback` preset's
 host model (2 shared cores: its fabric cap, per-message and staging-copy costs). Delta predictions use the
-measured changed fraction and --delta-device-gbps 4 (the host's diff rate with two senders at once,
-docs/delta.md).
+measured changed fraction and --delta-device-gbps 8 (memory bytes per second: docs/delta.md measured the
+host's diff at 3.6-4.6 GB/s of weights per sender with two senders at once, and it reads weights and shadow).
 
     python3 bench/netbed/refits.py --rates 1gbit,5gbit [--cases dense,delta,fp8,gloo,hier] [--out runs.jsonl]
     python3 bench/netbed/refits.py --smoke      (CI: tiny models, 4 hosts, seconds)
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +65,7 @@ class Runner:
             if not os.access(b, os.X_OK):
                 sys.exit(f"refits.py: {b} is not built (cmake --build {a.build} --target reshard-refit reshard-plan)")
         self.records = []
+        self.load_before = os.getloadavg()[0]
         self.topo_dir = a.work
         os.makedirs(self.topo_dir, exist_ok=True)
 
@@ -76,6 +76,7 @@ class Runner:
             nb += ["--ranks-per-node", str(rpn), "--intra-rate", intra]
         nb += (["--mpirun"] + UCX_ENV if mode == "mpirun" else ["--each"]) + ["--"] + cmd
         t0 = time.time()
+        self.load_before = os.getloadavg()[0]  # 1-minute load average: other work on the same 2 cores
         rc, out, err = sh(nb, timeout + 60)
         if rc != 0:
             raise RuntimeError(f"exit {rc}: {shlex.join(nb)}\n{err[-3000:]}")
@@ -97,12 +98,14 @@ class Runner:
 
     def record(self, case, rate, measured, predicted, cmd, sim_cmd, **extra):
         r = {"case": case, "rate": rate, "measured_s": measured, "predicted_s": predicted,
+             "load_before": self.load_before, "load_after": os.getloadavg()[0],
              "measured_over_predicted": measured / predicted if predicted else None,
              "command": shlex.join(cmd), "sim_command": shlex.join(sim_cmd) if sim_cmd else None, **extra}
         self.records.append(r)
         pred = f"{predicted:8.3f}" if predicted else "       -"
         ratio = f"{measured / predicted:6.2f}" if predicted else "     -"
-        print(f"{case:<22} {rate:>8} {measured:9.3f} {pred} {ratio}  {extra.get('note', '')}", flush=True)
+        print(f"{case:<22} {rate:>8} {measured:9.3f} {pred} {ratio}  {extra.get('note', '')} "
+              f"(load {r['load_before']:.1f}-{r['load_after']:.1f})", flush=True)
         if self.a.out:
             with open(self.a.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
@@ -131,7 +134,8 @@ class Runner:
         assert j["validated"], "delta refit not validated"
         d, dn = j["delta"], j["dense"]
         sc, sim = self.predict(self.model_args(), self.topology(rate),
-                               ["--delta-density", f"{d['changed_fraction']:.4f}", "--delta-device-gbps", "4"])
+                               ["--delta-density", f"{d['changed_fraction']:.4f}", "--delta-device-gbps",
+                                f"{self.a.delta_device_gbps:g}"])
         ratio = d["seconds"] / dn["seconds"]
         self.record("delta", rate, d["seconds"], sim["delta"]["seconds"], nb, sc, changed_fraction=d["changed_fraction"],
                     bytes=d["bytes_moved"], dense_seconds=dn["seconds"], dense_bytes=dn["bytes_moved"],
@@ -231,6 +235,10 @@ def main():
     ap.add_argument("--hier-train", default="tp=2")
     ap.add_argument("--hier-infer", default="tp=1,dp=4")
     ap.add_argument("--intra-factor", type=int, default=10)
+    ap.add_argument("--delta-device-gbps", type=float, default=8,
+                    help="the simulator's memory bandwidth for the host diff and scatter (bytes read + written per "
+                         "second): docs/delta.md measured 3.6-4.6 GB/s of weights per sender with two diffing at "
+                         "once, each reading weights and shadow: about 8 GB/s")
     ap.add_argument("--python", default=os.path.expanduser("~/.cache/reshard-venv/bin/python"),
                     help="a Python with torch and the reshard package (the gloo case)")
     ap.add_argument("--python-model", nargs="*", default=[], help="python_refit.py model flags, e.g. --layers 2")
