@@ -5,7 +5,7 @@
 # models): dense, delta, FP8, the staged plan against the direct one on nodes
 # of 2, and the gloo broadcast peer when the package venv exists
 # (scripts/python_tests.sh), each validated and printed beside the
-# simulator's prediction. About a minute. Needs root (network namespaces);
+# simulator's prediction. About 20-40 s. Needs root (network namespaces);
 # BUILD names the build folder (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
