@@ -200,10 +200,10 @@ def timed(fn, iterations):
     return out
 
 
-def worker(rank, world, port, cfg_path, a, q):
+def worker(rank, world, port, cfg_path, a, q, master="127.0.0.1"):
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
+        store = dist.TCPStore(master, port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
         cfg = json.load(open(cfg_path))
         src = reshard.megatron_layout(cfg_path, f"tp={a.train_tp}")
@@ -272,11 +272,21 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--fast", action="store_true", help="UCX fast data endpoint (CMA zero-copy; a dying peer aborts)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rank", type=int, help="run only this rank, in this process (one process per host, e.g. under "
+                    "bench/netbed/netbed.py --each); rank 0 prints the results; needs --master")
+    ap.add_argument("--master", help="with --rank: host:port of rank 0's TCPStore")
+    ap.add_argument("--config-out", help="write the model's HuggingFace config to this file and exit")
     a = ap.parse_args()
+    cfg = model_config(a)
+    if a.config_out:
+        with open(a.config_out, "w") as f:
+            json.dump(cfg, f)
+        return
+    world = a.train_tp + a.infer_tp
+    if a.rank is not None:
+        return rank_main(a, cfg, world)
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    cfg = model_config(a)
-    world = a.train_tp + a.infer_tp
     with tempfile.TemporaryDirectory() as d:
         cfg_path = os.path.join(d, "config.json")
         json.dump(cfg, open(cfg_path, "w"))
@@ -296,6 +306,36 @@ def main():
             res[x[0]] = x
         for p in procs:
             p.join()
+    report(a, res, model_bytes, world, "on loopback")
+
+
+def rank_main(a, cfg, world):
+    """One rank per process, started by something else (each in its own network host): rank 0 reports."""
+    if not 0 <= a.rank < world:
+        sys.exit(f"python_refit.py: --rank {a.rank} is not in 0..{world - 1} (train tp + infer tp)")
+    if not a.master or ":" not in a.master:
+        sys.exit(f"python_refit.py: --rank needs --master HOST:PORT (got {a.master!r})")
+    host, port = a.master.rsplit(":", 1)
+    # On a netbed host the network is NETBED_DEV (eth0); UCX over TCP only, gloo on the same interface.
+    dev = os.environ.get("NETBED_DEV", "lo")
+    os.environ.setdefault("UCX_TLS", "tcp,self")
+    os.environ.setdefault("UCX_NET_DEVICES", dev)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", dev)
+    with tempfile.TemporaryDirectory() as d:
+        cfg_path = os.path.join(d, "config.json")
+        json.dump(cfg, open(cfg_path, "w"))
+        src = reshard.megatron_layout(cfg_path, f"tp={a.train_tp}")
+        model_bytes = sum(2 * torch.Size(src.tensor(n)["shape"]).numel() for n in src.tensors)
+        out = []
+        worker(a.rank, world, int(port), cfg_path, a, type("Q", (), {"put": staticmethod(out.append)}), master=host)
+    if out[0][1] != "ok":
+        print(f"rank {a.rank} failed:\n{out[0][2]}", file=sys.stderr)
+        sys.exit(1)
+    if a.rank == 0:
+        report(a, {0: out[0]}, model_bytes, world, f"one per host ({dev})")
+
+
+def report(a, res, model_bytes, world, where):
     bad = [x for x in res.values() if x[1] != "ok"]
     if bad:
         for x in bad:
@@ -312,7 +352,7 @@ def main():
         print(json.dumps(out))
         return
     print(f"model: Llama-like, {a.layers} layers, hidden {a.hidden}, {human(model_bytes)} of bf16; "
-          f"Megatron tp={a.train_tp} -> vLLM tp={a.infer_tp}, {world} processes on loopback")
+          f"Megatron tp={a.train_tp} -> vLLM tp={a.infer_tp}, {world} processes {where}")
     print(f"{'method':<44} {'median s':>9} {'GB/s':>6}   iterations (s)")
     for name, m, it in ((f"reshard (UCX{', fast data endpoint' if a.fast else ''})", rm, rs),
                         (f"torch.distributed gloo, {a.bucket_mb} MiB buckets", bm, bs)):

@@ -44,4 +44,13 @@ if(TARGET reshard-refit)
            COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/examples/models/tiny-llama.json
                    --train tp=2 --infer tp=4 --delta --versions 4 --json)
   set_tests_properties(ucx.mpi.cli.delta PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}")
+  # The staged (hierarchical) plan over UCX: every rollout rank needs the
+  # whole model, so the plan crosses the network once per NVLink domain and
+  # fans out inside it (stages > 1), every element validated.
+  add_test(NAME ucx.mpi.cli.hierarchical
+           COMMAND ${_mpirun} ${MPIEXEC_NUMPROC_FLAG} 6 $<TARGET_FILE:reshard-refit> --transport ucx --model ${PROJECT_SOURCE_DIR}/examples/models/tiny-llama.json
+                   --train tp=2 --infer tp=1,dp=4 --hierarchical --topology ${PROJECT_SOURCE_DIR}/tests/topology/four-gpu-domains.json
+                   --iterations 2 --no-baseline --json)
+  set_tests_properties(ucx.mpi.cli.hierarchical PROPERTIES TIMEOUT 240 LABELS "ucx;mpi" ENVIRONMENT "${_mpi_env}"
+                       PASS_REGULAR_EXPRESSION "\"hierarchical\":true.*\"stages\":[2-9].*\"validated\":true")
 endif()

@@ -189,7 +189,8 @@ int mpi_rank_main(int& argc, char**& argv, Body&& body) {
 /// `--transport ucx` under mpirun: world = both sides' ranks. Rank 0 prints
 /// the report; every rank exits 1 unless the refit validated.
 int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const std::string& model, int iterations,
-            bool baseline, std::int64_t budget, const std::string& protocol, bool json, const delta_harness::Options* delta) {
+            bool baseline, std::int64_t budget, const std::string& protocol, bool json, const delta_harness::Options* delta,
+            std::shared_ptr<const StagedSchedule> staged, const std::string& topo_name) {
   return mpi_rank_main(argc, argv, [&] {
     UcxOptions uo;
     uo.protocol = parse_ucx_protocol(protocol);
@@ -223,11 +224,17 @@ int run_ucx(int& argc, char**& argv, const Layout& src, const Layout& dst, const
     ro.iterations = iterations;
     ro.baseline = baseline;
     ro.executor.staging_budget = budget;
+    ro.staged = staged;  // --hierarchical: every rank planned the same staged schedule
     const UcxRefitResult r = ucx_refit(src, dst, t, ro);
     const bool ok = r.reshard.validated && (!baseline || r.baseline.validated);
     if (t.rank() == 0) {
       auto j = to_json(r);
       j["model"] = model;
+      if (staged) {
+        j["hierarchical"] = true;
+        j["topology"] = topo_name;
+        j["stages"] = staged->stages;
+      }
       std::cout << (json ? j.dump() : j.dump(2)) << std::endl;
       if (!ok)
         fmt::print(stderr, "reshard-refit: validation failed: {}\n",
@@ -403,7 +410,7 @@ int main(int argc, char** argv) {
                                              fmt::format("{}", fmt::join(topology_preset_names(), ", ")) + ") or JSON file");
   app.add_option("--placement", placement, "with --hierarchical: launch or separate (default: the topology's)")
       ->check(CLI::IsMember({"launch", "separate"}));
-  app.add_flag("--hierarchical", hierarchical, "run the hierarchical (staged) plan on the topology (local transport)");
+  app.add_flag("--hierarchical", hierarchical, "run the hierarchical (staged) plan on the topology (local or ucx transport)");
   app.add_option("--pipeline", pipeline, "with --hierarchical: network chunks per rank")->check(CLI::Range(1, 64));
   bool delta = false;
   int versions = 5;
@@ -460,8 +467,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "reshard-refit: --delta does not run hierarchical (staged) plans\n");
     return 2;
   }
-  if (hierarchical && transport != "local") {
-    fmt::print(stderr, "reshard-refit: --hierarchical runs on the local transport only (not yet on {})\n", transport);
+  if (hierarchical && transport == "nccl") {
+    fmt::print(stderr, "reshard-refit: --hierarchical runs on the local and ucx transports (not yet on nccl)\n");
     return 2;
   }
 
@@ -492,9 +499,24 @@ int main(int argc, char** argv) {
 #ifdef RESHARD_HAVE_NCCL
     if (transport == "nccl") return run_nccl(argc, argv, src, dst, model, iterations, !no_baseline, budget, json);
 #endif
+    // --hierarchical: the staged plan on the topology (every process of a
+    // ucx job computes the same one from the same layouts and topology).
+    std::shared_ptr<const StagedSchedule> staged;
+    std::string topo_name;
+    if (hierarchical) {
+      Topology topo = load_topology(topology);
+      if (placement == "launch") topo.placement = PlacementKind::launch;
+      if (placement == "separate") topo.placement = PlacementKind::separate;
+      topo_name = topo.name;
+      const RankPlacement place(topo, src, dst);
+      HierarchicalOptions ho;
+      ho.pipeline = pipeline;
+      staged = std::make_shared<const StagedSchedule>(plan_hierarchical(src, dst, place, ho));
+    }
 #ifdef RESHARD_HAVE_UCX
     if (transport == "ucx")
-      return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json, delta ? &dho : nullptr);
+      return run_ucx(argc, argv, src, dst, model, iterations, !no_baseline, budget, protocol, json, delta ? &dho : nullptr, staged,
+                     topo_name);
 #endif
     if (delta) {
       dho.executor.staging_budget = budget;
@@ -527,17 +549,7 @@ int main(int argc, char** argv) {
     opt.iterations = iterations;
     opt.baseline = !no_baseline;
     opt.executor.staging_budget = budget;
-    std::string topo_name;
-    if (hierarchical) {
-      Topology topo = load_topology(topology);
-      if (placement == "launch") topo.placement = PlacementKind::launch;
-      if (placement == "separate") topo.placement = PlacementKind::separate;
-      topo_name = topo.name;
-      const RankPlacement place(topo, src, dst);
-      HierarchicalOptions ho;
-      ho.pipeline = pipeline;
-      opt.staged = std::make_shared<const StagedSchedule>(plan_hierarchical(src, dst, place, ho));
-    }
+    opt.staged = staged;
     std::optional<Heartbeat> heartbeat;  // between the progress lines, at least every 5 s
     if (!json) {
       // Progress on stdout (the --json report stays one object): planning,
