@@ -201,6 +201,30 @@ TEST_CASE("batch cap: refits with many times the cap of messages per rank finish
     }
 }
 
+TEST_CASE("batch cap: packed messages over reused staging keep to the cap too") {
+  // Rows cut on the source, columns on the destination: every piece is
+  // packed by its sender, and a small budget cuts each pair's stream into
+  // waves that reuse two staging slots (pipeline 2).
+  std::vector<TensorSpec> s, d;
+  for (int k = 0; k < 60; ++k) {
+    s.push_back(tensor(fmt::format("w{}", k), {8, 64}, {cut(4), {}}));
+    d.push_back(tensor(fmt::format("w{}", k), {8, 64}, {{}, cut(4)}));
+  }
+  const Layout src = one_axis("tp", 4, 0, std::move(s)), dst = one_axis("tp", 4, 0, std::move(d));
+  for (bool checksum : {false, true})
+    for (std::int64_t cap : {16, 4}) {
+      CAPTURE(checksum);
+      CAPTURE(cap);
+      ExecutorOptions opt = options(cap, checksum);
+      opt.staging_budget = 16 << 10;
+      opt.pipeline = 2;
+      const Result r = refit(src, dst, static_cast<std::size_t>(cap), opt);
+      CHECK(r.errors == "");
+      CHECK(r.wrong == 0);
+      CHECK(r.most_plans == 1);
+    }
+}
+
 TEST_CASE("batch cap: the transport's own bound is the default (max_batch_ops = -1)") {
   struct Capped : ForwardingTransport<queue_transport::QueueTransport*> {
     using ForwardingTransport::ForwardingTransport;

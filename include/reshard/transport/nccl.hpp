@@ -502,7 +502,7 @@ class NcclTransport {
     auto launch = std::make_shared<Launch>();
     cudaError_t ce = cudaEventCreateWithFlags(&launch->event, cudaEventDisableTiming);
     if (ce != cudaSuccess) fail_comm(fmt::format("cudaEventCreate failed: {}", nccl_detail::cuda_text(ce)));
-    std::vector<const TransferOp*> ops;  // NCCL skips nothing of 0 bytes alike on both ends: leave them out
+    std::vector<const TransferOp*> ops;  // not those of 0 bytes (both ends leave them out alike: sizes agree)
     for (const auto& g : pending_)
       for (const auto& op : g->ops)
         if (op.bytes != 0) ops.push_back(&op);
@@ -760,6 +760,7 @@ class NcclTransport {
         // it; every rank got here, the status exchange says): on a failure
         // this transport aborts its own, and the caller's stays usable.
         ncclResult_t rc = ncclCommSplit(given, 0, my_index_, &comm_, &config);
+        own_comm_ = comm_ != nullptr;  // ours from here on, even if it failed: aborted below
         if (rc == ncclInProgress && comm_) rc = settle(deadline, "splitting a communicator from the given one");
         if (rc != ncclSuccess || !comm_)
           throw TransportError(fmt::format("nccl transport: rank {}: ncclCommSplit of the given communicator failed: {}", me_,
@@ -767,6 +768,7 @@ class NcclTransport {
       } else {
         std::memcpy(&id, all[0].data() + 5, sizeof(id));
         ncclResult_t rc = ncclCommInitRankConfig(&comm_, static_cast<int>(boot_.ranks.size()), id, my_index_, &config);
+        own_comm_ = comm_ != nullptr;
         if (rc == ncclInProgress) rc = settle(deadline, "creating the communicator");
         if (rc != ncclSuccess) throw TransportError(fmt::format("nccl transport: rank {}: ncclCommInitRankConfig failed: {}", me_, nccl_text(rc)));
       }
