@@ -19,6 +19,16 @@
 // matching, and the next one starts when it completed (all its ops matched),
 // and its requests complete together with it.
 //
+// With `plan_cap` > 0 as well, it splits a batch the way NCCL splits a group
+// larger than its limits: into plans of at most plan_cap ops each, cut from
+// this rank's own op list in posting order (knowing nothing of the peers'
+// lists); the plans run one after another on the rank's stream. So when the
+// two ends of a pair put a message into different plans (rank A's plan 0
+// holds only receives from B, B's plan 0 only receives from A) nothing
+// matches and both ranks wait until their deadline, which names the ops (and
+// so the pair) still pending: the hang a real NCCL group would have, made a
+// bounded error.
+//
 // Flaw plants one contract violation on purpose, so the tests can show each
 // conformance case turns red on a transport that breaks its rule.
 #include <algorithm>
@@ -66,18 +76,20 @@ enum class Flaw {
 
 class QueueWorld {
  public:
-  explicit QueueWorld(std::vector<std::int64_t> ranks, Flaw flaw = Flaw::none, bool batches = false)
-      : ranks_(std::move(ranks)), flaw_(flaw), batches_(batches), regions_(ranks_.size()), streams_(ranks_.size()) {}
+  explicit QueueWorld(std::vector<std::int64_t> ranks, Flaw flaw = Flaw::none, bool batches = false, std::size_t plan_cap = 0)
+      : ranks_(std::move(ranks)), flaw_(flaw), batches_(batches), plan_cap_(plan_cap), regions_(ranks_.size()), streams_(ranks_.size()) {}
   QueueWorld(const QueueWorld&) = delete;
   QueueWorld& operator=(const QueueWorld&) = delete;
   // A batch that never started (a failed or deadlocked case) still holds its
   // groups, which hold it: break that cycle.
   ~QueueWorld() {
     for (auto& stream : streams_)
-      for (auto& b : stream) b->groups.clear();
+      for (auto& b : stream) b->ops.clear();
   }
   const std::vector<std::int64_t>& ranks() const { return ranks_; }
   Flaw flaw() const { return flaw_; }
+  /// Batches: the most plans one batch was split into so far.
+  std::size_t most_plans() const { return most_plans_; }
 
  private:
   friend class QueueTransport;
@@ -87,23 +99,25 @@ class QueueWorld {
     std::vector<TransferOp> ops;  // copied: post()'s span is the caller's
     std::size_t left = 0;
     std::string error;
-    std::shared_ptr<Batch> batch;  // batches: null until flushed
+    std::shared_ptr<Batch> batch;  // batches: null until flushed; the last plan holding its ops
     bool complete() const { return left == 0 && (!batch || batch->left == 0); }
   };
-  struct Batch {
-    std::vector<std::shared_ptr<Group>> groups;  // until it starts matching
-    std::size_t left = 0;                        // ops not yet matched
+  struct Batch {  // one plan: a batch, or a part of one past plan_cap
+    std::vector<std::pair<std::shared_ptr<Group>, std::size_t>> ops;  // (group, op) until it starts matching
+    std::size_t left = 0;                                             // ops not yet matched
   };
   struct Half {  // one op waiting for its partner
     std::shared_ptr<Group> group;
     std::size_t op = 0;
     std::byte* at = nullptr;
+    std::shared_ptr<Batch> plan;  // batches: the plan it was entered with
   };
   using Key = std::tuple<std::int64_t, std::int64_t, std::uint64_t>;  // sender, receiver, tag
 
   std::vector<std::int64_t> ranks_;
   Flaw flaw_;
   bool batches_ = false;
+  std::size_t plan_cap_ = 0, most_plans_ = 0;
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<std::vector<std::pair<std::byte*, std::size_t>>> regions_;  // per slot; {nullptr, 0} once deregistered
@@ -278,20 +292,24 @@ class QueueTransport {
   }
   // m_ held. A group's ops take part in matching.
   void enter(const std::shared_ptr<QueueWorld::Group>& g) {
+    for (std::size_t i = 0; i < g->ops.size(); ++i) enter(g, i, nullptr);
+  }
+  // m_ held. One op of a group takes part in matching.
+  void enter(const std::shared_ptr<QueueWorld::Group>& g, std::size_t i, const std::shared_ptr<QueueWorld::Batch>& plan) {
     auto& w = *w_;
-    for (std::size_t i = 0; i < g->ops.size(); ++i) {
+    {
       const TransferOp& op = g->ops[i];
       const auto& regs = w.regions_[g->slot];
       const std::int64_t self = w.ranks_[g->slot];
       const std::uint64_t tag = w.flaw_ == Flaw::tag_32_bits ? (op.tag & 0xffffffffu) : op.tag;
       const bool send = op.kind == OpKind::send;
       const QueueWorld::Key key = send ? QueueWorld::Key{self, op.peer, tag} : QueueWorld::Key{op.peer, self, tag};
-      QueueWorld::Half mine{g, i, regs[op.region.id].first + op.offset};
+      QueueWorld::Half mine{g, i, regs[op.region.id].first + op.offset, plan};
       auto& others = send ? w.recvs_ : w.sends_;
       auto it = others.find(key);
       if (it == others.end() || it->second.empty()) {
         (send ? w.sends_ : w.recvs_)[key].push_back(mine);
-        continue;
+        return;
       }
       QueueWorld::Half theirs;
       if (w.flaw_ == Flaw::lifo) {
@@ -304,19 +322,25 @@ class QueueTransport {
       match(send ? mine : theirs, send ? theirs : mine, key);
     }
   }
-  // m_ held. Batches: the queued groups become one batch on this rank's stream.
+  // m_ held. Batches: the queued groups become one batch on this rank's
+  // stream, split into plans of at most plan_cap ops (in posting order).
   void start_queued() {
     if (queued_.empty()) return;
-    auto b = std::make_shared<QueueWorld::Batch>();
+    std::vector<std::shared_ptr<QueueWorld::Batch>> plans(1, std::make_shared<QueueWorld::Batch>());
     for (auto& g : queued_) {
-      g->batch = b;
-      b->left += g->ops.size();
+      for (std::size_t i = 0; i < g->ops.size(); ++i) {
+        if (w_->plan_cap_ > 0 && plans.back()->ops.size() == w_->plan_cap_) plans.push_back(std::make_shared<QueueWorld::Batch>());
+        plans.back()->ops.emplace_back(g, i);
+        ++plans.back()->left;
+      }
+      g->batch = plans.back();
     }
-    b->groups = std::move(queued_);
+    w_->most_plans_ = std::max(w_->most_plans_, plans.size());
     queued_.clear();
     auto& stream = w_->streams_[me_];
-    stream.push_back(b);
-    if (stream.size() == 1) advance(me_);
+    const bool idle = stream.empty();
+    for (auto& b : plans) stream.push_back(b);
+    if (idle) advance(me_);
     w_->cv_.notify_all();
   }
   // m_ held. Starts the batches at the head of a slot's stream, dropping completed ones.
@@ -324,10 +348,10 @@ class QueueTransport {
     auto& stream = w_->streams_[slot];
     while (!stream.empty()) {
       auto head = stream.front();
-      if (!head->groups.empty()) {
-        auto groups = std::move(head->groups);
-        head->groups.clear();
-        for (auto& g : groups) enter(g);  // its last match may complete it: match() then advances
+      if (!head->ops.empty()) {
+        auto ops = std::move(head->ops);
+        head->ops.clear();
+        for (auto& [g, i] : ops) enter(g, i, head);  // its last match may complete it: match() then advances
       }
       if (head->left != 0 || stream.empty() || stream.front() != head) return;
       stream.pop_front();  // completed at once (0 ops)
@@ -347,7 +371,7 @@ class QueueTransport {
     --s.group->left;
     --r.group->left;
     for (const auto* h : {&s, &r}) {
-      const auto& b = h->group->batch;
+      const auto& b = h->plan;
       if (b && --b->left == 0 && !w_->streams_[h->group->slot].empty() && w_->streams_[h->group->slot].front() == b) {
         w_->streams_[h->group->slot].pop_front();
         advance(h->group->slot);

@@ -208,7 +208,8 @@ TEST_CASE("one rank sends to itself through NCCL" * doctest::test_suite("gpu")) 
   cudaFree(b);
 }
 
-TEST_CASE("a caller's communicator must match the world" * doctest::test_suite("gpu")) {
+TEST_CASE("a caller's communicator must match the world; the transport splits its own from it and never aborts it" *
+          doctest::test_suite("gpu")) {
   ncclComm_t comm = nullptr;
   int dev = 0;
   REQUIRE(ncclCommInitAll(&comm, 1, &dev) == ncclSuccess);
@@ -216,7 +217,14 @@ TEST_CASE("a caller's communicator must match the world" * doctest::test_suite("
   CHECK(e.find("the given communicator has 1 ranks but the world (the bootstrap's rank list) has 2") != std::string::npos);
   {
     NcclTransport ok(solo({0}), comm);
-    CHECK(ok.comm() == comm);
+    CHECK(ok.comm() != comm);  // a private communicator split from the caller's
+    ok.abort("a failed refit");  // aborts the private one only
   }
+  int count = 0;
+  ncclResult_t state = ncclSuccess;
+  CHECK(ncclCommCount(comm, &count) == ncclSuccess);
+  CHECK(count == 1);
+  CHECK(ncclCommGetAsyncError(comm, &state) == ncclSuccess);
+  CHECK(state == ncclSuccess);  // the caller's communicator is intact
   ncclCommDestroy(comm);
 }

@@ -5,7 +5,7 @@
 #include "reshard/cuda/device_engine.cuh"
 
 std::shared_ptr<reshard::DeviceCopyEngine> make_copy_engine() {
-  return std::make_shared<reshard::cuda::CudaCopyEngine>(reshard::cuda::CudaCopyEngineOptions{-1, nullptr, false});
+  return std::make_shared<reshard::cuda::CudaCopyEngine>(reshard::cuda::CudaCopyEngineOptions{});
 }
 
 std::int64_t copy_engine_launches(const reshard::DeviceCopyEngine& e) {

@@ -5,5 +5,5 @@
 #include "reshard/cuda/device_engine.cuh"
 
 std::shared_ptr<reshard::DeviceCopyEngine> make_cuda_copy_engine() {
-  return std::make_shared<reshard::cuda::CudaCopyEngine>(reshard::cuda::CudaCopyEngineOptions{-1, nullptr, false});
+  return std::make_shared<reshard::cuda::CudaCopyEngine>(reshard::cuda::CudaCopyEngineOptions{});
 }

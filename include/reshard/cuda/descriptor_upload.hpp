@@ -4,6 +4,8 @@
 // reads them. Stream-ordered: the only host waits are for the previous
 // upload to have left the pinned buffer before it is rewritten, and, when
 // the buffers grow, for work in flight that may still read the old ones.
+// The device buffer is stream-ordered (cudaMallocAsync / cudaFreeAsync):
+// no cudaMalloc / cudaFree, which synchronize the whole device.
 // Not thread-safe; one per stream. (BoxCopier in copy_kernels.cuh uses it
 // for BoxCopy descriptors; the delta and quantize kernels for theirs.)
 #include <cuda_runtime.h>
@@ -30,7 +32,7 @@ class DescriptorUpload {
   DescriptorUpload& operator=(const DescriptorUpload&) = delete;
   ~DescriptorUpload() {
     if (dev_ || host_) (void)cudaStreamSynchronize(stream_);
-    if (dev_) (void)cudaFree(dev_);
+    if (dev_) (void)cudaFreeAsync(dev_, stream_);
     if (host_) (void)cudaFreeHost(host_);
     if (uploaded_) (void)cudaEventDestroy(uploaded_);
   }
@@ -43,13 +45,13 @@ class DescriptorUpload {
     if (items.empty()) return nullptr;
     if (items.size() > capacity_) {
       check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize before growing the descriptor buffers");
-      if (dev_) check_cuda(cudaFree(dev_), "cudaFree");
+      if (dev_) check_cuda(cudaFreeAsync(dev_, stream_), "cudaFreeAsync of descriptors");
       if (host_) check_cuda(cudaFreeHost(host_), "cudaFreeHost");
       dev_ = nullptr;
       host_ = nullptr;
       const std::size_t cap = std::max<std::size_t>(items.size(), 2 * capacity_);
       capacity_ = 0;
-      check_cuda(cudaMalloc(reinterpret_cast<void**>(&dev_), cap * sizeof(T)), "cudaMalloc of descriptors");
+      check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&dev_), cap * sizeof(T), stream_), "cudaMallocAsync of descriptors");
       check_cuda(cudaMallocHost(reinterpret_cast<void**>(&host_), cap * sizeof(T)), "cudaMallocHost of descriptors");
       capacity_ = cap;
     } else {

@@ -69,6 +69,7 @@
 #include "../transport/blob.hpp"
 #include "../transport/peer_exchange.hpp"
 #include "../transport/transport.hpp"
+#include "batch_cap.hpp"
 #include "checksum.hpp"
 #include "copy_kernels.hpp"
 
@@ -86,6 +87,12 @@ struct ExecutorOptions {
   /// group: tens of thousands of expert pieces would be that many sends).
   /// 0: no limit. Both ends of a pair must agree (it shapes the messages).
   std::int64_t max_direct_messages = 0;
+  /// At most this many transport ops per rank in one wave (one batch: one
+  /// NCCL group), both ends of every pair agreeing on each message's wave
+  /// (batch_cap.hpp). -1: the transport's max_batch_ops() where it has one
+  /// (NCCL: NcclOptions::max_group_ops, 256), else no bound; 0: no bound.
+  /// All ranks must agree.
+  std::int64_t max_batch_ops = -1;
   /// Waves in flight: 1 (no overlap across waves) or 2 (pack/unpack one wave while the other moves).
   int pipeline = kDefaultPipeline;
   /// A refit (and each collective step of setup) fails after this long.
@@ -697,6 +704,9 @@ std::string Executor<T>::bind_copies(const Schedule& schedule, std::string local
     if (opt_.staging_budget < 64) fail_here(fmt::format("staging budget of {} bytes is below the minimum of 64", opt_.staging_budget));
     if (opt_.zero_copy_min < 0) fail_here("zero_copy_min is negative");
     if (opt_.max_direct_messages < 0) fail_here(fmt::format("max_direct_messages is negative ({})", opt_.max_direct_messages));
+    if (opt_.max_batch_ops < -1 || (opt_.max_batch_ops > 0 && opt_.max_batch_ops < BatchCap::kMinimum))
+      fail_here(fmt::format("max_batch_ops is {}: it must be -1 (the transport's), 0 (no bound) or at least {}", opt_.max_batch_ops,
+                            BatchCap::kMinimum));
     if (world_index(me_) < 0) fail_here("the transport's world does not list this rank");
     if (opt_.checksum)
       for (const auto* v : {&src_, &dst_})
@@ -941,14 +951,24 @@ bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadli
   } catch (const std::exception& e) {
     step_error = e.what();
   }
+  // The batch cap and this rank's degree (its peer pairs) ride along: every
+  // pair's waves depend on both ends' degrees (batch_cap.hpp).
+  const std::int64_t max_batch_ops = opt_.max_batch_ops >= 0 ? opt_.max_batch_ops : max_batch_ops_of(transport);
   BlobWriter w2;
   w2.put<std::uint8_t>(step_error.empty() ? 1 : 0);
   w2.put_string(step_error);
   w2.put(total_staged);
   w2.put(capacity);
+  w2.put(max_batch_ops);
+  w2.put(static_cast<std::int64_t>(pairs_.size()));
   const auto blobs2 = transport.all_gather(w2.buf, deadline);
   if (!step_error.empty()) throw Error(step_error);
   std::vector<std::pair<std::int64_t, std::int64_t>> load(world.size());
+  std::vector<std::int64_t> degree(world.size(), 0);
+  BatchCap cap;
+  cap.max_ops = max_batch_ops;
+  cap.world = static_cast<std::int64_t>(world.size());
+  cap.checksum = opt_.checksum;
   for (std::size_t r = 0; r < blobs2.size(); ++r) {
     BlobReader rd(blobs2[r], world[r]);
     const bool ok = rd.get<std::uint8_t>() != 0;
@@ -956,6 +976,13 @@ bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadli
     if (!ok) throw Error(fmt::format("rank {}: setup failed on rank {}: {}", me_, world[r], msg));
     load[r].first = rd.get<std::int64_t>();
     load[r].second = rd.get<std::int64_t>();
+    const auto theirs = rd.get<std::int64_t>();
+    degree[r] = rd.get<std::int64_t>();
+    if (theirs != max_batch_ops)
+      throw Error(fmt::format("rank {}: this rank bounds a batch to {} ops but rank {} to {} (0: no bound): every rank must use the "
+                              "same max_batch_ops, or the ends of a pair would put its messages in different waves",
+                              me_, max_batch_ops, world[r], theirs));
+    cap.max_degree = std::max(cap.max_degree, degree[r]);
   }
   auto limit = [&](std::int64_t rank, std::int64_t staged) -> std::int64_t {
     const auto& [tot, cap] = load[static_cast<std::size_t>(world_index(rank))];
@@ -969,6 +996,20 @@ bool Executor<T>::negotiate_staging(T& transport, std::string step_error, Deadli
   }
   for (auto& p : pairs_)
     if (p.staged == 0) plan_pair_messages(p);
+  // Bounded batches: each pair's messages spread over waves both ends compute alike.
+  if (cap.max_ops > 0)
+    for (auto& p : pairs_) {
+      BatchPair bp;
+      const std::int64_t s = p.send ? me_ : p.peer, d = p.send ? p.peer : me_;
+      bp.world_pos_src = world_index(s);
+      bp.world_pos_dst = world_index(d);
+      bp.degree_src = degree[static_cast<std::size_t>(bp.world_pos_src)];
+      bp.degree_dst = degree[static_cast<std::size_t>(bp.world_pos_dst)];
+      std::vector<int> waves;
+      for (const auto& m : p.messages) waves.push_back(m.wave);
+      const std::vector<int> bounded = bounded_waves(waves, cap, bp);
+      for (std::size_t k = 0; k < p.messages.size(); ++k) p.messages[k].wave = bounded[k];
+    }
   return reuse;
 }
 

@@ -14,11 +14,19 @@
 // call it now and then while it waits, so the transport can progress its own
 // network (and notice a peer that gave up) meanwhile. Idle may throw; the
 // all-gather must let that exception through.
+//
+// Optionally a bootstrap also has a notice board (a key-value store every
+// rank reads and writes at any time, such as torch.distributed's TCPStore):
+// a transport that cannot tell its peers by itself that it gave up (NCCL
+// over NVLink: a peer's abort never shows in the others' waits) posts its
+// reason there, and its peers, polling the board while they wait, fail
+// within a poll interval naming it instead of waiting out their deadline.
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -34,6 +42,17 @@ namespace reshard {
 
 using Blobs = std::vector<std::vector<std::byte>>;
 
+/// An out-of-band notice board: `post(key, text)` stores text under key
+/// unless the key already holds one (the first post wins: a TCPStore's
+/// compare_set(key, "", text)); `read(key)` returns what the key holds, or
+/// nothing. Both must return promptly (read is called every ~100 ms while a
+/// rank waits) and may throw; a failed read counts as nothing posted.
+struct NoticeBoard {
+  std::function<void(const std::string& key, const std::string& text)> post;
+  std::function<std::optional<std::string>(const std::string& key)> read;
+  bool valid() const { return post && read; }
+};
+
 struct Bootstrap {
   using Idle = std::function<void()>;
   using AllGather = std::function<Blobs(std::span<const std::byte> mine, Deadline deadline, const Idle& idle)>;
@@ -42,10 +61,13 @@ struct Bootstrap {
   std::vector<std::int64_t> ranks;   ///< every global rank of the job, in blob order
   AllGather all_gather;
   std::string name = "caller";       ///< for messages ("mpi", "caller", ...)
+  NoticeBoard board;                 ///< optional: out-of-band aborts (above)
 
   /// Throws unless the rank list is usable (rank in it, no duplicates, a function).
   void validate() const {
     if (!all_gather) fail("bootstrap '{}': no all-gather function", name);
+    if (static_cast<bool>(board.post) != static_cast<bool>(board.read))
+      fail("bootstrap '{}': the notice board needs both post and read (or neither)", name);
     if (ranks.empty()) fail("bootstrap '{}': the rank list is empty", name);
     std::vector<std::int64_t> s = ranks;
     std::sort(s.begin(), s.end());

@@ -8,7 +8,8 @@
 //    hands it to everyone, and every rank joins a nonblocking communicator
 //    (NCCL rank = position in the bootstrap's rank list). Or the caller
 //    passes a communicator of its own, which must have exactly that size and
-//    rank order.
+//    rank order: the transport splits a private one from it (ncclCommSplit,
+//    collective over it) and never aborts or destroys the caller's.
 //  * post() queues its ops; flush(deadline), which the executor calls once
 //    per wave after posting it (transport.hpp, "Batches"), starts everything
 //    queued as one ncclGroupStart/ncclGroupEnd on the stream and records one
@@ -19,7 +20,13 @@
 //    group per batch is what keeps NCCL, whose p2p kernels block a stream
 //    until their peer arrives, from deadlocking two ranks that both post
 //    their receives before their sends; both ranks of a pair have the pair's
-//    ops of wave w in their group w. Ops between two ranks are matched by
+//    ops of wave w in their group w. A group holds at most max_group_ops
+//    (256) ops of this rank: NCCL cuts a larger one into kernel plans, each
+//    rank from its own op list, and a send can land in another plan than its
+//    receive and hang. The executor keeps its waves within the bound
+//    (max_batch_ops(), exec/batch_cap.hpp); a larger batch (exchange(), a
+//    caller that does not bound) is cut into groups both ends cut alike
+//    (nccl_detail::groups_by_round). Ops between two ranks are matched by
 //    order; prepare() checks, through the bootstrap,
 //    that both sides list the same messages (tags, sizes) in the same order,
 //    so a mismatch is an error at setup instead of a hang or a truncation.
@@ -31,11 +38,17 @@
 //    registered as device memory, or device memory of another GPU, is a
 //    clear error. NcclOptions::register_buffers ncclCommRegister's regions
 //    (NCCL >= 2.19) for zero-copy where NCCL supports it.
-//  * abort(reason) aborts this rank's communicator (a caller-supplied one
-//    too: after a failed refit its p2p state is unknown; make a new one); the
-//    peers' NCCL waits notice through NCCL's own error reporting (a remote
-//    error) or at their deadline: NCCL has no side channel. The bootstrap
-//    is one, for what happens after the run: every all_gather blob carries
+//  * abort(reason) aborts this rank's own communicator (never the caller's:
+//    that one was only split from; after a failed refit make a new
+//    transport). NCCL has no side channel (over NVLink a peer's abort never
+//    shows in the others' waits), so where the bootstrap has a notice board
+//    (bootstrap.hpp, NoticeBoard: a TCPStore) the rank that gives up first
+//    (abort, a deadline, a CUDA or NCCL error) posts its reason there under
+//    this communicator's key, and every wait reads the board every
+//    abort_check_interval (100 ms): the survivors fail at once naming that
+//    rank, instead of waiting out their deadline. Without a board they
+//    notice through NCCL's own error reporting or at their deadline. The
+//    bootstrap's all-gather serves what happens after the run: every all_gather blob carries
 //    a header byte, and an aborted or failed endpoint still joins its next
 //    all_gather (the Resharder's verdict exchange), with its reason instead
 //    of data, then throws. So the peers that finished their run (or failed
@@ -55,6 +68,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -64,6 +79,7 @@
 #include <fmt/format.h>
 
 #include "../base/error.hpp"
+#include "../cuda/device_guard.hpp"
 #include "blob.hpp"
 #include "bootstrap.hpp"
 #include "peer_exchange.hpp"
@@ -82,6 +98,12 @@ struct NcclOptions {
   std::chrono::microseconds max_sleep{200};
   /// ncclCommRegister each registered region (zero-copy where NCCL supports it).
   bool register_buffers = false;
+  /// At most this many sends and receives of this rank in one NCCL group
+  /// (PyTorch's 256): the executor bounds its waves to it (max_batch_ops()),
+  /// and flush cuts a larger batch into groups both ends cut alike. 0: no bound.
+  std::int64_t max_group_ops = 256;
+  /// How often a wait reads the bootstrap's notice board for a peer's abort.
+  std::chrono::milliseconds abort_check_interval{100};
 };
 
 /// Traffic this endpoint started since construction.
@@ -250,6 +272,53 @@ inline std::ptrdiff_t unframe_blobs(std::vector<std::vector<std::byte>>& all, st
   return -1;
 }
 
+/// The NCCL groups a batch of more than `cap` ops is cut into, alike on both
+/// ends of every pair (NCCL would cut it into plans each rank from its own
+/// list, and a send could land in another plan than its receive). `ops`:
+/// (peer's NCCL rank, is a send) per op, in posting order; `me` and `n`:
+/// this rank's NCCL rank and the communicator's size. Each op gets the slot
+/// p * n + (me + peer) mod n, where (me + peer) mod n is the pair's round
+/// (a rank has one partner per round) and p the op's position among the
+/// pair's ops of the batch, the lower rank's sends first, then the higher
+/// rank's, each in posting order (the same list on both ends). A rank has at
+/// most one op per slot, so slots [k cap, (k+1) cap) make group k of at most
+/// cap ops, and both ends put every message into the same group. Returns the
+/// non-empty groups in order, each its number k and its op indices in slot
+/// order (so a pair's ops keep their order); a rank skips the empty ones.
+struct RoundGroup {
+  std::uint64_t index = 0;
+  std::vector<std::size_t> ops;
+};
+inline std::vector<RoundGroup> groups_by_round(int me, int n, std::span<const std::pair<int, bool>> ops, std::size_t cap) {
+  std::map<int, std::pair<std::uint64_t, std::uint64_t>> count;  // peer -> (sends, receives) in the batch
+  for (const auto& [peer, send] : ops) ++(send ? count[peer].first : count[peer].second);
+  std::map<int, std::pair<std::uint64_t, std::uint64_t>> seen;
+  std::vector<std::pair<std::uint64_t, std::size_t>> slots;  // (slot, op)
+  slots.reserve(ops.size());
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    const auto [peer, send] = ops[k];
+    const bool lower_sends = (me < peer) == send;  // this op goes from the lower rank to the higher
+    auto& [sends_seen, recvs_seen] = seen[peer];
+    const std::uint64_t index = send ? sends_seen++ : recvs_seen++;
+    // The lower rank's sends are this rank's sends (me lower) or its receives (peer lower).
+    const std::uint64_t lower_count = me < peer ? count[peer].first : count[peer].second;
+    const std::uint64_t p = lower_sends ? index : lower_count + index;
+    const auto round = static_cast<std::uint64_t>((me + peer) % n);
+    slots.emplace_back(p * static_cast<std::uint64_t>(n) + round, k);
+  }
+  std::sort(slots.begin(), slots.end());
+  std::vector<RoundGroup> groups;
+  for (const auto& [slot, k] : slots) {
+    const std::uint64_t g = slot / cap;
+    if (groups.empty() || groups.back().index != g) groups.push_back(RoundGroup{g, {}});
+    groups.back().ops.push_back(k);
+  }
+  return groups;
+}
+
+/// Notice-board key of one communicator's aborts (bootstrap.hpp, NoticeBoard).
+inline std::string abort_key(std::uint64_t nonce) { return fmt::format("reshard/nccl/{:016x}/abort", nonce); }
+
 inline void sleep_for(std::chrono::microseconds us) {
   timespec ts{0, static_cast<long>(us.count()) * 1000};
   nanosleep(&ts, nullptr);
@@ -311,6 +380,7 @@ class NcclTransport {
     }
     Region r{static_cast<std::byte*>(p), bytes, nullptr, true};
     if (opt_.register_buffers && p && bytes) {
+      const cuda::DeviceGuard guard(device_);
       const ncclResult_t rc = ncclCommRegister(comm_, p, bytes, &r.nccl_handle);
       if (rc != ncclSuccess) fail("nccl transport: rank {}: ncclCommRegister of {} bytes failed: {}", me_, bytes, nccl_text(rc));
     }
@@ -337,7 +407,10 @@ class NcclTransport {
       }
       throw TransportError(why);
     }
-    Blobs all = boot_.all_gather(nccl_detail::frame_blob(nccl_detail::kData, blob), deadline, [this] { check_usable(); });
+    Blobs all = boot_.all_gather(nccl_detail::frame_blob(nccl_detail::kData, blob), deadline, [this] {
+      check_usable();
+      check_board();
+    });
     std::string why;
     const std::ptrdiff_t gave_up = nccl_detail::unframe_blobs(all, boot_.ranks, me_, why);
     if (gave_up >= 0) {
@@ -416,18 +489,38 @@ class NcclTransport {
 
   /// Starts every queued op as one NCCL group (the executor's batch
   /// boundary; test/wait do it too for ops posted after the last flush).
+  ///
+  /// A batch of more than max_group_ops sends and receives becomes several
+  /// groups, one after another on the stream, cut by nccl_detail::
+  /// groups_by_round so that both ends of every pair put each message into
+  /// the same group (the executor's waves stay within the bound: see
+  /// max_batch_ops(); other callers, such as exchange(), may not).
   void flush(Deadline deadline) {
     if (pending_.empty()) return;
     check_usable();
-    select_device();
+    const cuda::DeviceGuard guard(device_);
     auto launch = std::make_shared<Launch>();
     cudaError_t ce = cudaEventCreateWithFlags(&launch->event, cudaEventDisableTiming);
     if (ce != cudaSuccess) fail_comm(fmt::format("cudaEventCreate failed: {}", nccl_detail::cuda_text(ce)));
-    ncclResult_t rc = ncclGroupStart();
-    if (rc != ncclSuccess) fail_comm(fmt::format("ncclGroupStart failed: {}", nccl_text(rc)));
-    for (const auto& g : pending_) {
-      for (const auto& op : g->ops) {
-        if (op.bytes == 0) continue;
+    std::vector<const TransferOp*> ops;  // not those of 0 bytes (both ends leave them out alike: sizes agree)
+    for (const auto& g : pending_)
+      for (const auto& op : g->ops)
+        if (op.bytes != 0) ops.push_back(&op);
+    std::vector<nccl_detail::RoundGroup> groups;
+    const auto cap = static_cast<std::size_t>(opt_.max_group_ops);
+    if (cap == 0 || ops.size() <= cap) {
+      groups.emplace_back();
+      for (std::size_t k = 0; k < ops.size(); ++k) groups[0].ops.push_back(k);
+    } else {
+      std::vector<std::pair<int, bool>> ends(ops.size());
+      for (std::size_t k = 0; k < ops.size(); ++k) ends[k] = {nccl_rank(ops[k]->peer), ops[k]->kind == OpKind::send};
+      groups = nccl_detail::groups_by_round(my_index_, static_cast<int>(boot_.ranks.size()), ends, cap);
+    }
+    for (const auto& group : groups) {
+      ncclResult_t rc = ncclGroupStart();
+      if (rc != ncclSuccess) fail_comm(fmt::format("ncclGroupStart failed: {}", nccl_text(rc)));
+      for (std::size_t k : group.ops) {
+        const TransferOp& op = *ops[k];
         std::byte* p = regions_[op.region.id].ptr + op.offset;
         const int peer = nccl_rank(op.peer);
         rc = op.kind == OpKind::send ? ncclSend(p, op.bytes, ncclUint8, peer, comm_, stream_)
@@ -439,16 +532,20 @@ class NcclTransport {
         (op.kind == OpKind::send ? traffic_.bytes_sent : traffic_.bytes_received) += static_cast<std::int64_t>(op.bytes);
         ++(op.kind == OpKind::send ? traffic_.messages_sent : traffic_.messages_received);
       }
+      rc = ncclGroupEnd();
+      if (rc == ncclInProgress) rc = settle(deadline, "starting a group of sends and receives");
+      if (rc != ncclSuccess) fail_comm(fmt::format("ncclGroupEnd failed: {}", nccl_text(rc)));
+      ++traffic_.groups;
     }
-    rc = ncclGroupEnd();
-    if (rc == ncclInProgress) rc = settle(deadline, "starting a group of sends and receives");
-    if (rc != ncclSuccess) fail_comm(fmt::format("ncclGroupEnd failed: {}", nccl_text(rc)));
     ce = cudaEventRecord(launch->event, stream_);
     if (ce != cudaSuccess) fail_comm(fmt::format("cudaEventRecord failed: {}", nccl_detail::cuda_text(ce)));
     for (auto& g : pending_) g->launch = launch;
     pending_.clear();
-    ++traffic_.groups;
   }
+
+  /// The executor keeps a wave within this many ops per rank (transport.hpp,
+  /// "Bounded batches"): NcclOptions::max_group_ops.
+  std::int64_t max_batch_ops() const { return opt_.max_group_ops; }
 
   bool test(request& r) {
     check(r);
@@ -489,12 +586,16 @@ class NcclTransport {
     }
   }
 
+  /// Aborts this rank's own communicator (never the caller's: that one was
+  /// only split from) and posts the reason on the bootstrap's notice board,
+  /// where every peer's wait reads it within abort_check_interval.
   void abort(std::string_view why) noexcept {
     try {
       if (!aborted_) abort_reason_ = fmt::format("nccl transport: rank {} aborted: {}", me_, why);
     } catch (...) {
     }
     aborted_ = true;
+    tell_peers(why);
     abort_comm();
   }
 
@@ -505,22 +606,24 @@ class NcclTransport {
                       std::span<const std::pair<std::uint64_t, std::uint64_t>> send_at,
                       std::span<const std::pair<std::uint64_t, std::uint64_t>> recv_at, Deadline deadline) {
     if (bytes.empty()) return;
-    select_device();
+    const cuda::DeviceGuard guard(device_);
+    // Stream-ordered (no cudaMalloc / cudaFree, which synchronize the device
+    // and can deadlock against another communicator's kernels in flight).
     std::byte* dev = nullptr;
-    cudaError_t ce = cudaMalloc(reinterpret_cast<void**>(&dev), bytes.size());
-    if (ce != cudaSuccess) fail_comm(fmt::format("cudaMalloc of {} exchange bytes failed: {}", bytes.size(), nccl_detail::cuda_text(ce)));
+    cudaError_t ce = cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes.size(), stream_);
+    if (ce != cudaSuccess) fail_comm(fmt::format("cudaMallocAsync of {} exchange bytes failed: {}", bytes.size(), nccl_detail::cuda_text(ce)));
     RegionHandle region;
     const NcclTrafficStats before = traffic_;
     auto cleanup = [&] {
       if (region.valid()) deregister_memory(region);
-      (void)cudaFree(dev);  // waits for the device to be done with it
+      if (stream_) (void)cudaFreeAsync(dev, stream_);  // after everything this exchange enqueued
       const std::int64_t sent = traffic_.bytes_sent - before.bytes_sent, received = traffic_.bytes_received - before.bytes_received;
       traffic_ = before;  // setup is not data traffic
       traffic_.setup_bytes_sent = before.setup_bytes_sent + sent;
       traffic_.setup_bytes_received = before.setup_bytes_received + received;
     };
     try {
-      ce = cudaMemcpy(dev, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+      ce = cudaMemcpyAsync(dev, bytes.data(), bytes.size(), cudaMemcpyHostToDevice, stream_);
       if (ce != cudaSuccess) fail_comm(fmt::format("copying exchange bytes to the device failed: {}", nccl_detail::cuda_text(ce)));
       region = register_memory(dev, bytes.size(), MemoryKind::device);
       std::vector<TransferOp> ops;
@@ -531,7 +634,8 @@ class NcclTransport {
       request r = post(ops);
       flush(deadline);
       wait(r, deadline);
-      ce = cudaMemcpy(bytes.data(), dev, bytes.size(), cudaMemcpyDeviceToHost);
+      ce = cudaMemcpyAsync(bytes.data(), dev, bytes.size(), cudaMemcpyDeviceToHost, stream_);
+      if (ce == cudaSuccess) ce = cudaStreamSynchronize(stream_);
       if (ce != cudaSuccess) fail_comm(fmt::format("copying exchange bytes from the device failed: {}", nccl_detail::cuda_text(ce)));
     } catch (...) {
       cleanup();
@@ -546,6 +650,8 @@ class NcclTransport {
 
   // --- beyond the concept ---
   cudaStream_t stream() const { return stream_; }
+  /// This transport's own communicator: created from a unique id, or split
+  /// from the caller's (which this transport never aborts or destroys).
   ncclComm_t comm() const { return comm_; }
   int device() const { return device_; }
   bool aborted() const { return aborted_ || broken_; }
@@ -588,7 +694,7 @@ class NcclTransport {
       } else if (cudaGetDevice(&device_) != cudaSuccess) {
         fail("nccl transport: rank {}: cudaGetDevice failed", me_);
       }
-      select_device();
+      const cuda::DeviceGuard guard(device_);
       if (opt_.stream) {
         stream_ = opt_.stream;
       } else {
@@ -608,8 +714,6 @@ class NcclTransport {
           fail("nccl transport: rank {} is NCCL rank {} of the given communicator, but position {} of the bootstrap's rank list: both "
                "must use the same order", me_, user, my_index_);
         if (dev != device_) fail("nccl transport: rank {}: the given communicator runs on GPU {}, not GPU {}", me_, dev, device_);
-        comm_ = given;
-        own_comm_ = false;
       } else if (my_index_ == 0) {
         const ncclResult_t rc = ncclGetUniqueId(&id);
         if (rc != ncclSuccess) fail("nccl transport: rank {}: ncclGetUniqueId failed: {}", me_, ncclGetErrorString(rc));
@@ -617,13 +721,21 @@ class NcclTransport {
     } catch (const std::exception& ex) {
       error = ex.what();
     }
-    // Exchange: status, and the unique id of the first rank.
-    std::vector<std::byte> blob(1 + 4 + sizeof(id) + error.size());
+    // Exchange: status, the unique id of the first rank, and its nonce (the
+    // notice-board key of this communicator's aborts).
+    std::uint64_t nonce = 0;
+    if (my_index_ == 0) {
+      std::random_device rd;
+      nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^ static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
+    }
+    constexpr std::size_t kHead = 5 + sizeof(ncclUniqueId) + 8;
+    std::vector<std::byte> blob(kHead + error.size());
     blob[0] = static_cast<std::byte>(error.empty() ? 1 : 0);
     const std::uint32_t magic = nccl_detail::kMagic;
     std::memcpy(blob.data() + 1, &magic, 4);
     std::memcpy(blob.data() + 5, &id, sizeof(id));
-    std::memcpy(blob.data() + 5 + sizeof(id), error.data(), error.size());
+    std::memcpy(blob.data() + 5 + sizeof(id), &nonce, 8);
+    std::memcpy(blob.data() + kHead, error.data(), error.size());
     try {
       const Blobs all = boot_.all_gather(blob, deadline, [] {});
       if (all.size() != boot_.ranks.size())
@@ -631,23 +743,36 @@ class NcclTransport {
       if (!error.empty()) throw TransportError(error);
       for (std::size_t i = 0; i < all.size(); ++i) {
         std::uint32_t m = 0;
-        if (all[i].size() < 5 + sizeof(id) || (std::memcpy(&m, all[i].data() + 1, 4), m != nccl_detail::kMagic))
+        if (all[i].size() < kHead || (std::memcpy(&m, all[i].data() + 1, 4), m != nccl_detail::kMagic))
           throw TransportError(fmt::format("nccl transport: rank {}: rank {} sent a bootstrap blob of another kind (the same program?)", me_,
                                            boot_.ranks[i]));
         if (all[i][0] == std::byte{0})
           throw TransportError(fmt::format("nccl transport: rank {}: rank {} could not start: {}", me_, boot_.ranks[i],
-                                           std::string(reinterpret_cast<const char*>(all[i].data() + 5 + sizeof(id)), all[i].size() - 5 - sizeof(id))));
+                                           std::string(reinterpret_cast<const char*>(all[i].data() + kHead), all[i].size() - kHead)));
       }
-      if (!given) {
+      std::memcpy(&nonce, all[0].data() + 5 + sizeof(id), 8);
+      board_key_ = nccl_detail::abort_key(nonce);
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      const cuda::DeviceGuard guard(device_);
+      if (given) {
+        // A private communicator split from the caller's (collective over
+        // it; every rank got here, the status exchange says): on a failure
+        // this transport aborts its own, and the caller's stays usable.
+        ncclResult_t rc = ncclCommSplit(given, 0, my_index_, &comm_, &config);
+        own_comm_ = comm_ != nullptr;  // ours from here on, even if it failed: aborted below
+        if (rc == ncclInProgress && comm_) rc = settle(deadline, "splitting a communicator from the given one");
+        if (rc != ncclSuccess || !comm_)
+          throw TransportError(fmt::format("nccl transport: rank {}: ncclCommSplit of the given communicator failed: {}", me_,
+                                           rc != ncclSuccess ? nccl_text(rc) : std::string("no communicator came back")));
+      } else {
         std::memcpy(&id, all[0].data() + 5, sizeof(id));
-        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-        config.blocking = 0;
-        select_device();
         ncclResult_t rc = ncclCommInitRankConfig(&comm_, static_cast<int>(boot_.ranks.size()), id, my_index_, &config);
+        own_comm_ = comm_ != nullptr;
         if (rc == ncclInProgress) rc = settle(deadline, "creating the communicator");
         if (rc != ncclSuccess) throw TransportError(fmt::format("nccl transport: rank {}: ncclCommInitRankConfig failed: {}", me_, nccl_text(rc)));
-        own_comm_ = true;
       }
+      own_comm_ = true;
       // Everyone joined, or everyone hears who did not.
       std::vector<std::byte> ok{std::byte{1}};
       const Blobs joined = boot_.all_gather(ok, deadline, [] {});
@@ -655,7 +780,7 @@ class NcclTransport {
         if (joined[i].empty() || joined[i][0] != std::byte{1})
           throw TransportError(fmt::format("nccl transport: rank {}: rank {} failed to join the communicator", me_, boot_.ranks[i]));
     } catch (...) {
-      abort_comm(true);
+      abort_comm();
       if (own_stream_ && stream_) (void)cudaStreamDestroy(stream_);
       stream_ = nullptr;
       throw;
@@ -664,8 +789,8 @@ class NcclTransport {
 
   void close() noexcept {
     pending_.clear();
+    const cuda::DeviceGuard guard(device_);
     if (comm_ && !broken_ && !aborted_) {
-      select_device();
       (void)cudaStreamSynchronize(stream_);
       for (std::size_t i = 0; i < regions_.size(); ++i)
         if (regions_[i].live) deregister_memory(RegionHandle{static_cast<std::uint32_t>(i)});
@@ -688,21 +813,48 @@ class NcclTransport {
     stream_ = nullptr;
   }
 
-  /// Aborts the communicator, the caller's too unless `spare_given` (a
-  /// construction that failed before using it).
-  void abort_comm(bool spare_given = false) noexcept {
-    if (comm_ && (own_comm_ || !spare_given)) (void)ncclCommAbort(comm_);
+  /// Aborts this transport's own communicator. Only ever its own: the
+  /// caller's (the constructor's `comm`) was split from, never held here.
+  void abort_comm() noexcept {
+    if (comm_ && own_comm_) (void)ncclCommAbort(comm_);
     comm_ = nullptr;
     broken_ = true;
+  }
+  /// Posts why this rank gave up on the bootstrap's notice board (the first
+  /// post of the communicator wins), unless it only heard of a peer's.
+  void tell_peers(std::string_view why) noexcept {
+    if (told_ || heard_ || !boot_.board.valid() || board_key_.empty()) return;
+    told_ = true;
+    try {
+      boot_.board.post(board_key_, fmt::format("rank {} gave up: {}", me_, why));
+    } catch (...) {
+    }
+  }
+  /// Reads the notice board (at most every abort_check_interval): a peer
+  /// that gave up fails this rank at once, naming it, instead of at the
+  /// deadline. Aborts this rank's own communicator then.
+  void check_board() {
+    if (!boot_.board.valid() || board_key_.empty() || aborted_ || broken_) return;
+    const auto now = Clock::now();
+    if (now < next_board_check_) return;
+    next_board_check_ = now + opt_.abort_check_interval;
+    std::optional<std::string> text;
+    try {
+      text = boot_.board.read(board_key_);
+    } catch (...) {
+      return;  // a store that does not answer now is no news
+    }
+    if (!text || text->empty()) return;
+    heard_ = true;
+    failure_ = fmt::format("nccl transport: rank {}: {} (heard through the bootstrap's notice board); the communicator was aborted", me_,
+                           *text);
+    abort_comm();
+    throw TransportError(failure_);
   }
   std::string failure_text() const {
     if (aborted_ && !abort_reason_.empty()) return abort_reason_;
     if (!failure_.empty()) return failure_;
     return fmt::format("nccl transport: rank {}: the communicator failed or was aborted earlier; make a new transport", me_);
-  }
-
-  void select_device() const {
-    if (device_ >= 0) (void)cudaSetDevice(device_);
   }
 
   /// Polls a nonblocking communicator until it leaves ncclInProgress.
@@ -714,9 +866,10 @@ class NcclTransport {
       if (rc != ncclSuccess) return rc;
       if (state != ncclInProgress) return state;
       if (Clock::now() >= deadline) {
-        abort_comm();
         failure_ = fmt::format("nccl transport: rank {} timed out {} (some rank of the {} did not join or stalled); the communicator was "
                                "aborted", me_, what, boot_.ranks.size());
+        tell_peers(failure_);
+        abort_comm();
         throw TransportError(failure_);
       }
       nccl_detail::sleep_for(sleep);
@@ -743,17 +896,20 @@ class NcclTransport {
     const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
     if (rc != ncclSuccess || (state != ncclSuccess && state != ncclInProgress))
       fail_comm(fmt::format("waiting for {}: NCCL reports {}", pending_text({&g}), nccl_text(rc != ncclSuccess ? rc : state)));
+    check_board();
     return false;
   }
 
   [[noreturn]] void time_out(const std::string& pending) {
-    abort_comm();
     failure_ = fmt::format("nccl transport: rank {} timed out waiting for {}; the communicator was aborted", me_, pending);
+    tell_peers(failure_);
+    abort_comm();
     throw TransportError(failure_);
   }
   [[noreturn]] void fail_comm(const std::string& what) {
-    abort_comm();
     failure_ = fmt::format("nccl transport: rank {}: {}; the communicator was aborted", me_, what);
+    tell_peers(failure_);
+    abort_comm();
     throw TransportError(failure_);
   }
   void check_usable() const {
@@ -814,6 +970,9 @@ class NcclTransport {
   std::vector<Region> regions_;
   std::vector<request> pending_;
   bool aborted_ = false, broken_ = false;
+  bool told_ = false, heard_ = false;  ///< posted this rank's abort on the notice board; read a peer's there
+  std::string board_key_;
+  Deadline next_board_check_{};
   std::string abort_reason_, failure_;
   NcclTrafficStats traffic_;
 };

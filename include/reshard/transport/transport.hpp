@@ -145,6 +145,20 @@
 // deadlocks the same way: A and B each wait for receives whose sends neither
 // started). post() itself must never block on a peer.
 //
+// Bounded batches
+// ---------------
+// `std::int64_t max_batch_ops() const` is optional too (concept
+// BoundedBatchTransport): a batching transport whose batch misbehaves past
+// some size says so (NCCL splits a group larger than its limits into kernel
+// plans, each rank from its own op list, so a send and its receive can land
+// in different plans and hang). The executor then puts at most that many ops
+// of a rank into one wave, both ends of every pair agreeing on the wave of
+// each message (exec/batch_cap.hpp; ExecutorOptions::max_batch_ops overrides
+// it). A flush may still be handed more (a caller that does not bound its
+// posts): the transport must then split the batch itself into sub-batches
+// both ends of every pair cut alike (NcclTransport: by round, see nccl.hpp),
+// never by its own op count.
+//
 // Device streams
 // --------------
 // `void* device_stream()` is optional too (concept DeviceStreamTransport).
@@ -491,6 +505,22 @@ void flush_batch(T& t, Deadline deadline) {
   if constexpr (FlushingTransport<T>) t.flush(deadline);
 }
 
+/// A transport whose batches hold a bounded number of ops (see "Bounded
+/// batches"): `std::int64_t max_batch_ops() const`, 0 for no bound.
+template <class T>
+concept BoundedBatchTransport = requires(const T& t) {
+  { t.max_batch_ops() } -> std::convertible_to<std::int64_t>;
+};
+
+/// T's max_batch_ops() where it has one, else 0 (no bound).
+template <class T>
+std::int64_t max_batch_ops_of(const T& t) {
+  if constexpr (BoundedBatchTransport<T>)
+    return static_cast<std::int64_t>(t.max_batch_ops());
+  else
+    return 0;
+}
+
 /// A transport whose flushed batches run on a device stream (see "Device
 /// streams"): `void* device_stream()` returns it (a cudaStream_t with CUDA).
 template <class T>
@@ -605,6 +635,12 @@ class ForwardingTransport {
   void abort(std::string_view why) noexcept { inner().abort(why); }
   /// Forwards the batch boundary (a no-op over a transport without flush).
   void flush(Deadline d) { flush_batch(inner(), d); }
+  /// Forwards the batch bound where the inner transport has one.
+  std::int64_t max_batch_ops() const
+    requires BoundedBatchTransport<Inner>
+  {
+    return inner().max_batch_ops();
+  }
   /// Forwards the device stream where the inner transport runs on one.
   void* device_stream()
     requires DeviceStreamTransport<Inner>
