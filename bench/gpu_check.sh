@@ -20,6 +20,13 @@
 #                         for bit (block 128x128 and MXFP8; bf16, f16, f32)
 #   8. test_cuda_delta    the delta diff / scatter kernels against the host's
 #                         encode and decode (densities 0 to 100%, malformed payloads)
+#   9. with 2 or more GPUs only (NOT RUN YET: every device lent so far had
+#      one GPU): reshard-refit --transport nccl between processes, one GPU
+#      each: a colocated tp=2 -> tp=1,dp=2 refit (every rank receives the
+#      other's half over NCCL), the same with MoE experts (many messages per
+#      pair, so NcclOptions::max_group_ops bounds real groups), and a 4-GPU
+#      disaggregated tp=2 -> tp=2 where 4 are visible; validated element by
+#      element by the tool (its JSON's "validated")
 # and writes everything to OUTDIR/gpu_check.txt (build log: OUTDIR/build.log).
 #
 #   bash bench/gpu_check.sh OUTDIR          (ARCH=90 by default; BUILD=dir to reuse a build)
@@ -140,6 +147,25 @@ if [ $TOOLS = ON ]; then
   # reopen the report and truncate it.)
   run nccl-refit-2ranks-1gpu 120 bash -c "out=\$(mpirun -np 2 '$BIN/reshard-refit' --transport nccl --model '$model' --train tp=1 \
       --infer tp=1 --no-baseline --json 2>&1); echo \"\$out\"; grep -q 'needs one GPU per rank' <<< \"\$out\""
+  # Several GPUs, one per process (the tool sets each rank's GPU to its
+  # node-local rank): NCCL between processes. Nothing here has run yet.
+  # Each passes when the tool's JSON says the refit validated.
+  validated() {  # ranks, reshard-refit arguments...
+    local n=$1; shift
+    echo "out=\$(mpirun -np $n '$BIN/reshard-refit' --transport nccl $* --iterations 3 --json 2>&1); echo \"\$out\"; \
+grep -q '\"validated\":true' <<< \"\$out\""
+  }
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [ "$gpus" -ge 2 ]; then
+    run nccl-refit-2gpus 180 bash -c "$(validated 2 --model "$model" --train tp=2 --infer tp=1,dp=2 --colocate)"
+    run nccl-refit-2gpus-moe 180 bash -c "$(validated 2 --model "$SRC/examples/models/tiny-moe.json" --train tp=1,dp=2,ep=2 \
+        --infer tp=2 --colocate)"
+  else
+    echo "## NCCL between processes on several GPUs: SKIPPED ($gpus GPU visible; needs 2)" >> "$R"
+  fi
+  if [ "$gpus" -ge 4 ]; then
+    run nccl-refit-4gpus 180 bash -c "$(validated 4 --model "$model" --train tp=2 --infer tp=2)"
+  fi
 else
   echo "## reshard-refit --transport nccl: SKIPPED (CLI11 or mpirun not installed on this machine)" >> "$R"
 fi

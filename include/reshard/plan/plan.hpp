@@ -42,12 +42,6 @@ namespace reshard {
 struct PlanOptions {
   /// >= 0: plan only the copies this global rank sends or receives.
   std::int64_t only_rank = -1;
-  /// A tensor whose float dtype differs between the sides (f32, bf16, f16:
-  /// an f32 master copy into a bf16 engine) is converted in flight: the
-  /// sender converts what it sends, rounding to nearest even as torch's
-  /// Tensor.to() does, and the destination's dtype crosses the wire
-  /// (CopyQuant::cast). Off: such a tensor is an error naming it.
-  bool cast = false;
   /// Pieces with R > 1 replicas and at least this many bytes are cut into R
   /// slabs of equal needed element counts (along one dim; for flat sources,
   /// along the row-major order), one per replica, so every replica sends its
@@ -72,6 +66,12 @@ struct PlanOptions {
   /// function of the destination) and joined in order, so the schedule is the
   /// same for any count. 0: std::thread::hardware_concurrency().
   int threads = 1;
+  /// A tensor whose float dtype differs between the sides (f32, bf16, f16:
+  /// an f32 master copy into a bf16 engine) is converted in flight: the
+  /// sender converts what it sends, rounding to nearest even as torch's
+  /// Tensor.to() does, and the destination's dtype crosses the wire
+  /// (CopyQuant::cast). Off: such a tensor is an error naming it.
+  bool cast = false;
 };
 
 /// Checks that two layouts describe the same tensors; returns, for each
