@@ -11,7 +11,8 @@
 #         Smaller there: the random-pair sweeps of test_plan_properties
 #         (RESHARD_SEEDS, see below) and the refit bench is not built.
 #   tsan  build-tsan: the threaded and multi-process transport tests with
-#         -fsanitize=thread: test_executor, test_resharder, the reshard-refit
+#         -fsanitize=thread: test_executor, test_resharder, test_batch_cap and
+#         test_nccl_fake (bounded NCCL groups, the fake NCCL's ranks), the reshard-refit
 #         checks on the in-process transport (refit.example.*
 #         and refit.usage.*; refit.default is too slow under TSan), the schedule replay
 #         inputs (fuzz.inputs.schedule_replay) and test_ucx_fork (UCX's fork-based
@@ -155,11 +156,12 @@ if want tsan; then
   stamp "tsan: configure and build (build-tsan, g++, thread)"
   mkdir -p build-tsan
   cmake -S . -B build-tsan -DRESHARD_SANITIZE=thread -DRESHARD_WITH_CUDA=OFF > build-tsan/configure.log
-  targets=(test_executor test_resharder reshard-refit fuzz-schedule-replay-inputs)
+  targets=(test_executor test_resharder test_batch_cap test_nccl_fake reshard-refit fuzz-schedule-replay-inputs)
   # refit.default (the 707 MB model, 5 iterations and the traditional
   # baseline) takes over 4 minutes under TSan; the refit.example.* runs take
   # the same executor and transport paths on smaller models.
-  tsan_parts=(test_executor test_resharder 'refit\.example\..*' 'refit\.usage\..*' 'fuzz\.inputs\.schedule_replay')
+  tsan_parts=(test_executor test_resharder test_batch_cap test_nccl_fake 'refit\.example\..*' 'refit\.usage\..*'
+              'fuzz\.inputs\.schedule_replay')
   # (help captured first: `grep -q` closing the pipe early would fail it under pipefail)
   tsan_help=$(cmake --build build-tsan --target help)
   if grep -q -x '\.\.\. test_ucx_fork' <<< "$tsan_help"; then
