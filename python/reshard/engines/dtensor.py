@@ -17,7 +17,7 @@ placement per mesh dim. :func:`dtensor_layout` turns them into a layout
 
 ``Partial`` and ``_StridedShard`` placements (FSDP2 over tensor parallel) are
 refused, naming the parameter. The dtype is the parameter's: an f32 master copy
-refits into f32 destinations only (no cast in flight yet).
+refits into bf16 destinations with ``Resharder(..., cast=True)``.
 """
 from __future__ import annotations
 
