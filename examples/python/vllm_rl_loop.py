@@ -101,6 +101,9 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(1000 + rank)
         self.engine, self.kill_at = None, kill_at
 
+    def ready(self):
+        return True
+
     def listen_port(self):
         return free_port()
 
@@ -270,7 +273,7 @@ def run(a) -> dict:
                                         kill.get(("trainer", r), 0), a.master_f32) for r in range(a.trainers)]
         rollouts = [RolloutActor.remote(r, a.rollout_tp, cfg, vport, str(work), a.expert_parallel,
                                         kill.get(("rollout", r), 0)) for r in range(a.rollout_tp)]
-        ray.get([r.ready.remote() for r in rollouts] + [t.listen_port.remote() for t in trainers])
+        ray.get([r.ready.remote() for r in rollouts + trainers])  # every model built
         out["build_seconds"] = time.monotonic() - t0
         store_port = ray.get(trainers[0].listen_port.remote())  # trainer rank 0 hosts the backend's store
         inits = ray.get([t.init_transfer.remote(store_port, rollouts, a.delta) for t in trainers])
@@ -372,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip the broadcast + load_weights peer")
     ap.add_argument("--kill", type=kill_spec, metavar="ROLE:RANK@STEP",
                     help="kill an actor in a step's update, e.g. rollout:1@2 or trainer:1@2")
-    ap.add_argument("--work", help="a folder for vLLM's and Ray's files (default: a temporary one, removed)")
+    ap.add_argument("--work", help="a folder for vLLM's files, with a short path: vLLM binds sockets in it (default: a temporary one under /tmp, removed); Ray's go to a temporary folder of their own")
     ap.add_argument("--verbose", action="store_true", help="the actors' logs on stderr")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
     a = ap.parse_args(argv)

@@ -758,7 +758,7 @@ std::string Executor<T>::bind_copies(const Schedule& schedule, std::string local
       if (c.rank < 1 || c.rank > kMaxBoxRank) fail_here(fmt::format("a copy has box rank {}", c.rank));
       if (c.element_bytes < 1) fail_here("a copy has element size < 1");
       if (c.quant != CopyQuant::none)  // it needs a quantizer around the run: quant_refit.hpp
-        fail_here("the schedule quantizes into FP8 tensors; run it through QuantRefit (quant_refit.hpp), as Resharder does");
+        fail_here("the schedule quantizes into FP8 tensors or casts between float dtypes; run it through QuantRefit (quant_refit.hpp), as Resharder does");
       if (c.is_local()) {
         const BoundBuffer& sb = buffer_of(true, c);
         const BoundBuffer& db = buffer_of(false, c);
