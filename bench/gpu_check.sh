@@ -20,6 +20,13 @@
 #                         for bit (block 128x128 and MXFP8; bf16, f16, f32)
 #   8. test_cuda_delta    the delta diff / scatter kernels against the host's
 #                         encode and decode (densities 0 to 100%, malformed payloads)
+#  10. CUDA tensors from Python (issue 41; where the device's Python has torch,
+#      nanobind and pytest): the module built with the CUDA copy engine, its
+#      GPU tests (python/tests/test_cuda_tensors.py: refits of CUDA tensors
+#      against the contract oracle, ordered after the caller's stream), the
+#      refit against torch's D2D copy of the same bytes
+#      (bench/python_cuda_refit.py, ratio >= 0.9 the goal for large pieces)
+#      and racecheck of the stream-order test. NOT RUN YET.
 #   9. with 2 or more GPUs only (NOT RUN YET: every device lent so far had
 #      one GPU): reshard-refit --transport nccl between processes, one GPU
 #      each: a colocated tp=2 -> tp=1,dp=2 refit (every rank receives the
@@ -179,6 +186,30 @@ if command -v compute-sanitizer > /dev/null; then
   run quantize-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$BIN/test_cuda_quantize" --gpu --test-case="*one dim*"
 else
   echo "## compute-sanitizer: SKIPPED (not installed)" >> "$R"
+fi
+
+# 10. CUDA tensors from Python: the module needs nanobind in the Python that
+# builds it (the device machines have no network: PYTHON= one that has it).
+PY=${PYTHON:-python3}
+if "$PY" -c "import torch, nanobind, pytest" > /dev/null 2>&1; then
+  PYB="$BUILD-python"
+  if cmake -S "$SRC" -B "$PYB" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_PYTHON=ON \
+        -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_TOOLS=OFF -DPython_EXECUTABLE="$(command -v "$PY")" "${extra[@]}" \
+        >> "$OUTDIR/build.log" 2>&1 && cmake --build "$PYB" -j"$JOBS" --target _core >> "$OUTDIR/build.log" 2>&1; then
+    pkg="$OUTDIR/pypkg"
+    rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$SRC/python/reshard" "$pkg/" && cp "$PYB"/python/_core*.so "$PYB"/python/_build.py "$pkg/reshard/"
+    run python-cuda-tests 240 env PYTHONPATH="$pkg" "$PY" -m pytest -q -p no:cacheprovider "$SRC/python/tests/test_cuda_tensors.py"
+    run python-cuda-bench 180 env PYTHONPATH="$pkg" "$PY" "$SRC/bench/python_cuda_refit.py" --mib 1024 --iterations 5
+    if command -v compute-sanitizer > /dev/null; then
+      run python-cuda-racecheck 240 compute-sanitizer --tool racecheck --error-exitcode 1 env PYTHONPATH="$pkg" "$PY" -m pytest -q \
+          -p no:cacheprovider "$SRC/python/tests/test_cuda_tensors.py" -k "waits_for_the_callers_stream or llama-block"
+    fi
+  else
+    echo "## python-cuda: BUILD FAILED" >> "$R"; grep -E "error" -A3 "$OUTDIR/build.log" | tail -30 >> "$R"
+    summary+="python-cuda: BUILD FAILED"$'\n'; status=1
+  fi
+else
+  echo "## python-cuda: SKIPPED ($PY lacks torch, nanobind or pytest)" >> "$R"
 fi
 
 {

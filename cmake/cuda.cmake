@@ -70,7 +70,7 @@ endif()
 message(STATUS "reshard: CUDA ${CUDAToolkit_VERSION} (nvcc ${CMAKE_CUDA_COMPILER}), architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
 # The device check's bandwidth program (bench/gpu_check.sh builds and runs it).
-if(PROJECT_IS_TOP_LEVEL AND NOT TARGET gpu-bandwidth)
+if(PROJECT_IS_TOP_LEVEL AND NOT SKBUILD AND NOT TARGET gpu-bandwidth)
   add_executable(gpu-bandwidth ${CMAKE_CURRENT_LIST_DIR}/../bench/gpu_bandwidth.cu)
   target_link_libraries(gpu-bandwidth PRIVATE reshard_cuda)
 endif()

@@ -28,3 +28,25 @@ ctest --test-dir "$B" -L ucx --output-on-failure --no-tests=error
 if [ $probe = 1 ]; then
   ctest --test-dir "$B" -R '^test_cuda_ucx_memory$' --output-on-failure --no-tests=error
 fi
+# The Python module against the same wheel (-DRESHARD_UCX_WHEEL=ON: its
+# reshard/_build.py says so, and `import reshard` loads the wheel's UCX
+# first), installed beside the venv's own package (pip --target), so the
+# venv keeps the default build: the UCX version loaded, then refits across
+# processes through it from Python (and, with a GPU and a driver, CUDA
+# tensors between processes sharing it: test_cuda_tensors.py).
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check nanobind scikit-build-core numpy pytest torch
+PKG="$PWD/$B/python-pkg"
+rm -rf "$PKG"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$PKG" \
+  -C cmake.define.RESHARD_UCX_WHEEL=ON -C "build-dir=build-python/ucx-wheel-{wheel_tag}" .
+cd python/tests
+PYTHONPATH="$PKG" "$VENV/bin/python" -c '
+import importlib.metadata, os, reshard
+info, wheel = reshard.ucx_info(), importlib.metadata.version("libucx-cu13")
+loaded = info["version"]
+assert reshard.__file__.startswith(os.environ["PYTHONPATH"]), reshard.__file__
+assert loaded == wheel, f"the module runs on UCX {loaded}, not on the wheel (UCX {wheel})"
+print("python module on the wheel:", info["summary"], "| has_cuda:", reshard.has_cuda)
+'
+PYTHONPATH="$PKG" UCX_TLS="${UCX_TLS:-tcp,self,sm}" UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" "$VENV/bin/python" -m pytest -q \
+  -p no:cacheprovider test_cuda_tensors.py test_multiprocess.py -k "cuda or two_refits or colocated or bad_buffer or strided"

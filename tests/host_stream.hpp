@@ -15,6 +15,7 @@
 //    (device_stream()), where it runs after whatever the stream was made to
 //    wait for; requests complete when the stream has run their batch.
 // Buffers are host memory the executor treats as MemoryKind::device.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -181,9 +182,13 @@ class HostStreamEngine final : public DeviceCopyEngine {
     if (e) stream_of(stream).wait_for(shared(e));
   }
   void host_wait(DeviceEvent e) override {
+    ++host_waits;
     if (e) shared(e)->wait();
   }
-  void synchronize() override { copy_.drain(); }
+  void synchronize() override {
+    ++host_waits;
+    copy_.drain();
+  }
 
   /// An event of another stream (the trainer's, the inference side's), as a
   /// handle the executor can wait for.
@@ -194,6 +199,7 @@ class HostStreamEngine final : public DeviceCopyEngine {
   }
   HostStream& copy_stream() { return copy_; }
   std::int64_t launches = 0;
+  std::atomic<std::int64_t> host_waits{0};  ///< host_wait() and synchronize() calls
 
  private:
   struct Uploaded {
@@ -290,12 +296,14 @@ class DeviceStreamLocalTransport {
     });
   }
   bool test(request& r) {
+    ++host_checks;
     if (!r->flushed) flush(Clock::now() + std::chrono::seconds(60));
     if (!r->done.reached()) return false;
     if (!r->error.empty()) throw TransportError(r->error);
     return true;
   }
   void wait(request& r, Deadline deadline) {
+    ++host_checks;
     if (!r->flushed) flush(deadline);
     while (!r->done.reached()) {
       if (Clock::now() > deadline) throw TransportError(fmt::format("device-stream-local: rank {}: a batch did not complete by the deadline", rank()));
@@ -314,6 +322,7 @@ class DeviceStreamLocalTransport {
   void abort(std::string_view why) noexcept { inner_.abort(why); }
 
   std::int64_t batches = 0;
+  std::int64_t host_checks = 0;  ///< test() and wait() calls: the host asking whether a batch is done
 
  private:
   LocalTransport inner_;

@@ -17,3 +17,9 @@ target_include_directories(mpi-killed-rank PRIVATE ${CMAKE_CURRENT_LIST_DIR} ${C
 add_test(NAME mpi.killed_rank
          COMMAND ${CMAKE_COMMAND} -DMPIEXEC=${MPIEXEC_EXECUTABLE} -DEXE=$<TARGET_FILE:mpi-killed-rank> -P ${CMAKE_CURRENT_LIST_DIR}/mpi/check_killed_rank.cmake)
 set_tests_properties(mpi.killed_rank PROPERTIES TIMEOUT 120 LABELS mpi ENVIRONMENT "${RESHARD_MPI_ENV}")
+# The MPI bootstrap's notice board (the out-of-band abort of reshard-refit
+# --transport nccl), under mpirun -np 3.
+add_executable(mpi-notice-board ${CMAKE_CURRENT_LIST_DIR}/mpi/mpi_notice_board.cpp)
+target_link_libraries(mpi-notice-board PRIVATE reshard::reshard reshard_warnings MPI::MPI_CXX)
+add_test(NAME mpi.notice_board COMMAND ${RESHARD_MPIRUN} ${MPIEXEC_NUMPROC_FLAG} 3 $<TARGET_FILE:mpi-notice-board>)
+set_tests_properties(mpi.notice_board PROPERTIES TIMEOUT 120 LABELS mpi ENVIRONMENT "${RESHARD_MPI_ENV}")

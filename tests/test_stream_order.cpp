@@ -239,3 +239,131 @@ TEST_CASE("stream order: events with host buffers are a clear error, and the pee
   }
   CHECK(named);
 }
+
+namespace {
+
+/// One rank's refits through enqueue() / commit(): the trainer writes each
+/// version late on its stream (after `trainer_delay`), the refit is
+/// enqueued at once, the inference stream waits for the event enqueue()
+/// returns and then reads the destination, and only then does the host
+/// commit. On a transport with a device stream, enqueue() must not wait on
+/// the host at all: `blocked` counts enqueues that waited for anything (an
+/// engine host wait or synchronize, a transport test or wait) or returned
+/// after the trainer's write ran.
+template <class T>
+void enqueue_commit_rank(T& t, const Layout& src, const Layout& dst, std::chrono::milliseconds trainer_delay, Result& out,
+                         std::int64_t& blocked, std::mutex& m) {
+  using namespace refit_test;
+  SideMemory sm = make_side(src, t.rank(), true, 0), dm = make_side(dst, t.rank(), false, 0);
+  LocalBuffers bufs;
+  bufs.src = views(src, sm);
+  bufs.dst = views(dst, dm);
+  for (auto* side : {&bufs.src, &bufs.dst})
+    for (auto& [name, v] : *side) v.memory = MemoryKind::device;
+  auto engine = std::make_shared<HostStreamEngine>(kDelay, static_cast<std::uint64_t>(t.rank()) + 17);
+  ResharderOptions o;
+  o.executor.device = engine;
+  o.executor.staging_budget = 4096;  // several waves
+  HostStream trainer, inference;
+  Resharder<Layout, T> r(src, dst, bufs, t, o);
+  for (int k = 1; k <= 3; ++k) {
+    auto written = std::make_shared<std::atomic<bool>>(false);
+    trainer.enqueue([&, k, written] {
+      std::this_thread::sleep_for(trainer_delay);
+      write_side(src, sm, true, static_cast<std::uint64_t>(k));
+      *written = true;
+    });
+    StreamOrder order;
+    order.wait = false;
+    order.sources_final = engine->adopt(trainer.record());
+    std::int64_t checks_before = 0;
+    if constexpr (requires { t.host_checks; }) checks_before = t.host_checks;
+    const std::int64_t waits_before = engine->host_waits;
+    const DeviceEvent done = r.enqueue(order);
+    bool waited = engine->host_waits != waits_before || *written;
+    if constexpr (requires { t.host_checks; }) waited = waited || t.host_checks != checks_before;
+    REQUIRE(done != nullptr);
+    // The consumer: its stream waits for `done` (no host wait), then reads.
+    engine->stream_wait(done, &inference);
+    auto read = inference.record();
+    const RefitReport rep = r.commit();
+    read->wait();
+    out.count(m, k, dst, dm, t.rank());
+    std::lock_guard lk(m);
+    blocked += waited;
+    CHECK(rep.version == static_cast<std::uint64_t>(k));
+    CHECK(r.last_good_version() == static_cast<std::uint64_t>(k));
+  }
+  trainer.drain();
+}
+
+}  // namespace
+
+TEST_CASE("enqueue / commit: on a device-stream transport enqueue never waits on the host; the consumer's stream orders after `done`") {
+  for (const Layout* dst : {&tp4_apart(), &tp2_colocated()}) {
+    Result out;
+    std::int64_t blocked = 0;
+    std::mutex m;
+    LocalWorld world(refit_test::world_of(tp2(), *dst));
+    world.run([&](LocalTransport& lt) {
+      DeviceStreamLocalTransport t(lt, kDelay, static_cast<std::uint64_t>(lt.rank()) + 5);
+      // 1 s: an enqueue that waited for the trainer's event cannot hide.
+      enqueue_commit_rank(t, tp2(), *dst, std::chrono::milliseconds(1000), out, blocked, m);
+    });
+    INFO(out.first_wrong);
+    CHECK(out.wrong == 0);
+    CHECK(blocked == 0);
+  }
+}
+
+TEST_CASE("enqueue / commit: a host-driven transport moves everything in enqueue, in order, and commits alike") {
+  Result out;
+  std::int64_t blocked = 0;
+  std::mutex m;
+  LocalWorld world(refit_test::world_of(tp2(), tp4_apart()));
+  world.run([&](LocalTransport& lt) {
+    HostAsDevice t(lt);
+    enqueue_commit_rank(t, tp2(), tp4_apart(), std::chrono::milliseconds(20), out, blocked, m);
+  });
+  INFO(out.first_wrong);
+  CHECK(out.wrong == 0);
+  CHECK(blocked > 0);  // (the host waited for the trainer's event: the control)
+}
+
+TEST_CASE("enqueue / commit: misuse is a clear error on every rank, never a hang") {
+  const Layout& src = tp2();
+  const Layout& dst = tp2_colocated();
+  std::mutex m;
+  std::vector<std::string> errors;
+  LocalWorld world(refit_test::world_of(src, dst));
+  world.run([&](LocalTransport& t) {
+    refit_test::SideMemory sm = refit_test::make_side(src, t.rank(), true, 1), dm = refit_test::make_side(dst, t.rank(), false, 0);
+    LocalBuffers bufs;
+    bufs.src = refit_test::views(src, sm);
+    bufs.dst = refit_test::views(dst, dm);
+    std::vector<std::string> mine;
+    {
+      Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
+      mine.push_back(test_util::error_of([&] { (void)r.commit(); }));
+      (void)r.enqueue(StreamOrder{});
+      mine.push_back(test_util::error_of([&] { (void)r.enqueue(StreamOrder{}); }));
+      mine.push_back(test_util::error_of([&] { (void)r.refit(); }));
+      const RefitReport rep = r.commit();
+      CHECK(rep.version == 1);
+      CHECK(r.state() == RefitState::current);
+    }
+    ResharderOptions delta;
+    delta.delta.enabled = true;
+    Resharder<Layout, LocalTransport> d(src, dst, bufs, t, delta);
+    mine.push_back(test_util::error_of([&] { (void)d.enqueue(StreamOrder{}); }));
+    std::lock_guard lk(m);
+    errors.insert(errors.end(), mine.begin(), mine.end());
+  });
+  REQUIRE(errors.size() == 8);
+  for (std::size_t i = 0; i < errors.size(); i += 4) {
+    CHECK(errors[i].find("Resharder::commit: no refit is enqueued") != std::string::npos);
+    CHECK(errors[i + 1].find("version 1 is enqueued and not committed yet: commit() it first") != std::string::npos);
+    CHECK(errors[i + 2].find("Resharder::refit of version 2: version 1 is enqueued and not committed yet") != std::string::npos);
+    CHECK(errors[i + 3].find("delta refits run through refit()") != std::string::npos);
+  }
+}

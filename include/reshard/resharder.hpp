@@ -76,7 +76,10 @@
 // (cudaStreamWaitEvent) before reading the new version, and the trainer
 // before writing the sources again (the copies may still read them). The
 // event is valid until the next refit. With the defaults refit() returns
-// after every copy.
+// after every copy. enqueue(order) / commit() split refit() in two: on a
+// transport with a device stream, enqueue() puts every copy and transfer on
+// the streams and returns, with no host wait, the event after the last copy;
+// commit() later waits for the transport and takes every rank's verdict.
 //
 // Staged schedules (ResharderOptions::staged, e.g. plan_hierarchical()): a
 // StagedExecutor runs the stages in order (stage k on channel + k) instead of
@@ -420,28 +423,58 @@ class Resharder {
   /// The same with a caller's version (every rank the same; above every
   /// version attempted before).
   RefitReport refit(std::uint64_t version, const StreamOrder& order = {}) {
-    if (!ready_) fail("Resharder::refit on rank {}: setup() has not completed (bind the buffers and set up first)", me_);
-    if (broken_)
-      fail("rank {}: Resharder::refit: an earlier run failed (refit version {} was not committed); the peers' state is unknown, set up "
-           "again",
-           me_, attempted_);
-    if (version <= attempted_) {
-      const std::string why = fmt::format("rank {}: Resharder::refit: version {} is not above version {}, attempted before", me_, version, attempted_);
-      t_->abort(why);  // the peers would otherwise wait for this rank until their deadline
-      fail("{}", why);
-    }
-    if ((order.sources_final || order.destination_free) && !opt_.executor.device) {
-      const std::string why = fmt::format("rank {}: Resharder::refit: a StreamOrder with events orders device buffers, but this rank's "
-                                          "buffers are host memory (ExecutorOptions::device is not set): nothing would wait for them",
-                                          me_);
-      t_->abort(why);
-      fail("{}", why);
-    }
-    attempted_ = version;
-    const int target = opt_.double_buffered ? 1 - serving_ : 0;
+    const int target = start_refit(version, order, "refit");
     if (opt_.delta.enabled) return run_and_commit(*delta_[static_cast<std::size_t>(target)], version, target, order);
     if (opt_.staged) return run_and_commit(*staged_[static_cast<std::size_t>(target)], version, target, order);
     return run_and_commit(target == 0 ? *executor_ : *back_executor_, version, target, order);
+  }
+
+  /// refit(version, order) in two halves, so the host can go on while the
+  /// device moves the weights and take the verdict later. enqueue(): with
+  /// device buffers on a transport with a device stream (NCCL), every copy
+  /// and transfer is enqueued after `order`'s events and it returns without
+  /// waiting on the host; the event it returns follows the last copy (a
+  /// consumer's stream may wait for it now; nullptr with host buffers). On a
+  /// host-driven transport it returns once the transport moved everything.
+  /// commit(): the host waits for the transport (and with `order.wait` for
+  /// the copies), then every rank's verdict: it publishes the version and
+  /// returns its report, or throws RefitNotCommitted, as refit() does (what
+  /// a consumer read after the event is that version only once commit()
+  /// returned). Every rank calls both, in that order, one refit at a time.
+  /// Plain schedules only: delta, staged and FP8-quantized refits use refit().
+  DeviceEvent enqueue(std::uint64_t version, const StreamOrder& order = {}) {
+    if (pending_) fail("rank {}: Resharder::enqueue of version {}: version {} is enqueued and not committed yet: commit() it first", me_, version,
+                       pending_->version);
+    if (opt_.delta.enabled || opt_.staged || quant_)
+      fail("rank {}: Resharder::enqueue: {} refits run through refit() (enqueue / commit splits plain schedules only)", me_,
+           opt_.delta.enabled ? "delta" : opt_.staged ? "staged" : "FP8-quantized");
+    const int target = start_refit(version, order, "enqueue");
+    if (!opt_.double_buffered) state_ = RefitState::stale;  // written into from here on
+    pending_ = PendingRefit{version, target, order, verdict_deadline(), {}};
+    Executor<TransportT>& ex = target == 0 ? *executor_ : *back_executor_;
+    try {
+      ex.enqueue(version, order);
+    } catch (const std::exception& e) {
+      pending_->local_error = e.what();  // reported by commit(), after every rank's verdict
+      return nullptr;
+    }
+    return ex.enqueued_done();
+  }
+  DeviceEvent enqueue(const StreamOrder& order = {}) { return enqueue(attempted_ + 1, order); }
+  RefitReport commit() {
+    if (!pending_) fail("rank {}: Resharder::commit: no refit is enqueued (enqueue() first)", me_);
+    PendingRefit p = std::move(*pending_);
+    pending_.reset();
+    Executor<TransportT>& ex = p.target == 0 ? *executor_ : *back_executor_;
+    ExecutorStats st;
+    if (p.local_error.empty()) {
+      try {
+        st = ex.complete();
+      } catch (const std::exception& e) {
+        p.local_error = e.what();
+      }
+    }
+    return verdict(ex, p.version, p.target, st, p.local_error, p.verdict_deadline);
   }
 
   /// The served destination: current (complete at last_good_version()),
@@ -511,6 +544,47 @@ class Resharder {
   }
 
  private:
+  /// refit() and enqueue()'s checks; returns the destination set to write.
+  int start_refit(std::uint64_t version, const StreamOrder& order, const char* what) {
+    if (!ready_) fail("Resharder::{} on rank {}: setup() has not completed (bind the buffers and set up first)", what, me_);
+    if (pending_)
+      fail("rank {}: Resharder::{} of version {}: version {} is enqueued and not committed yet: commit() it first", me_, what, version,
+           pending_->version);
+    if (broken_)
+      fail("rank {}: Resharder::{}: an earlier run failed (refit version {} was not committed); the peers' state is unknown, set up "
+           "again",
+           me_, what, attempted_);
+    if (version <= attempted_) {
+      const std::string why =
+          fmt::format("rank {}: Resharder::{}: version {} is not above version {}, attempted before", me_, what, version, attempted_);
+      t_->abort(why);  // the peers would otherwise wait for this rank until their deadline
+      fail("{}", why);
+    }
+    if ((order.sources_final || order.destination_free) && !opt_.executor.device) {
+      const std::string why = fmt::format("rank {}: Resharder::{}: a StreamOrder with events orders device buffers, but this rank's "
+                                          "buffers are host memory (ExecutorOptions::device is not set): nothing would wait for them",
+                                          me_, what);
+      t_->abort(why);
+      fail("{}", why);
+    }
+    attempted_ = version;
+    return opt_.double_buffered ? 1 - serving_ : 0;
+  }
+
+  /// The verdicts wait up to two timeouts from the start: a rank still in
+  /// its run fails at one timeout and aborts, and the others then hear its
+  /// reason (through the abort) instead of timing out beside it.
+  Deadline verdict_deadline() const { return Clock::now() + 2 * opt_.executor.timeout; }
+
+  /// An enqueued refit, until commit().
+  struct PendingRefit {
+    std::uint64_t version = 0;
+    int target = 0;
+    StreamOrder order;
+    Deadline verdict_deadline{};
+    std::string local_error;
+  };
+
   /// One refit on `ex` (an Executor or a StagedExecutor writing set
   /// `target`) and the commit: every rank's verdict, then publish or record
   /// the failure.
@@ -519,10 +593,7 @@ class Resharder {
     if (!opt_.double_buffered) state_ = RefitState::stale;  // written into from here on
     ExecutorStats st;
     std::string local_error;
-    // The verdicts wait up to two timeouts from the start: a rank still in
-    // its run fails at one timeout and aborts, and the others then hear its
-    // reason (through the abort) instead of timing out beside it.
-    const Deadline verdict_deadline = Clock::now() + 2 * opt_.executor.timeout;
+    const Deadline deadline = verdict_deadline();
     try {
       const StreamOrder run_order = quant_ ? quant_->before_run(order) : order;
       if constexpr (requires { ex.run(version, run_order); })
@@ -533,6 +604,14 @@ class Resharder {
     } catch (const std::exception& e) {
       local_error = e.what();
     }
+    return verdict(ex, version, target, st, local_error, deadline);
+  }
+
+  /// Every rank's verdict on a run of `ex`, then publish (the report) or
+  /// record the failure (RefitNotCommitted).
+  template <class Ex>
+  RefitReport verdict(Ex& ex, std::uint64_t version, int target, const ExecutorStats& st, const std::string& local_error,
+                      Deadline verdict_deadline) {
     const auto v = resharder_detail::exchange_verdicts(*t_, local_error, version, std::max(verdict_deadline, Clock::now() + opt_.executor.timeout / 4));
     if (!local_error.empty() || !v.error.empty() || !v.failed.empty()) {
       broken_ = true;
@@ -682,6 +761,7 @@ class Resharder {
   RefitState state_ = RefitState::empty;
   int serving_ = 0;
   std::optional<StaleReport> last_failure_;
+  std::optional<PendingRefit> pending_;  ///< enqueue() until commit()
 };
 
 /// The Layout parameter for two layouts given as Src and Dst: their type

@@ -33,11 +33,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Iterable, Mapping, MutableMapping, Optional, Sequence, Union
 
-from . import _core
+from . import _build
+
+if _build.ucx_wheel:  # built against the libucx-cu13 wheel (UCX with CUDA): its libraries first
+    import libucx
+
+    libucx.load_library()
+from . import _core  # noqa: E402
 from ._core import Error, Layout, LayoutError, RefitNotCommitted, TransportError
 
 __all__ = [
@@ -61,12 +68,29 @@ __all__ = [
     "numpy_dtype",
     "buffers_from_state_dict",
     "has_ucx",
+    "has_cuda",
+    "ucx_info",
 ]
 
 __version__ = "0.1.0"
 
 #: Whether this build has the UCX transport (``Resharder(transport="ucx")``).
 has_ucx: bool = bool(_core.has_ucx)
+
+
+def ucx_info() -> dict:
+    """The UCX this process loaded and what memory it moves, asked of UCX itself
+    (``{"version": "1.22.0", "cuda": False, "summary": ...}``): CUDA tensors
+    cross processes only where ``cuda`` is True (a UCX built with CUDA, such as
+    the libucx-cu13 wheel's, on a machine with a CUDA driver: docs/python.md).
+    """
+    if not has_ucx:
+        raise Error("ucx_info: this build of reshard has no UCX transport")
+    return dict(_core.ucx_info())
+
+#: Whether this build takes CUDA tensors (built where nvcc was found: the CUDA
+#: copy engine is in the module). Without it CUDA tensors are refused by name.
+has_cuda: bool = bool(_core.has_cuda)
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: One rank's buffers: ``{buffer name: tensor}``, or ``{"src": {...}, "dst": {...}}``
@@ -289,11 +313,79 @@ def _prepare(bufs: Any) -> Any:
     return {n: _detach(t) for n, t in bufs.items()}
 
 
+# --- CUDA stream order ---------------------------------------------------------
+
+
+def _stream_handle(stream: Any) -> int:
+    # torch.cuda.Stream (its cuda_stream), any object of the CUDA stream protocol, or a raw cudaStream_t.
+    if isinstance(stream, int):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int(proto()[1])
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        raise Error(f"stream: expected a torch.cuda.Stream, an object with __cuda_stream__ or a cudaStream_t (int); got a "
+                    f"{type(stream).__name__}")
+    return int(handle)
+
+
+def _event_handle(event: Any, what: str) -> int:
+    if event is None:
+        return 0
+    if isinstance(event, int):
+        return event
+    handle = getattr(event, "cuda_event", None)
+    if handle is None:
+        raise Error(f"{what}: expected a torch.cuda.Event or a cudaEvent_t (int); got a {type(event).__name__}")
+    if not handle:
+        raise Error(f"{what}: the event was never recorded (record it on the stream whose work it marks)")
+    return int(handle)
+
+
+def _caller_order(device: int, stream: Any, sources_final: Any, destination_free: Any, wait: bool) -> "_core.CallerOrder":
+    """The caller's stream order for a rank whose tensors are on cuda:``device`` (-1: host memory)."""
+    o = _core.CallerOrder()
+    if device < 0:
+        if stream is not None or sources_final is not None or destination_free is not None or wait:
+            raise Error("stream, sources_final, destination_free and wait order CUDA tensors; this rank's tensors are host memory")
+        return o
+    if stream is None:
+        torch = sys.modules.get("torch")  # CUDA tensors from elsewhere: the legacy default stream
+        # Without a device torch cannot say its stream; the C++ side then fails naming the missing device.
+        if torch is not None and torch.cuda.is_available():
+            stream = torch.cuda.current_stream(device)
+    o.stream = 0 if stream is None else _stream_handle(stream)
+    o.sources_final = _event_handle(sources_final, "sources_final")
+    o.destination_free = _event_handle(destination_free, "destination_free")
+    o.wait = bool(wait)
+    return o
+
+
+def _cuda_devices(buffers: Any) -> "set[int]":
+    out: set = set()
+
+    def visit(x: Any) -> None:
+        if isinstance(x, Mapping):
+            for v in x.values():
+                visit(v)
+            return
+        dev = getattr(x, "__dlpack_device__", None)
+        if dev is not None:
+            kind, index = dev()
+            if int(kind) in (2, 13):  # kDLCUDA, kDLCUDAManaged
+                out.add(int(index))
+
+    visit(buffers)
+    return out
+
+
 # --- refits --------------------------------------------------------------------
 
 
 def refit_local(src: Layout, dst: Layout, buffers: Mapping[int, RankBuffers], *, iterations: int = 1,
-                timeout: float = 300.0, staging_budget: Optional[int] = None, cast: bool = False) -> dict:
+                timeout: float = 300.0, staging_budget: Optional[int] = None, cast: bool = False,
+                stream: Any = None) -> dict:
     """Refits ``src`` -> ``dst`` with every rank of both sides as a thread of this process.
 
     ``buffers`` maps each global rank to its buffers ``{name: tensor}``
@@ -301,6 +393,13 @@ def refit_local(src: Layout, dst: Layout, buffers: Mapping[int, RankBuffers], *,
     both sides). Source tensors are read, destination tensors written in
     place. The GIL is released while the threads run. ``cast`` as for
     :class:`Resharder`.
+
+    CUDA tensors (where :data:`has_cuda`; ranks as threads sharing the
+    process's GPUs, bytes moved by ``cudaMemcpy``): each rank's tensors on one
+    GPU, a copy engine for each such rank. The refit starts after the work
+    enqueued so far on ``stream`` (default: the current stream of the
+    tensors' GPU; tensors on several GPUs: each device is synchronized
+    first) and returns after every copy is done.
 
     Returns a report: ``bytes_moved`` (bytes between different ranks, per
     refit), ``seconds`` (median over ``iterations``, first start to last
@@ -310,7 +409,20 @@ def refit_local(src: Layout, dst: Layout, buffers: Mapping[int, RankBuffers], *,
     if not isinstance(buffers, Mapping):
         raise Error("refit_local: buffers must map each global rank to {buffer name: tensor}")
     prepared = {r: _prepare(b) for r, b in buffers.items()}
-    return _core.refit_local(src, dst, prepared, iterations, float(timeout), staging_budget, bool(cast))
+    devices = _cuda_devices(prepared)
+    order = _core.CallerOrder()
+    if len(devices) == 1:
+        order = _caller_order(next(iter(devices)), stream, None, None, False)
+    elif devices:
+        if stream is not None:
+            raise Error(f"refit_local: tensors on {len(devices)} GPUs ({sorted(devices)}); a stream orders one GPU's work")
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            for d in devices:
+                torch.cuda.synchronize(d)
+    elif stream is not None:
+        raise Error("refit_local: a stream orders CUDA tensors; these are host memory")
+    return _core.refit_local(src, dst, prepared, iterations, float(timeout), staging_budget, bool(cast), order)
 
 
 class _StoreAdapter:
@@ -465,15 +577,26 @@ class Resharder:
                                      None if back_buffers is None else _prepare(back_buffers), bool(delta), shadow_budget,
                                      None if dense_above is None else float(dense_above), bool(cast))
 
-    def refit(self, version: Optional[int] = None) -> dict:
+    def refit(self, version: Optional[int] = None, *, stream: Any = None, sources_final: Any = None,
+              destination_free: Any = None, wait: bool = False) -> dict:
         """Moves the weights (collective: every rank calls it). Returns this rank's report.
 
         The report holds ``bytes_moved`` (bytes this rank sent), ``seconds``,
         ``version`` (the committed version), ``messages``,
-        ``bytes_received``, ``local_bytes`` and the plan's figures. The GIL
-        is released while data moves.
+        ``bytes_received``, ``local_bytes``, ``device`` and the plan's
+        figures. The GIL is released while data moves.
+
+        CUDA tensors are ordered with ``stream`` (default: the current torch
+        stream of their GPU): the refit reads the sources after the work
+        enqueued on it so far, or after the event ``sources_final`` (a
+        ``torch.cuda.Event`` the trainer recorded after its optimizer step),
+        writes the destination after that work, or after
+        ``destination_free``, and the stream waits for the refit's last copy,
+        so kernels enqueued on it next read the new weights, without the host
+        waiting for the copies. ``wait=True``: the host waits too.
         """
-        return self._r.refit(version)
+        order = _caller_order(self._r.device, stream, sources_final, destination_free, wait)
+        return self._r.refit(version, order)
 
     def close(self) -> None:
         """Waits until every rank closed (collective), then frees the transport. Idempotent.

@@ -3,10 +3,15 @@
 // UCX transport are the C++ library's; this file only converts between
 // Python objects (DLPack tensors, dicts, a key-value store) and its types.
 //
-//  * Tensors arrive through DLPack (nb::ndarray): host memory only in this
-//    build, checked against the layout (dtype, element count, or shape and
+//  * Tensors arrive through DLPack (nb::ndarray): host memory, or CUDA memory
+//    where the module was built with nvcc (RESHARD_PYTHON_CUDA: the CUDA copy
+//    engine of tools/cuda_copy_engine.cu, one per rank on its tensors' GPU),
+//    checked against the layout (dtype, element count, or shape and
 //    strides), and handed to the executors as BufferViews over the tensor's
 //    own memory: no copy is ever made.
+//  * CUDA tensors are ordered with the caller's streams (CallerOrder): a
+//    refit starts after the work enqueued so far on the caller's stream (or
+//    after the caller's events) and that stream waits for its last copy.
 //  * Every C++ wait runs with the GIL released; the store bootstrap
 //    re-acquires it only around each call into the Python store.
 //  * reshard::Error and its subclasses become reshard.Error and its
@@ -47,6 +52,13 @@
 #include "reshard/transport/local.hpp"
 #ifdef RESHARD_HAVE_UCX
 #include "reshard/transport/ucx.hpp"
+#endif
+#ifdef RESHARD_PYTHON_CUDA
+#include "reshard/cuda/device_guard.hpp"
+#include "reshard/cuda/local_device.hpp"
+#include "reshard/cuda/runtime.hpp"
+/// tools/cuda_copy_engine.cu (nvcc): the CUDA copy engine on the current device.
+std::shared_ptr<reshard::DeviceCopyEngine> make_cuda_copy_engine();
 #endif
 
 namespace nb = nanobind;
@@ -234,6 +246,32 @@ std::string names_of(const std::vector<Expected>& v) {
   return fmt::format("{}", fmt::join(n, ", "));
 }
 
+constexpr bool has_cuda() {
+#ifdef RESHARD_PYTHON_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+/// Where a tensor's memory is: host (CPU or CUDA pinned host memory) or a
+/// GPU (CUDA device or managed memory); anything else is refused by name.
+MemoryKind memory_of(int device_type, int device_id, const std::string& what, const std::string& expect) {
+  if (device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value) return MemoryKind::host;
+  if (device_type == nb::device::cuda::value || device_type == nb::device::cuda_managed::value) {
+#ifdef RESHARD_PYTHON_CUDA
+    return MemoryKind::device;
+#else
+    fail("{}: the tensor is in {} memory (device {}): this build of reshard moves host memory only (nvcc was not found when it "
+         "was built, so it has no CUDA copy engine: reinstall it where the CUDA toolkit is, reshard.has_cuda says which); expected a "
+         "CPU tensor ({})",
+         what, device_name(device_type), device_id, expect);
+#endif
+  }
+  fail("{}: the tensor is in {} memory (DLPack device type {}, id {}): reshard moves host{} memory; expected {}", what,
+       device_name(device_type), device_type, device_id, has_cuda() ? " and CUDA" : "", expect);
+}
+
 /// Checks one tensor against the buffer the layout gives this rank and
 /// returns a view of the tensor's own memory. Accepted: a contiguous tensor
 /// of the buffer's dtype and element count (any shape), or a strided tensor
@@ -242,10 +280,7 @@ template <class A>
 BufferView view_of_array(const A& a, const Expected& e, const std::string& what) {
   const std::int64_t need = product(e.shape);
   const std::string expect = fmt::format("{} elements of {}, shape [{}]", need, to_string(e.dtype), fmt::join(e.shape, ", "));
-  if (a.device_type() != 1)
-    fail("{}: the tensor is in {} memory (DLPack device type {}, id {}): this build of reshard moves host memory only "
-         "(CUDA tensors need the CUDA copy engine, not wired into the Python module); expected a CPU tensor ({})",
-         what, device_name(a.device_type()), a.device_type(), a.device_id(), expect);
+  const MemoryKind memory = memory_of(a.device_type(), a.device_id(), what, expect);
   if (!dtype_ok(e.dtype, a.dtype()))
     fail("{}: dtype {} but the layout stores {} (expected {})", what, dl_name(a.dtype()), to_string(e.dtype), expect);
   const std::size_t nd = a.ndim();
@@ -270,6 +305,7 @@ BufferView view_of_array(const A& a, const Expected& e, const std::string& what)
   BufferView v;
   v.data = data;
   v.element_bytes = eb;
+  v.memory = memory;
   if (contiguous) {
     if (size != need) fail("{}: {} elements but the layout gives this rank {}; got {}", what, size, expect, got);
     v.elements = size;
@@ -284,7 +320,26 @@ BufferView view_of_array(const A& a, const Expected& e, const std::string& what)
   return v;  // bind_buffers checks that the strides map no two elements to one place
 }
 
-BufferView view_of_tensor(nb::handle obj, const Expected& e, std::int64_t rank, const char* side, bool writable, Keep& keep) {
+struct RankViews {
+  LocalBuffers views;
+  Keep keep;  ///< the tensors, alive while their memory is used
+  int device = -1;    ///< the GPU of the rank's CUDA tensors; -1: host memory
+  std::string first;  ///< the first buffer seen and where it is (for errors)
+};
+
+/// A rank's tensors are all host memory or all on one GPU (one copy engine a rank).
+void note_device(RankViews& out, const BufferView& v, int device_id, const std::string& what) {
+  const int device = v.memory == MemoryKind::device ? device_id : -1;
+  const std::string where = device < 0 ? std::string("host memory") : fmt::format("cuda:{}", device);
+  if (out.first.empty()) {
+    out.device = device;
+    out.first = fmt::format("{} is in {}", what, where);
+  } else if (device != out.device) {
+    fail("{} is in {}, but {}: a rank's tensors must all be in host memory or all on one GPU", what, where, out.first);
+  }
+}
+
+BufferView view_of_tensor(nb::handle obj, const Expected& e, std::int64_t rank, const char* side, bool writable, RankViews& out) {
   const std::string what = fmt::format("rank {}: {} buffer '{}'", rank, side, e.name);
   nb::ndarray<nb::ro> ro;
   const bool any = nb::try_cast(obj, ro, false);
@@ -302,14 +357,10 @@ BufferView view_of_tensor(nb::handle obj, const Expected& e, std::int64_t rank, 
   } else {
     v = view_of_array(ro, e, what);
   }
-  keep.push_back(nb::borrow(obj));
+  note_device(out, v, ro.device_id(), what);
+  out.keep.push_back(nb::borrow(obj));
   return v;
 }
-
-struct RankViews {
-  LocalBuffers views;
-  Keep keep;  ///< the tensors, alive while their memory is used
-};
 
 /// One rank's buffers: `plain` maps names to tensors (each name is a source
 /// or a destination buffer of this rank, never both), or `src` / `dst` give
@@ -324,7 +375,7 @@ void add_side(RankViews& out, const Layout& L, std::int64_t rank, nb::handle dic
     const Expected* e = find_expected(exp, name);
     if (!e)
       fail("rank {}: {} buffer '{}' is not a buffer {} gives this rank (it has: {})", rank, side, name, L.origin, names_of(exp));
-    (back ? out.views.dst_back : dst ? out.views.dst : out.views.src)[name] = view_of_tensor(v, *e, rank, side, dst, out.keep);
+    (back ? out.views.dst_back : dst ? out.views.dst : out.views.src)[name] = view_of_tensor(v, *e, rank, side, dst, out);
   }
 }
 
@@ -363,6 +414,62 @@ RankViews rank_views(const Layout& src, const Layout& dst, std::int64_t rank, nb
   add_side(out, src, rank, s, false);
   add_side(out, dst, rank, t, true);
   return out;
+}
+
+// --- CUDA streams ---------------------------------------------------------------
+
+/// The caller's side of a refit of CUDA tensors, as raw handles from Python
+/// (reshard/__init__.py takes them from torch.cuda streams and events).
+struct CallerOrder {
+  std::uintptr_t stream = 0;            ///< the caller's stream; 0: the legacy default stream (torch's default stream)
+  std::uintptr_t sources_final = 0;     ///< an event after which the sources are final; 0: recorded on `stream` now
+  std::uintptr_t destination_free = 0;  ///< an event after which nothing reads the destination; 0: sources_final
+  bool wait = false;                    ///< the host waits for every copy before the refit returns
+  bool given() const { return stream || sources_final || destination_free || wait; }
+};
+
+/// A copy engine on `device` for a rank whose tensors are there; nullptr for host memory.
+std::shared_ptr<DeviceCopyEngine> engine_for(int device) {
+  if (device < 0) return nullptr;
+#ifdef RESHARD_PYTHON_CUDA
+  if (cuda::visible_devices() <= device)
+    fail("CUDA tensors on cuda:{}, but this process sees {} CUDA device(s)", device, cuda::visible_devices());
+  const cuda::DeviceGuard guard(device);
+  return make_cuda_copy_engine();
+#else
+  fail("CUDA tensors, but this build of reshard has no CUDA copy engine");
+#endif
+}
+
+/// One refit ordered with the caller's stream: it starts after the work
+/// enqueued on that stream so far (or the caller's events), and the stream
+/// waits for its last copy, so the caller's next kernels read the new
+/// weights without a host wait. Host buffers: a plain refit.
+template <class R>
+RefitReport refit_in_order(R& r, DeviceCopyEngine* engine, std::optional<std::uint64_t> version, const CallerOrder& o,
+                           std::int64_t rank) {
+  if (!engine) {
+    if (o.given())
+      fail("rank {}: a stream, events or wait=True order CUDA tensors, but this rank's tensors are host memory: nothing would "
+           "wait for them",
+           rank);
+    return version ? r.refit(*version) : r.refit();
+  }
+#ifdef RESHARD_PYTHON_CUDA
+  // Handle 0 is the legacy default stream for CUDA, but "the copy stream" for the engine.
+  const auto stream = o.stream ? reinterpret_cast<DeviceStream>(o.stream) : static_cast<DeviceStream>(cudaStreamLegacy);
+  StreamOrder so;
+  so.sources_final = o.sources_final ? reinterpret_cast<DeviceEvent>(o.sources_final) : engine->record(exec_detail::kCallerSlot, stream);
+  so.destination_free = o.destination_free ? reinterpret_cast<DeviceEvent>(o.destination_free) : so.sources_final;
+  so.wait = o.wait;
+  RefitReport rep = version ? r.refit(*version, so) : r.refit(so);
+  engine->stream_wait(rep.done, stream);
+  return rep;
+#else
+  (void)version;
+  (void)o;
+  fail("rank {}: CUDA tensors, but this build of reshard has no CUDA copy engine", rank);
+#endif
 }
 
 // --- schedules -----------------------------------------------------------------
@@ -436,7 +543,7 @@ ExecutorOptions executor_options(double timeout_s, std::optional<std::int64_t> s
 
 /// Every rank of both layouts as a thread of this process (LocalWorld).
 nb::dict refit_local(const Layout& src, const Layout& dst, nb::handle buffers, int iterations, double timeout_s,
-                     std::optional<std::int64_t> staging_budget, bool cast) {
+                     std::optional<std::int64_t> staging_budget, bool cast, const CallerOrder& order) {
   if (!nb::isinstance<nb::dict>(buffers)) fail("refit_local: buffers must be a dict of global rank -> {{buffer name: tensor}}");
   if (iterations < 1) fail("refit_local: iterations must be at least 1; got {}", iterations);
   const auto ranks = world_of(src, dst);
@@ -453,10 +560,14 @@ nb::dict refit_local(const Layout& src, const Layout& dst, nb::handle buffers, i
   for (auto r : ranks) {
     static const std::map<std::string, BufferView> none;
     auto it = views.find(r);
-    auto s = bind_buffers(src, r, it == views.end() ? none : it->second.views.src, "source");
-    auto d = bind_buffers(dst, r, it == views.end() ? none : it->second.views.dst, "destination");
+    const bool gpu = it != views.end() && it->second.device >= 0;
+    auto s = bind_buffers(src, r, it == views.end() ? none : it->second.views.src, "source", gpu);
+    auto d = bind_buffers(dst, r, it == views.end() ? none : it->second.views.dst, "destination", gpu);
     check_no_overlap(r, {&s}, {&d});
   }
+  // CUDA tensors: the world moves bytes with cudaMemcpy, each such rank has a copy engine on its GPU.
+  bool any_gpu = false;
+  for (const auto& [r, v] : views) any_gpu = any_gpu || v.device >= 0;
   ResharderOptions ro;
   ro.executor = executor_options(timeout_s, staging_budget);
   ro.plan.cast = cast;
@@ -470,20 +581,37 @@ nb::dict refit_local(const Layout& src, const Layout& dst, nb::handle buffers, i
     po.threads = 0;
     ro.schedule = std::make_shared<const Schedule>(plan(src, dst, po));
     plan_seconds = ro.schedule->stats.plan_seconds;
-    LocalWorld world(ranks);
-    world.run([&](LocalTransport& t) {
+    auto run_rank = [&]<class T>(T& t) {
       const auto i = static_cast<std::size_t>(std::lower_bound(ranks.begin(), ranks.end(), t.rank()) - ranks.begin());
       static const LocalBuffers none;
       auto it = views.find(t.rank());
-      Resharder<Layout, LocalTransport> r(src, dst, it == views.end() ? none : it->second.views, t, ro);
+      ResharderOptions mine = ro;
+      mine.executor.device = engine_for(it == views.end() ? -1 : it->second.device);
+      Resharder<Layout, T> r(src, dst, it == views.end() ? none : it->second.views, t, mine);
       for (int k = 0; k < iterations; ++k) {
         t.all_gather({}, Clock::now() + ro.executor.timeout);
         t0[i].push_back(Clock::now());
-        reports[i] = r.refit();
+        // Synchronous, as its timing says: GPU ranks wait for their copies; host ranks have no streams.
+        CallerOrder o = order;
+        o.wait = true;
+        reports[i] = refit_in_order(r, mine.executor.device.get(), std::nullopt, mine.executor.device ? o : CallerOrder{}, t.rank());
         t1[i].push_back(Clock::now());
       }
-    });
-    transport_bytes = world.total_stats().bytes_sent;
+    };
+    if (any_gpu) {
+#ifdef RESHARD_PYTHON_CUDA
+      LocalWorld world(ranks, cuda::device_world_options());
+      world.run([&](LocalTransport& lt) {
+        cuda::LocalDeviceTransport t(lt);
+        run_rank(t);
+      });
+      transport_bytes = world.total_stats().bytes_sent;
+#endif
+    } else {
+      LocalWorld world(ranks);
+      world.run([&](LocalTransport& t) { run_rank(t); });
+      transport_bytes = world.total_stats().bytes_sent;
+    }
   }
   RefitReport sum;
   std::int64_t max_rank = 0;
@@ -645,11 +773,13 @@ class PyResharder {
         if (!double_buffered) fail("rank {}: back_buffers were given but double_buffered is off", rank);
         add_side(views_, dst_, rank, back_buffers, true, true);
       }
+      engine_ = engine_for(views_.device);
     } catch (const Error& e) {
       bad = e.what();
     }
     ResharderOptions ro;
     ro.executor = executor_options(timeout_s, staging_budget);
+    ro.executor.device = engine_;
     ro.double_buffered = double_buffered;
     ro.plan.cast = cast;
     if (!delta && (shadow_budget || dense_above)) fail("Resharder: shadow_budget and dense_above apply to delta refits; delta is off");
@@ -703,16 +833,17 @@ class PyResharder {
     t_.reset();
   }
 
-  nb::dict refit(std::optional<std::uint64_t> version) {
+  nb::dict refit(std::optional<std::uint64_t> version, const CallerOrder& order) {
     if (!r_) fail("Resharder (rank {}): closed", rank_);
     RefitReport rep;
     {
       nb::gil_scoped_release nogil;
-      rep = version ? r_->refit(*version) : r_->refit();
+      rep = refit_in_order(*r_, engine_.get(), version, order, rank_);
     }
     nb::dict d = report_dict(rep);
     d["transport"] = "ucx";
     d["rank"] = rank_;
+    d["device"] = views_.device >= 0 ? nb::cast(fmt::format("cuda:{}", views_.device)) : nb::cast("cpu");
     if (delta_) {
       // The set this refit wrote, now served.
       const DeltaExecutor<UcxTransport>& ex = r_->delta_executor(double_buffered_ ? r_->serving_set() : 0);
@@ -755,6 +886,7 @@ class PyResharder {
   }
 
   std::int64_t rank() const { return rank_; }
+  int device() const { return views_.device; }
   const std::vector<std::int64_t>& world() const { return ranks_; }
   std::uint64_t last_good_version() const { return r_ ? r_->last_good_version() : 0; }
   std::string state() const { return r_ ? to_string(r_->state()) : "closed"; }
@@ -773,6 +905,7 @@ class PyResharder {
   std::vector<std::int64_t> ranks_;
   nb::object adapter_;
   RankViews views_;
+  std::shared_ptr<DeviceCopyEngine> engine_;  ///< CUDA tensors: the copy engine on their GPU
   std::unique_ptr<UcxTransport> t_;
   std::unique_ptr<Resharder<Layout, UcxTransport>> r_;
   bool delta_ = false, double_buffered_ = false;
@@ -794,6 +927,16 @@ NB_MODULE(_core, m) {
   nb::register_exception_translator(translate);
 #ifdef RESHARD_HAVE_UCX
   m.attr("has_ucx") = true;
+  m.def("ucx_info", [] {
+    const auto u = cuda::probe_ucx_memory();
+    nb::dict d;
+    d["version"] = u.version;
+    d["host"] = u.host;
+    d["cuda"] = u.cuda;
+    d["cuda_managed"] = u.cuda_managed;
+    d["summary"] = u.summary();
+    return d;
+  });
 #else
   m.attr("has_ucx") = false;
 #endif
@@ -863,8 +1006,16 @@ NB_MODULE(_core, m) {
       .def_ro("dst_origin", &PySchedule::dst_origin);
   m.def("plan", &make_plan, "src"_a, "dst"_a, "rank"_a = nb::none(), "threads"_a = 0, "cast"_a = false);
 
+  nb::class_<CallerOrder>(m, "CallerOrder")
+      .def(nb::init<>())
+      .def_rw("stream", &CallerOrder::stream)
+      .def_rw("sources_final", &CallerOrder::sources_final)
+      .def_rw("destination_free", &CallerOrder::destination_free)
+      .def_rw("wait", &CallerOrder::wait);
+  m.attr("has_cuda") = has_cuda();
+
   m.def("refit_local", &refit_local, "src"_a, "dst"_a, "buffers"_a, "iterations"_a = 1, "timeout"_a = 300.0,
-        "staging_budget"_a = nb::none(), "cast"_a = false);
+        "staging_budget"_a = nb::none(), "cast"_a = false, "order"_a = CallerOrder{});
 
 #ifdef RESHARD_HAVE_UCX
   nb::class_<PyResharder>(m, "UcxResharder")
@@ -875,10 +1026,11 @@ NB_MODULE(_core, m) {
            "staging_budget"_a = nb::none(), "fast_data_endpoint"_a = false, "double_buffered"_a = false,
            "back_buffers"_a = nb::none(), "delta"_a = false, "shadow_budget"_a = nb::none(), "dense_above"_a = nb::none(),
            "cast"_a = false)
-      .def("refit", &PyResharder::refit, "version"_a = nb::none())
+      .def("refit", &PyResharder::refit, "version"_a = nb::none(), "order"_a = CallerOrder{})
       .def("close", &PyResharder::close, "barrier"_a = true)
       .def("invalidate_delta_base", &PyResharder::invalidate_delta_base)
       .def_prop_ro("rank", &PyResharder::rank)
+      .def_prop_ro("device", &PyResharder::device)
       .def_prop_ro("world", &PyResharder::world)
       .def_prop_ro("last_good_version", &PyResharder::last_good_version)
       .def_prop_ro("state", &PyResharder::state)

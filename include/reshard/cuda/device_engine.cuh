@@ -130,6 +130,8 @@ class CudaCopyEngine final : public DeviceCopyEngine {
 
   DeviceEvent record(int slot, DeviceStream stream = nullptr) override {
     if (slot < 0) fail("CudaCopyEngine: event slot {} is negative", slot);
+    // On the engine's device: events are created there, and cudaStreamLegacy is that device's default stream.
+    const DeviceGuard guard(opt_.device);
     if (static_cast<std::size_t>(slot) >= events_.size()) events_.resize(static_cast<std::size_t>(slot) + 1, nullptr);
     cudaEvent_t& e = events_[static_cast<std::size_t>(slot)];
     if (!e) check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
@@ -138,6 +140,7 @@ class CudaCopyEngine final : public DeviceCopyEngine {
   }
   void stream_wait(DeviceEvent e, DeviceStream stream = nullptr) override {
     if (!e) return;
+    const DeviceGuard guard(opt_.device);
     check_cuda(cudaStreamWaitEvent(stream ? static_cast<cudaStream_t>(stream) : opt_.stream, static_cast<cudaEvent_t>(e), 0),
                "cudaStreamWaitEvent");
   }

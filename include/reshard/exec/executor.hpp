@@ -383,6 +383,7 @@ constexpr int kTransferSlot = 2;  // + wave % 2: the transport's stream after a 
 constexpr int kDoneSlot = 4;      // after the run's last copy
 constexpr int kQuantSourcesSlot = 5;  // after the senders' FP8 quantizing (quant_refit.hpp)
 constexpr int kQuantDoneSlot = 6;     // after the receivers' FP8 quantizing
+constexpr int kCallerSlot = 7;        // a binding's: the caller's stream when a refit starts (python/src)
 /// Control message: magic, count, version (8), wave, count CRCs, own CRC.
 inline std::uint64_t control_bytes(std::size_t count) { return 4 + 4 + 8 + 4 + 4 * static_cast<std::uint64_t>(count) + 4; }
 
@@ -415,8 +416,27 @@ class Executor {
   /// control message and is checked); run() uses runs() + 1.
   /// With device buffers, `order` says what the run waits for on the
   /// device and whether it returns before its copies end (StreamOrder).
-  ExecutorStats run(std::uint64_t version, const StreamOrder& order = {});
+  ExecutorStats run(std::uint64_t version, const StreamOrder& order = {}) {
+    enqueue(version, order);
+    return complete();
+  }
   ExecutorStats run() { return run(static_cast<std::uint64_t>(runs_) + 1); }
+
+  /// run() in two halves. enqueue(): with device buffers on a transport with
+  /// a device stream (NCCL; DeviceStreamTransport), enqueues every pack,
+  /// transfer and unpack of the run after `order`'s events and returns with
+  /// no host wait at all; enqueued_done() is then the event after the last
+  /// copy, which a consumer's stream may wait for at once. complete() waits
+  /// on the host for the transport's requests (a failure names the wave and
+  /// peers) and, with `order.wait`, for the copies. Otherwise (a host-driven
+  /// transport, host buffers) enqueue() moves everything as run() does and
+  /// complete() closes the run. One run at a time; either half throws after
+  /// aborting the transport on any failure.
+  void enqueue(std::uint64_t version, const StreamOrder& order = {});
+  ExecutorStats complete();
+  /// Between enqueue() and complete(): the event after the run's last copy (device buffers; else nullptr).
+  DeviceEvent enqueued_done() const { return in_run_ ? run_.st.done : nullptr; }
+  bool enqueued() const { return in_run_; }
 
   /// Names for error messages, by destination-layout tensor id (a Copy's
   /// `tensor`); without them tensors are "tensor #id". Set before setup.
@@ -598,6 +618,22 @@ class Executor {
   std::ptrdiff_t local_batch_ = -1;      ///< device: the uploaded local copies
   std::int64_t local_bytes_ = 0;
   bool copies_pending_ = false;          ///< device: copies enqueued since the host last waited
+  /// One wave in flight: its send and receive requests.
+  struct InFlight {
+    std::size_t wave = 0;
+    std::vector<request> sends, recvs;
+    std::vector<std::size_t> recv_groups;
+  };
+  /// The run between enqueue() and complete().
+  struct RunInFlight {
+    ExecutorStats st;
+    StreamOrder order;
+    Clock::time_point t0{};
+    Deadline deadline{};
+    std::vector<InFlight> later;  ///< device stream: every wave's requests, waited for in complete()
+  };
+  RunInFlight run_;
+  bool in_run_ = false;
   std::array<DeviceEvent, 2> transfer_{};  ///< device stream: the transport's stream after wave w (w % 2)
   std::size_t staging_size_ = 0;
   RegisteredRegion<T> staging_region_;
@@ -1645,17 +1681,21 @@ void Executor<T>::finish_wave(std::size_t w, ExecutorStats& st, std::vector<requ
 }
 
 template <class T>
-ExecutorStats Executor<T>::run(std::uint64_t version, const StreamOrder& order) {
+void Executor<T>::enqueue(std::uint64_t version, const StreamOrder& order) {
   if (!ready_) fail("executor: run() before a successful setup()");
   if (broken_) fail("rank {}: executor: an earlier run failed; the peers' state is unknown, set up again", me_);
-  ExecutorStats st;
+  if (in_run_)
+    fail("rank {}: executor: version {} is enqueued while version {} is not complete: complete() it first", me_, version, run_.st.version);
+  run_ = RunInFlight{};
+  ExecutorStats& st = run_.st;
+  run_.order = order;
   version_ = st.version = version;
   std::fill(arrived_.begin(), arrived_.end(), char{0});
   local_done_ = false;
   st.waves = static_cast<int>(waves_.size());
   st.staging_bytes = static_cast<std::int64_t>(staging_size_);
-  const auto t0 = Clock::now();
-  const Deadline deadline = t0 + opt_.timeout;
+  const auto t0 = run_.t0 = Clock::now();
+  const Deadline deadline = run_.deadline = t0 + opt_.timeout;
   DeviceCopyEngine* eng = device_ ? opt_.device.get() : nullptr;
   if (!eng && (order.sources_final || order.destination_free))
     fail_here("run(): a StreamOrder with events orders device buffers, but this rank's buffers are host memory: nothing would wait for them");
@@ -1677,14 +1717,8 @@ ExecutorStats Executor<T>::run(std::uint64_t version, const StreamOrder& order) 
         }
       }
     }
-    // Per wave in flight: its send and receive requests.
-    struct InFlight {
-      std::size_t wave = 0;
-      std::vector<request> sends, recvs;
-      std::vector<std::size_t> recv_groups;
-    };
-    std::array<InFlight, 2> fl;
-    std::vector<InFlight> later;  // deferred: every wave's requests, waited for at the end
+    std::array<InFlight, 2> fl;  // the waves in flight
+    std::vector<InFlight>& later = run_.later;
     std::int64_t live = 0;
     auto start = [&](std::size_t w) {
       live += waves_[w].staging;
@@ -1740,25 +1774,40 @@ ExecutorStats Executor<T>::run(std::uint64_t version, const StreamOrder& order) 
       live -= waves_[w].staging;
       if (opt_.pipeline == 1 && w + 1 < W) start(w + 1);
     }
-    // Deferred: the one host wait for the transport, wave by wave (so a
-    // failure names the wave and peers it was waiting for).
-    for (auto& f : later) finish_wave(f.wave, st, f.sends, f.recvs, f.recv_groups, deadline);
     if (eng) {
-      // Direct receives landed by the transport's stream; the caller's
-      // `done` covers them and every copy.
+      // Direct receives land by the transport's stream; the caller's `done`
+      // covers them and every copy (on the device: no host wait).
       if constexpr (deferred) eng->stream_wait(eng->record(exec_detail::kTransferSlot, transport_stream()));
       st.done = eng->record(exec_detail::kDoneSlot);
-      if (order.wait) {
-        eng->synchronize();
-        copies_pending_ = false;
-      }
     }
   } catch (const std::exception& e) {
     broken_ = true;
     t_->abort(fmt::format("rank {} refit failed: {}", me_, e.what()));
     throw;
   }
-  st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  in_run_ = true;
+}
+
+template <class T>
+ExecutorStats Executor<T>::complete() {
+  if (!in_run_) fail("rank {}: executor: complete() without an enqueued run", me_);
+  in_run_ = false;
+  ExecutorStats& st = run_.st;
+  try {
+    // Deferred: the one host wait for the transport, wave by wave (so a
+    // failure names the wave and peers it was waiting for).
+    for (auto& f : run_.later) finish_wave(f.wave, st, f.sends, f.recvs, f.recv_groups, run_.deadline);
+    run_.later.clear();
+    if (device_ && run_.order.wait) {
+      opt_.device->synchronize();
+      copies_pending_ = false;
+    }
+  } catch (const std::exception& e) {
+    broken_ = true;
+    t_->abort(fmt::format("rank {} refit failed: {}", me_, e.what()));
+    throw;
+  }
+  st.seconds = std::chrono::duration<double>(Clock::now() - run_.t0).count();
   ++runs_;
   return st;
 }

@@ -10,6 +10,14 @@
 //
 // Failures (a rank that never joins, an MPI error) throw TransportError; the
 // communicator then has a collective outstanding, so the job should end.
+//
+// Its notice board (bootstrap.hpp) is point-to-point MPI on a communicator of
+// its own: post() sends the text to every other rank at once (nonblocking),
+// read() takes what has arrived (MPI_Iprobe), so a rank that gave up (an
+// NCCL abort, a timeout) reaches its peers within their next board read.
+// The first text a rank posted or received under a key stays; two ranks
+// posting one key at once may each be first somewhere. Like the all-gather,
+// call it from the thread that drives MPI (MPI_THREAD_FUNNELED).
 // The C API only (Open MPI's / MPICH's C++ bindings are deprecated and warn).
 #ifndef OMPI_SKIP_MPICXX
 #define OMPI_SKIP_MPICXX 1
@@ -23,8 +31,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +63,77 @@ struct Comm {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && !broken && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+  }
+};
+
+/// The notice board's state (see the top): texts by key, first seen wins,
+/// and the sends still in flight with their bytes.
+struct Board {
+  static constexpr int kTag = 0x5242;
+  static constexpr std::size_t kMaxText = 2000;  ///< small messages: MPI sends them eagerly
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = -1, size = 0;
+  std::map<std::string, std::string> seen;
+  std::vector<std::unique_ptr<std::string>> bytes;  ///< one message per post, alive until its sends complete
+  std::vector<MPI_Request> sends;
+  ~Board() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized || comm == MPI_COMM_NULL) return;
+    settle();
+    if (sends.empty()) {
+      MPI_Comm_free(&comm);
+      return;
+    }
+    // A peer never took a post (it ended first): MPI may still read the
+    // bytes, so they are left to the process's end, as the communicator is.
+    for (auto& r : sends) MPI_Request_free(&r);
+    static_cast<void>(new std::vector<std::unique_ptr<std::string>>(std::move(bytes)));
+  }
+  /// Drops the sends that completed.
+  void settle() {
+    std::size_t k = 0;
+    for (auto& r : sends) {
+      int done = 0;
+      if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) sends[k++] = r;
+    }
+    sends.resize(k);
+    if (sends.empty()) bytes.clear();
+  }
+  /// Takes every board message that has arrived.
+  void receive() {
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kTag, comm, &flag, &st) != MPI_SUCCESS || !flag) return;
+      int n = 0;
+      MPI_Get_count(&st, MPI_BYTE, &n);
+      std::string m(static_cast<std::size_t>(std::max(n, 0)), '\0');
+      if (MPI_Recv(m.data(), n, MPI_BYTE, st.MPI_SOURCE, kTag, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+      const auto z = m.find('\0');
+      if (z != std::string::npos) seen.emplace(m.substr(0, z), m.substr(z + 1));
+    }
+  }
+  void post(const std::string& key, const std::string& text) {
+    receive();
+    settle();
+    if (!seen.emplace(key, text).second) return;  // this rank already knows a first text for the key
+    auto m = std::make_unique<std::string>(key);
+    m->push_back('\0');
+    m->append(text.substr(0, kMaxText));
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
+      MPI_Request req;
+      if (MPI_Isend(m->data(), static_cast<int>(m->size()), MPI_BYTE, r, kTag, comm, &req) == MPI_SUCCESS) sends.push_back(req);
+    }
+    bytes.push_back(std::move(m));
+  }
+  std::optional<std::string> read(const std::string& key) {
+    receive();
+    settle();
+    auto it = seen.find(key);
+    if (it == seen.end()) return std::nullopt;
+    return it->second;
   }
 };
 
@@ -101,9 +182,17 @@ inline Bootstrap mpi_bootstrap(MPI_Comm comm = MPI_COMM_WORLD) {
   MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(c->comm, &c->rank);
   MPI_Comm_size(c->comm, &c->size);
+  auto board = std::make_shared<mpi_detail::Board>();
+  rc = MPI_Comm_dup(comm, &board->comm);
+  if (rc != MPI_SUCCESS) fail("MPI bootstrap: MPI_Comm_dup (notice board) failed: {}", mpi_detail::error_text(rc));
+  MPI_Comm_set_errhandler(board->comm, MPI_ERRORS_RETURN);
+  board->rank = c->rank;
+  board->size = c->size;
   Bootstrap b;
   b.name = "mpi";
   b.rank = c->rank;
+  b.board.post = [board](const std::string& key, const std::string& text) { board->post(key, text); };
+  b.board.read = [board](const std::string& key) { return board->read(key); };
   b.ranks.resize(static_cast<std::size_t>(c->size));
   std::iota(b.ranks.begin(), b.ranks.end(), std::int64_t{0});
   b.all_gather = [c](std::span<const std::byte> mine, Deadline deadline, const Bootstrap::Idle& idle) -> Blobs {
