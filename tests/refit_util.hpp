@@ -150,6 +150,25 @@ inline std::map<std::string, BufferView> views(const Layout& L, SideMemory& m) {
   return out;
 }
 
+/// One rank's memory for a refit: its sources tagged (make_side with `salt`),
+/// its destinations zero, and the views a Resharder takes; `device`: the
+/// views say MemoryKind::device (host memory an emulated engine treats as a
+/// GPU's). Not copyable: the views point into it.
+struct RankMemory {
+  SideMemory src, dst;
+  LocalBuffers bufs;
+  RankMemory(const Layout& s, const Layout& d, std::int64_t rank, bool device = false, std::uint64_t salt = 0)
+      : src(make_side(s, rank, true, salt)), dst(make_side(d, rank, false, 0)) {
+    bufs.src = views(s, src);
+    bufs.dst = views(d, dst);
+    if (device)
+      for (auto* side : {&bufs.src, &bufs.dst})
+        for (auto& [name, v] : *side) v.memory = MemoryKind::device;
+  }
+  RankMemory(const RankMemory&) = delete;
+  RankMemory& operator=(const RankMemory&) = delete;
+};
+
 /// A side's buffers as strided views inside larger allocations: a buffer of
 /// two or more dims gets 3 more elements of pitch on its outermost dim, a
 /// 1-d buffer takes every other element. store() copies a SideMemory's dense

@@ -408,16 +408,12 @@ EmuOutcome run_emulated(const Layout& src, const Layout& dst, int refits, Reshar
   LocalWorld world(world_of(src, dst));
   world.run([&](LocalTransport& lt) {
     HostAsDevice t(lt);
-    SideMemory sm = make_side(src, t.rank(), true, 0), dm = make_side(dst, t.rank(), false, 0);
-    LocalBuffers bufs;
-    bufs.src = views(src, sm);
-    bufs.dst = views(dst, dm);
-    for (auto* side : {&bufs.src, &bufs.dst})
-      for (auto& [name, v] : *side) v.memory = MemoryKind::device;
+    RankMemory mem(src, dst, t.rank(), true);
+    SideMemory &sm = mem.src, &dm = mem.dst;
     auto engine = std::make_shared<EmulatedEngine>();
     ResharderOptions o = opt;
     o.executor.device = engine;
-    Resharder<Layout, HostAsDevice> r(src, dst, bufs, t, o);
+    Resharder<Layout, HostAsDevice> r(src, dst, mem.bufs, t, o);
     for (int k = 0; k < refits; ++k) {
       if (k > 0) {
         write_side(src, sm, true, static_cast<std::uint64_t>(k));

@@ -219,11 +219,8 @@ TEST_CASE("stream order: events with host buffers are a clear error, and the pee
   std::vector<std::string> errors;
   LocalWorld world(refit_test::world_of(src, dst));
   world.run([&](LocalTransport& t) {
-    refit_test::SideMemory sm = refit_test::make_side(src, t.rank(), true, 0), dm = refit_test::make_side(dst, t.rank(), false, 0);
-    LocalBuffers bufs;
-    bufs.src = refit_test::views(src, sm);
-    bufs.dst = refit_test::views(dst, dm);
-    Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
+    refit_test::RankMemory mem(src, dst, t.rank());
+    Resharder<Layout, LocalTransport> r(src, dst, mem.bufs, t);
     HostEvent never;
     StreamOrder order;
     if (t.rank() == 0) order.sources_final = &never;  // one rank misuses it; the other must not hang
@@ -254,18 +251,14 @@ template <class T>
 void enqueue_commit_rank(T& t, const Layout& src, const Layout& dst, std::chrono::milliseconds trainer_delay, Result& out,
                          std::int64_t& blocked, std::mutex& m) {
   using namespace refit_test;
-  SideMemory sm = make_side(src, t.rank(), true, 0), dm = make_side(dst, t.rank(), false, 0);
-  LocalBuffers bufs;
-  bufs.src = views(src, sm);
-  bufs.dst = views(dst, dm);
-  for (auto* side : {&bufs.src, &bufs.dst})
-    for (auto& [name, v] : *side) v.memory = MemoryKind::device;
+  RankMemory mem(src, dst, t.rank(), true);
+  SideMemory &sm = mem.src, &dm = mem.dst;
   auto engine = std::make_shared<HostStreamEngine>(kDelay, static_cast<std::uint64_t>(t.rank()) + 17);
   ResharderOptions o;
   o.executor.device = engine;
   o.executor.staging_budget = 4096;  // several waves
   HostStream trainer, inference;
-  Resharder<Layout, T> r(src, dst, bufs, t, o);
+  Resharder<Layout, T> r(src, dst, mem.bufs, t, o);
   for (int k = 1; k <= 3; ++k) {
     auto written = std::make_shared<std::atomic<bool>>(false);
     trainer.enqueue([&, k, written] {
@@ -337,10 +330,8 @@ TEST_CASE("enqueue / commit: misuse is a clear error on every rank, never a hang
   std::vector<std::string> errors;
   LocalWorld world(refit_test::world_of(src, dst));
   world.run([&](LocalTransport& t) {
-    refit_test::SideMemory sm = refit_test::make_side(src, t.rank(), true, 1), dm = refit_test::make_side(dst, t.rank(), false, 0);
-    LocalBuffers bufs;
-    bufs.src = refit_test::views(src, sm);
-    bufs.dst = refit_test::views(dst, dm);
+    refit_test::RankMemory mem(src, dst, t.rank(), false, 1);
+    const LocalBuffers& bufs = mem.bufs;
     std::vector<std::string> mine;
     {
       Resharder<Layout, LocalTransport> r(src, dst, bufs, t);
