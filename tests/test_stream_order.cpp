@@ -146,6 +146,22 @@ const Layout& tp2_colocated() {
   return L;
 }
 
+/// Runs `body(transport, memory)` on both ranks of tp2 -> tp2_colocated in
+/// host memory and collects the errors each returns.
+template <class F>
+std::vector<std::string> errors_on_each_rank(F body) {
+  std::mutex m;
+  std::vector<std::string> errors;
+  LocalWorld world(refit_test::world_of(tp2(), tp2_colocated()));
+  world.run([&](LocalTransport& t) {
+    refit_test::RankMemory mem(tp2(), tp2_colocated(), t.rank(), false, 1);
+    const std::vector<std::string> mine = body(t, mem);
+    std::lock_guard lk(m);
+    errors.insert(errors.end(), mine.begin(), mine.end());
+  });
+  return errors;
+}
+
 }  // namespace
 
 static_assert(DeviceStreamTransport<DeviceStreamLocalTransport>);
@@ -213,20 +229,12 @@ TEST_CASE("stream order, double-buffered: a refit never writes the set a reader 
 }
 
 TEST_CASE("stream order: events with host buffers are a clear error, and the peers fail too") {
-  const Layout& src = tp2();
-  const Layout& dst = tp2_colocated();
-  std::mutex m;
-  std::vector<std::string> errors;
-  LocalWorld world(refit_test::world_of(src, dst));
-  world.run([&](LocalTransport& t) {
-    refit_test::RankMemory mem(src, dst, t.rank());
-    Resharder<Layout, LocalTransport> r(src, dst, mem.bufs, t);
+  const auto errors = errors_on_each_rank([](LocalTransport& t, refit_test::RankMemory& mem) {
+    Resharder<Layout, LocalTransport> r(tp2(), tp2_colocated(), mem.bufs, t);
     HostEvent never;
     StreamOrder order;
     if (t.rank() == 0) order.sources_final = &never;  // one rank misuses it; the other must not hang
-    const std::string e = test_util::error_of([&] { (void)r.refit(order); });
-    std::lock_guard lk(m);
-    errors.push_back(e);
+    return std::vector<std::string>{test_util::error_of([&] { (void)r.refit(order); })};
   });
   REQUIRE(errors.size() == 2);
   bool named = false;
@@ -326,11 +334,7 @@ TEST_CASE("enqueue / commit: a host-driven transport moves everything in enqueue
 TEST_CASE("enqueue / commit: misuse is a clear error on every rank, never a hang") {
   const Layout& src = tp2();
   const Layout& dst = tp2_colocated();
-  std::mutex m;
-  std::vector<std::string> errors;
-  LocalWorld world(refit_test::world_of(src, dst));
-  world.run([&](LocalTransport& t) {
-    refit_test::RankMemory mem(src, dst, t.rank(), false, 1);
+  const auto errors = errors_on_each_rank([&](LocalTransport& t, refit_test::RankMemory& mem) {
     const LocalBuffers& bufs = mem.bufs;
     std::vector<std::string> mine;
     {
@@ -347,8 +351,7 @@ TEST_CASE("enqueue / commit: misuse is a clear error on every rank, never a hang
     delta.delta.enabled = true;
     Resharder<Layout, LocalTransport> d(src, dst, bufs, t, delta);
     mine.push_back(test_util::error_of([&] { (void)d.enqueue(StreamOrder{}); }));
-    std::lock_guard lk(m);
-    errors.insert(errors.end(), mine.begin(), mine.end());
+    return mine;
   });
   REQUIRE(errors.size() == 8);
   for (std::size_t i = 0; i < errors.size(); i += 4) {
