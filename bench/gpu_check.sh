@@ -193,8 +193,15 @@ fi
 PY=${PYTHON:-python3}
 if "$PY" -c "import torch, nanobind, pytest" > /dev/null 2>&1; then
   PYB="$BUILD-python"
+  # Processes sharing the GPU (cuda_ipc) need UCX with CUDA: the libucx-cu13
+  # wheel where that Python has it (the test skips, saying so, without).
+  ucx=()
+  if "$PY" -c "import libucx" > /dev/null 2>&1; then
+    ucx=(-DRESHARD_UCX_WHEEL=ON -DPython3_EXECUTABLE="$(command -v "$PY")")
+    echo "python-cuda: the module on the libucx-cu13 wheel's UCX" >> "$R"
+  fi
   if cmake -S "$SRC" -B "$PYB" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRESHARD_BUILD_PYTHON=ON \
-        -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_TOOLS=OFF -DPython_EXECUTABLE="$(command -v "$PY")" "${extra[@]}" \
+        -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_TOOLS=OFF -DPython_EXECUTABLE="$(command -v "$PY")" "${extra[@]}" "${ucx[@]}" \
         >> "$OUTDIR/build.log" 2>&1 && cmake --build "$PYB" -j"$JOBS" --target _core >> "$OUTDIR/build.log" 2>&1; then
     pkg="$OUTDIR/pypkg"
     rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$SRC/python/reshard" "$pkg/" && cp "$PYB"/python/_core*.so "$PYB"/python/_build.py "$pkg/reshard/"
