@@ -477,6 +477,63 @@ TEST_CASE("delta refits are bit-exact over random layout pairs and a preset mode
   }
 }
 
+TEST_CASE("delta refits in slices of one chunk: bit-exact, and a slice past the capacity mid-pair sends the refit dense") {
+  // tiny-llama Megatron tp=2 -> vLLM tp=4: about 13 chunks per pair, so each
+  // pair's payload is a chain of slices, each found by the receiver from the
+  // previous slice's header. At 100% and 50% changed the payload outgrows
+  // the capacity after a few slices: the pair stops there and the refit
+  // goes dense (dense_above 1 keeps the decision to the overflow).
+  using namespace reshard::presets;
+  const auto m = model_manifest(std::string(RESHARD_TEST_MODELS) + "/tiny-llama.json", true);
+  const Layout src = megatron_layout(m, parse_parallel_spec("tp=2", "train"));
+  const Layout dst = vllm_layout(m, parse_parallel_spec("tp=4", "infer"), 2, VllmOptions{});
+  const Densities d{1.0, 0.01, 0.0, 1.0, 0.02, 0.5, 0.005, 0.001};
+  for (bool dbl : {false, true})
+    for (std::int64_t slice : {std::int64_t{1}, std::int64_t{3} * 2 * delta::kChunk}) {
+      CAPTURE(dbl);
+      CAPTURE(slice);
+      auto o = delta_options(dbl, 1.0, 0);
+      o.delta.slice_bytes = slice;
+      o.executor.checksum = slice == 1;
+      const auto r = run_versions(src, dst, d, o);
+      CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+      REQUIRE(r.modes.size() == d.size());
+      const std::vector<std::string> want{"prime", "delta", "delta", "dense", "delta", "dense", "delta", "delta"};
+      if (!dbl) CHECK_MESSAGE(r.modes == want, fmt::format("{}", fmt::join(r.modes, " ")));
+      if (!dbl) CHECK(r.chunks[static_cast<int>(delta::ChunkMode::same)] > 0);
+      CHECK(r.chunks[static_cast<int>(delta::ChunkMode::gap)] > 0);
+    }
+  // Streams of three element sizes in one pair, several slices each: every
+  // slice diffs against its own part of the shadow (density 0 finds nothing).
+  {
+    const Layout ms = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [
+        {"name": "a", "shape": [400000], "dtype": "bf16", "dims": ["tp"]},
+        {"name": "b", "shape": [300000], "dtype": "f32", "dims": ["tp"]},
+        {"name": "c", "shape": [512, 600], "dtype": "i8", "dims": [null, "tp"]}]})"), "src");
+    const Layout md = parse_layout(nlohmann::json::parse(R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2}, "tensors": [
+        {"name": "a", "shape": [400000], "dtype": "bf16", "dims": [null]},
+        {"name": "b", "shape": [300000], "dtype": "f32", "dims": [null]},
+        {"name": "c", "shape": [512, 600], "dtype": "i8", "dims": ["tp", null]}]})"), "dst");
+    auto mo = delta_options(false, 0.25, 0);
+    mo.delta.slice_bytes = 1;
+    const auto r = run_versions(ms, md, {1.0, 0.0, 0.01, 0.0, 0.002}, mo);
+    CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+    CHECK(r.modes == std::vector<std::string>{"prime", "delta", "delta", "delta", "delta"});
+    CHECK(r.fraction[1] == 0.0);
+    CHECK(r.fraction[2] > 0.005);
+    CHECK(r.fraction[2] < 0.015);
+    CHECK(r.fraction[3] == 0.0);
+  }
+  // A corrupted first slice: the refit fails on every rank, the next is dense, and every version stays exact.
+  auto o = delta_options(false, 0.25, 0);
+  o.delta.slice_bytes = 1;
+  const auto r = run_versions(src, dst, {1.0, 0.01, 0.02, 0.01, 0.02, 0.01}, o, 4);
+  CHECK(r.failures == 1);
+  CHECK_MESSAGE(r.wrong == 0, r.first_wrong);
+  CHECK(r.modes[4] == "prime");
+  CHECK(r.modes[5] == "delta");
+}
+
 TEST_CASE("delta refits through strided views (weights inside larger allocations) are bit-exact and touch nothing between elements") {
   // Every buffer of both sides a strided view: outer dims with a pitch, 1-d
   // buffers every other element (refit_test::StridedSide).
@@ -567,4 +624,13 @@ TEST_CASE("bad delta options are a clear error on every rank") {
     e = x.what();
   }
   CHECK(e.find("DeltaOptions::capacity 0 is outside (0, 2]") != std::string::npos);
+  o = delta_options(false);
+  o.delta.slice_bytes = 0;
+  e.clear();
+  try {
+    run_versions(refit_test::message_kinds_src(), refit_test::message_kinds_dst(), {1.0}, o);
+  } catch (const std::exception& x) {
+    e = x.what();
+  }
+  CHECK(e.find("DeltaOptions::slice_bytes 0 is below 1") != std::string::npos);
 }

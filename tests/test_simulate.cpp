@@ -397,6 +397,82 @@ TEST_CASE("FP8 destinations (quant): the simulator and the lower bound take the 
   CHECK(r.seconds >= lb.seconds);
 }
 
+TEST_CASE("FP8 destinations: the senders' quantizing is charged at quantize_gbps before the transfer, shared on a shared host") {
+  // Source tp=4 in bf16, destination tp=2 in block FP8 (128x128 tiles): each
+  // source GPU holds a quarter of w (1024 x 4096 elements) and sends it
+  // quantized, so each quantizes 4 Mi FP8 bytes; scale copies cost nothing.
+  LayoutSpec src_spec = mesh_layout({{"tp", 4}});
+  add_tensor(src_spec, "w", {4096, 4096}, {cut({ax(src_spec, "tp")}), {}}, DType::bf16);
+  Layout src(std::move(src_spec));
+  LayoutSpec dst_spec = mesh_layout({{"tp", 2}}, 4);
+  add_tensor(dst_spec, "w", {4096, 4096}, {cut({ax(dst_spec, "tp")}), {}}, DType::fp8e4m3);
+  dst_spec.tensors.back().quant = QuantSpec{QuantScheme::block, {128, 128}, "w_scale_inv"};
+  add_tensor(dst_spec, "w_scale_inv", {32, 32}, {cut({ax(dst_spec, "tp")}), {}}, DType::f32);
+  Layout dst(std::move(dst_spec));
+  const Schedule s = plan(src, dst);
+  auto run = [&](double quantize_gbps, double cores) {
+    Topology topo = four_gpu_domains_separate();
+    topo.quantize_gbps = quantize_gbps;
+    topo.host_cores = cores;
+    const RankPlacement place(topo, src, dst);
+    Traffic tr(place);
+    add_traffic(tr, s);
+    return simulate(tr).stages.at(0);
+  };
+  const auto free = run(0, 0);
+  CHECK(free.quantize_seconds == 0);
+  const double each = 1024.0 * 4096;  // FP8 bytes per sender
+  const auto st = run(8, 0);           // 1 GB/s of FP8 bytes
+  CHECK(st.quantize_seconds == doctest::Approx(each / 1e9));
+  CHECK(st.copy_seconds == doctest::Approx(free.copy_seconds + each / 1e9));
+  CHECK(st.seconds == doctest::Approx(free.seconds + each / 1e9));
+  // Four senders on 2 shared cores take twice as long (every process is a sender or a receiver here).
+  CHECK(run(8, 2).quantize_seconds == doctest::Approx(2 * each / 1e9));
+  // The JSON form takes the field and refuses a negative one, naming it.
+  const Topology j = parse_topology(nlohmann::json::parse(R"({"base": "loopback", "quantize_gbps": 12.5})"), "t.json");
+  CHECK(j.quantize_gbps == 12.5);
+  CHECK_THROWS_WITH_AS(parse_topology(nlohmann::json::parse(R"({"quantize_gbps": -1})"), "t.json"),
+                       doctest::Contains("quantize_gbps"), LayoutError);
+}
+
+TEST_CASE("a delta refit: diff, transfer and scatter overlapped slice by slice, and on a shared host at least its cores' work") {
+  // One bf16 tensor of 64 Mi elements (128 MiB) from rank 0 to rank 1, each
+  // on a node of its own, at 2.57% changed. By the model's definition: the
+  // sender reads weights and shadow and writes the payload, the receiver
+  // reads the payload and rewrites the 32-byte sectors holding a change.
+  LayoutSpec a = mesh_layout({{"x", 1}});
+  add_tensor(a, "w", {8192, 8192}, {{}, {}}, DType::bf16);
+  LayoutSpec b = mesh_layout({{"x", 1}}, 1);
+  add_tensor(b, "w", {8192, 8192}, {{}, {}}, DType::bf16);
+  const Layout src(std::move(a)), dst(std::move(b));
+  const Schedule s = plan(src, dst);
+  const double F = 0.0257, dense = 8192.0 * 8192 * 2, gbps = 8;
+  const double wire = dense * delta::expected_wire_fraction(2, F);
+  const double diff = (2 * dense + wire) / (gbps * 1e9);
+  const double scatter = (wire + 2 * dense * (1 - std::pow(1 - F, 16.0))) / (gbps * 1e9);
+  Topology topo;
+  topo.gpus_per_node = topo.nvlink_domain = 1;
+  topo.nic_gbps = 0.8;  // 100 MB/s: the transfer (5.1 MB) is the slowest phase
+  const RankPlacement place(topo, src, dst);
+  const auto one = simulate_delta(s, place, F, gbps, std::int64_t{1} << 40);  // one slice: one after another
+  CHECK(one.slices == 1);
+  CHECK(one.diff_seconds == doctest::Approx(diff));
+  CHECK(one.scatter_seconds == doctest::Approx(scatter));
+  CHECK(one.seconds == doctest::Approx(diff + one.transfer.seconds + scatter));
+  const auto many = simulate_delta(s, place, F, gbps, std::int64_t{32} << 20);  // 128 MiB in 4 slices
+  CHECK(many.slices == 4);
+  CHECK(many.transfer.seconds > diff);
+  CHECK(many.seconds == doctest::Approx(many.transfer.seconds + (diff + scatter) / 4));
+  CHECK(many.host_seconds == 0);
+  // Both ranks on one shared core: the diff and the scatter cannot overlap.
+  topo.host_cores = 1;
+  topo.nic_gbps = 800;
+  const RankPlacement shared(topo, src, dst);
+  const auto host = simulate_delta(s, shared, F, gbps, std::int64_t{32} << 20);
+  CHECK(host.host_seconds == doctest::Approx(diff + scatter));
+  CHECK(host.seconds == doctest::Approx(std::max(diff + (host.transfer.seconds + scatter) / 4, diff + scatter)));
+}
+
 TEST_CASE("FP8 on the inference side: decoder linear weights at 1 byte per element plus block scales") {
   LayoutSpec L_spec = mesh_layout({{"tp", 1}});
   add_tensor(L_spec, "model.embed_tokens.weight", {16, 8});

@@ -19,7 +19,7 @@ if(TARGET reshard-plan)
   # figure this change prints (a regression check; the per-byte fraction is checked by hand in test_delta).
   add_test(NAME topology.cli.simulate_delta COMMAND ${_p} --topology gb200-nvl72 --simulate --delta-density 0.0257)
   set_tests_properties(topology.cli.simulate_delta PROPERTIES LABELS cli
-                       PASS_REGULAR_EXPRESSION "delta refit  at changed fraction 0.0257 [^\n]* 333 B on the wire .0.0382 of dense.. diff ")
+                       PASS_REGULAR_EXPRESSION "delta refit  at changed fraction 0.0257 [^\n]* 333 B on the wire .0.0382 of dense.. diff .* slices")
   # Errors: the exit status, nothing on stdout, one stderr line naming the fault
   # (the same checker as reshard-plan's bad inputs, tests/cli/check_cli.cmake).
   set(_src --src|${_t}/src.json|--dst|${_t}/dst.json)

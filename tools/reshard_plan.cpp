@@ -139,7 +139,10 @@ std::string describe_simulation(const SimResult& r, const LowerBound& lb, bool f
     const auto& st = r.stages[i];
     s += fmt::format("  stage {:<6} {} = transfer {} + messages/barrier {}{}; network {}, NVLink {}, local {}\n", i,
                      human_seconds(st.seconds), human_seconds(st.fluid_seconds), human_seconds(st.latency_seconds),
-                     st.copy_seconds > 0 ? fmt::format(" + staging copies {}", human_seconds(st.copy_seconds)) : std::string(),
+                     st.copy_seconds > 0 ? fmt::format(" + staging copies {}{}", human_seconds(st.copy_seconds),
+                                                       st.quantize_seconds > 0 ? fmt::format(" (FP8 quantizing {})", human_seconds(st.quantize_seconds))
+                                                                               : std::string())
+                                         : std::string(),
                      human_bytes(st.bytes[0]), human_bytes(st.bytes[1]), human_bytes(st.bytes[2]));
     if (st.bound_gpu >= 0 || st.bound_gpu == -2)
       s += fmt::format("               busiest: {} {} {} ({}); {} flows, {} messages, {} rate updates\n",
@@ -153,7 +156,8 @@ nlohmann::json simulation_json(const SimResult& r, const LowerBound& lb) {
   nlohmann::json stages = nlohmann::json::array();
   for (const auto& st : r.stages)
     stages.push_back({{"seconds", st.seconds}, {"transfer_seconds", st.fluid_seconds},
-                      {"latency_seconds", st.latency_seconds}, {"copy_seconds", st.copy_seconds}, {"bound_seconds", st.bound_seconds},
+                      {"latency_seconds", st.latency_seconds}, {"copy_seconds", st.copy_seconds},
+                      {"quantize_seconds", st.quantize_seconds}, {"bound_seconds", st.bound_seconds},
                       {"network_bytes", st.bytes[0]}, {"nvlink_bytes", st.bytes[1]}, {"local_bytes", st.bytes[2]},
                       {"busiest_gpu", st.bound_gpu}, {"busiest_port", to_string(st.bound_port)}, {"flows", st.flows},
                       {"messages", st.messages}});
@@ -238,7 +242,8 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
       j["simulation"]["delta"] = {{"changed_fraction", dsim->density}, {"device_gbps", dsim->device_gbps},
                                   {"dense_network_bytes", dsim->dense_bytes}, {"wire_bytes", dsim->wire_bytes},
                                   {"diff_seconds", dsim->diff_seconds}, {"transfer_seconds", dsim->transfer.seconds},
-                                  {"scatter_seconds", dsim->scatter_seconds}, {"seconds", dsim->seconds}};
+                                  {"scatter_seconds", dsim->scatter_seconds}, {"slices", dsim->slices},
+                                  {"host_seconds", dsim->host_seconds}, {"seconds", dsim->seconds}};
     return j.dump() + "\n";
   }
   std::string text = plan_summary(s, src, dst, {.only_rank = -1, .shares = shares ? &*shares : nullptr, .nic_gbps = nic_gbps}) +
@@ -252,11 +257,13 @@ std::string run_with_topology(const TopologyRun& tr, const Layout& src, const La
                         human_bytes(static_cast<double>(rep.dropped_bytes)));
   if (sim) text += describe_simulation(*sim, lb, tr.fp8_wire, quantized != dst.tensors.end());
   if (dsim)
-    text += fmt::format("  delta refit  at changed fraction {:g} (docs/delta.md): {} on the wire ({:.4f} of dense); diff {} + transfer {} + "
-                        "scatter {} (device memory {} GB/s) = {} ({:.3f} of the dense prediction)\n",
+    text += fmt::format("  delta refit  at changed fraction {:g} (docs/delta.md): {} on the wire ({:.4f} of dense); diff {}, transfer {}, "
+                        "scatter {} (device memory {} GB/s), overlapped in {} slices{}: {} ({:.3f} of the dense prediction)\n",
                         dsim->density, human_bytes(dsim->wire_bytes), dsim->dense_bytes > 0 ? dsim->wire_bytes / dsim->dense_bytes : 0.0,
                         human_seconds(dsim->diff_seconds), human_seconds(dsim->transfer.seconds), human_seconds(dsim->scatter_seconds),
-                        dsim->device_gbps, human_seconds(dsim->seconds), sim && sim->seconds > 0 ? dsim->seconds / sim->seconds : 0.0);
+                        dsim->device_gbps, dsim->slices,
+                        dsim->host_seconds > 0 ? fmt::format(", shared host's cores at least {}", human_seconds(dsim->host_seconds)) : std::string(),
+                        human_seconds(dsim->seconds), sim && sim->seconds > 0 ? dsim->seconds / sim->seconds : 0.0);
   return text;
 }
 

@@ -17,7 +17,9 @@ Predictions: `reshard-plan ... --topology T --simulate --stats` with T the netbe
 1448/1514 (TCP payload of a 1514-byte frame at MTU 1500, which htb counts whole), on the `loopback` preset's
 host model (2 shared cores: its fabric cap, per-message and staging-copy costs). Delta predictions use the
 measured changed fraction and --delta-device-gbps 8 (memory bytes per second: docs/delta.md measured the
-host's diff at 3.6-4.6 GB/s of weights per sender with two senders at once, and it reads weights and shadow).
+host's diff at 3.6-4.6 GB/s of weights per sender with two senders at once, and it reads weights and shadow); the
+simulator overlaps diff, transfer and scatter in slices as the executor runs them, and charges the FP8 senders'
+quantizing at the preset's quantize_gbps (bench/quantize_bench.cpp).
 
     python3 bench/netbed/refits.py --rates 1gbit,5gbit [--cases dense,delta,fp8,gloo,hier] [--out runs.jsonl]
     python3 bench/netbed/refits.py --smoke      (CI: tiny models, 4 hosts, seconds)

@@ -24,17 +24,30 @@
 //    (unchanged), byte gaps + values, 16-bit indices + values, a bitmask +
 //    values, or the dense values. A payload header carries the version and the base version, and
 //    with ExecutorOptions::checksum a CRC32C of the payload.
+//  * Slices. Each pair's streams are cut into slices of about
+//    DeltaOptions::slice_bytes dense bytes (whole chunks). A slice is diffed,
+//    encoded and posted before the next is diffed, so the wire, and the
+//    receiver's scatter, start after the first slice's diff instead of after
+//    the whole diff.
 //  * Wire. Payloads vary in size but a Transport replays prepared ops of
 //    fixed sizes, so each pair's payload capacity (DeltaOptions::capacity of
-//    its dense bytes) is prepared as blocks of block_bytes; a refit posts the
-//    prefix of blocks its payload needs, both ends the same prefix, learned
-//    from one bootstrap all-gather per refit (which also carries every
-//    sender's changed count).
+//    its dense bytes, plus a header, a table and a block per slice) is
+//    prepared as blocks of block_bytes. A slice's payload starts on a block
+//    boundary, right after the previous slice's; its first block carries its
+//    header (its size), so the receiver posts a slice's first block, learns
+//    from it how many more follow and where the next slice starts, and posts
+//    those: both ends the same blocks, without a collective before the data.
+//  * Speculation. The payloads move before the world's decision: after all
+//    of them one bootstrap all-gather carries every sender's changed count,
+//    overflow and invalidation request.
 //  * Fallback. All ranks decide alike from that all-gather: when the
 //    changed fraction is above DeltaOptions::dense_above (the break-even,
 //    measured: docs/delta.md) or a payload outgrew its capacity, the refit
 //    runs the plain Executor over the whole schedule (zero-copy as usual;
-//    the shadows are already current). Above dense_above the next
+//    the shadows are already current), which rewrites every destination
+//    element whole, whatever payloads were scattered before it (a slice
+//    past the capacity travels as a header that says so, and its pair sends
+//    nothing after it). Above dense_above the next
 //    dense_streak refits go dense without diffing (no shadow upkeep); the
 //    streak's last refit brings only the sampled positions of the shadows
 //    to its version, and the next refit samples.
@@ -110,6 +123,10 @@ struct DeltaOptions {
   double capacity = 0.375;
   /// Payloads move in blocks of this many bytes (the last one of a pair shorter).
   std::int64_t block_bytes = std::int64_t{64} << 10;
+  /// Dense bytes of a pair's stream diffed, sent and scattered as one slice
+  /// (at least one chunk): smaller slices overlap more of the diff with the
+  /// wire, each costs a header, a table and on average half a block.
+  std::int64_t slice_bytes = std::int64_t{32} << 20;
   /// After a refit above dense_above: this many dense refits without diffing.
   int dense_streak = 16;
   /// The density sample taken before the first diff over a fresh base (or
@@ -613,7 +630,18 @@ struct PayloadHeader {
   std::uint64_t version = 0, base_version = 0;
   std::uint64_t bytes = 0;  ///< the whole payload, header included
   std::uint32_t crc = 0;    ///< CRC32C of the table and bodies (ExecutorOptions::checksum)
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;  ///< kOverflow: the slice outgrew the capacity left (no table, no bodies)
+  static constexpr std::uint32_t kOverflow = 1;
+};
+
+/// A run of whole chunks of one stream of a pair: the unit that is diffed,
+/// sent (a payload with its own header and table) and scattered.
+struct Slice {
+  std::size_t stream = 0;
+  std::int64_t first = 0, elements = 0;  ///< in the stream
+  std::int64_t chunks = 0;
+  std::int64_t shadow_offset = 0;  ///< bytes into the pair's shadow
+  std::size_t seg = 0;             ///< the stream's first segment that holds element `first`
 };
 
 /// One element size's stream of a peer pair.
@@ -700,8 +728,18 @@ class DeltaExecutor {
     std::int64_t capacity = 0;      ///< payload bytes prepared
     std::int64_t stage_offset = 0;  ///< in send_stage_ or recv_stage_
     std::int64_t shadow_offset = 0;
-    std::int64_t payload = 0;       ///< this run's encoded bytes (sender) or posted bytes (receiver)
+    std::int64_t payload = 0;       ///< this run's encoded bytes (sender)
+    std::vector<delta::Slice> slices;
+    std::vector<TransferOp> ops;    ///< the capacity's blocks (prepared)
+    std::int64_t next_block = 0;    ///< where this run's next slice starts
     bool overflow = false, done = false;
+  };
+  /// A receive posted in a run: a slice's first block (`head`) or the rest of its blocks.
+  struct Pending {
+    typename T::request r;
+    std::size_t pair = 0, slice = 0;
+    std::int64_t block = 0;
+    bool head = true;
   };
 
   void release();
@@ -709,8 +747,14 @@ class DeltaExecutor {
   std::int64_t blocks_of(std::int64_t bytes) const { return (bytes + dopt_.block_bytes - 1) / dopt_.block_bytes; }
   std::uint64_t tag(std::int64_t block) const { return static_cast<std::uint64_t>(channel_) << 48 | static_cast<std::uint64_t>(block); }
   std::vector<TransferOp> block_ops(const Pair& p, std::int64_t bytes) const;
-  void encode(Pair& p, std::uint64_t version);
-  void decode(Pair& p, std::uint64_t version);
+  std::int64_t slice_room(const Pair& p, std::size_t slice, std::int64_t block) const;
+  template <class Poke>
+  std::int64_t encode(Pair& p, std::size_t slice, std::uint64_t version, Poke&& poke);
+  delta::PayloadHeader slice_header(const Pair& p, std::size_t slice, std::int64_t block, std::uint64_t version) const;
+  void decode(Pair& p, std::size_t slice, std::int64_t block, std::uint64_t version);
+  template <class Sent>
+  void post_blocks(Pair& p, std::int64_t first, std::int64_t n, Sent&& sent);
+  void on_received(Pending& done, std::vector<Pending>& pending, std::uint64_t version, ExecutorStats& st);
   void prime();
   template <class F>
   void for_each_sample_run(F&& f);
@@ -787,6 +831,7 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
     if (opt_.device) fail("rank {}: delta refits run on host memory; ExecutorOptions::device is set", me_);
     if (dopt_.block_bytes < 64) fail("rank {}: DeltaOptions::block_bytes {} is below 64", me_, dopt_.block_bytes);
     if (!(dopt_.capacity > 0) || dopt_.capacity > 2) fail("rank {}: DeltaOptions::capacity {} is outside (0, 2]", me_, dopt_.capacity);
+    if (dopt_.slice_bytes < 1) fail("rank {}: DeltaOptions::slice_bytes {} is below 1", me_, dopt_.slice_bytes);
     if (dopt_.shadow_budget < 0) fail("rank {}: DeltaOptions::shadow_budget is negative", me_);
     if (dopt_.dense_streak < 0) fail("rank {}: DeltaOptions::dense_streak is negative", me_);
     if (!(dopt_.dense_above >= 0)) fail("rank {}: DeltaOptions::dense_above {} is not a fraction >= 0", me_, dopt_.dense_above);
@@ -857,8 +902,24 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
       p.bytes += c.bytes();
       p.tensors.push_back(c.tensor);
     }
+    std::int64_t shadow_at = 0;
     for (auto& [E, s] : streams) {
       p.chunks += s.chunks();
+      // Slices of whole chunks (both ends cut alike), each with the first segment it reads.
+      const std::int64_t per = std::max<std::int64_t>(1, dopt_.slice_bytes / (static_cast<std::int64_t>(E) * delta::kChunk));
+      std::size_t seg = 0;
+      for (std::int64_t c = 0; c < s.chunks(); c += per) {
+        delta::Slice sl;
+        sl.stream = p.streams.size();
+        sl.first = c * delta::kChunk;
+        sl.elements = std::min(per * delta::kChunk, s.elements - sl.first);
+        sl.chunks = std::min(per, s.chunks() - c);
+        sl.shadow_offset = shadow_at + sl.first * static_cast<std::int64_t>(E);
+        while (seg < s.segs.size() && s.segs[seg].first + s.segs[seg].count <= sl.first) ++seg;
+        sl.seg = seg;
+        p.slices.push_back(sl);
+      }
+      shadow_at += s.elements * static_cast<std::int64_t>(E);
       p.streams.push_back(std::move(s));
     }
     // The sender decides which pairs get a shadow, in peer order, within the budget.
@@ -922,8 +983,11 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   std::int64_t send_bytes = 0, recv_bytes = 0, shadow_bytes = 0, most_chunk = 0;
   for (Pair& p : pairs_) {
     p.done = false;
+    // Beside the encoded bytes: per slice a header and, at most, the rest of
+    // its last block; and the block kept free for the next slice's header.
     const auto cap = static_cast<std::int64_t>(static_cast<double>(p.bytes) * dopt_.capacity);
-    p.capacity = static_cast<std::int64_t>(sizeof(delta::PayloadHeader)) + 4 * p.chunks + cap;
+    const auto slices = static_cast<std::int64_t>(p.slices.size());
+    p.capacity = (static_cast<std::int64_t>(sizeof(delta::PayloadHeader)) + dopt_.block_bytes) * slices + 4 * p.chunks + cap + dopt_.block_bytes;
     std::int64_t& at = p.send ? send_bytes : recv_bytes;
     p.stage_offset = at;
     at += p.capacity;
@@ -942,8 +1006,10 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   if (send_bytes) send_region_ = RegisteredRegion<T>(transport, send_stage_.data(), send_stage_.size(), MemoryKind::host);
   if (recv_bytes) recv_region_ = RegisteredRegion<T>(transport, recv_stage_.data(), recv_stage_.size(), MemoryKind::host);
   std::vector<TransferOp> ops;
-  for (const Pair& p : pairs_)
-    for (const auto& o : block_ops(p, p.capacity)) ops.push_back(o);
+  for (Pair& p : pairs_) {
+    p.ops = block_ops(p, p.capacity);
+    ops.insert(ops.end(), p.ops.begin(), p.ops.end());
+  }
   transport.prepare(ops, Clock::now() + opt_.timeout);
   used_full_ = true;
   ready_ = true;
@@ -1060,107 +1126,184 @@ double DeltaExecutor<T>::sample() {
 }
 
 template <class T>
-void DeltaExecutor<T>::encode(Pair& p, std::uint64_t version) {
-  using namespace delta;
-  std::byte* const start = send_stage_.data() + p.stage_offset;
-  std::byte* table = start + sizeof(PayloadHeader);
-  std::byte* body = table + 4 * p.chunks;
-  std::byte* const end = start + p.capacity;
-  std::byte* shadow = shadow_.data() + p.shadow_offset;
-  p.overflow = false;
-  for (const Stream& s : p.streams) {
-    const auto E = static_cast<std::int64_t>(s.E);
-    std::size_t cursor = 0;
-    for (std::int64_t c0 = 0; c0 < s.elements; c0 += kChunk) {
-      const std::int64_t n = std::min(kChunk, s.elements - c0);
-      // Compare in place when one contiguous segment holds the whole chunk (no pack).
-      while (cursor < s.segs.size() && s.segs[cursor].first + s.segs[cursor].count <= c0) ++cursor;
-      const StreamSegment* g = cursor < s.segs.size() ? &s.segs[cursor] : nullptr;
-      const bool direct = g && g->contiguous && g->first + g->count >= c0 + n;
-      const std::byte* cur = direct ? g->base + (g->src_offset + c0 - g->first) * E : chunk_.data();
-      if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
-      const std::int64_t k = diff_compact_bytes(s.E, cur, shadow + c0 * E, n, idx_.data(), vals_.data());
-      last_.compared += n;
-      last_.changed += k;
-      const std::int64_t esc = gap_escapes(idx_.data(), k);
-      const ChunkMode m = best_mode(n, k, E, esc);
-      ++last_.chunks[static_cast<int>(m)];
-      const std::uint32_t entry = table_entry(m, k);
-      std::memcpy(table, &entry, 4);
-      table += 4;
-      const std::int64_t need = body_bytes(m, n, k, E, esc);
-      if (p.overflow || body + need > end) {
-        p.overflow = true;  // keep diffing: the shadow must still become this version
-        continue;
-      }
-      write_chunk_body(m, n, k, E, esc, idx_.data(), vals_.data(), cur, body);
-      body += need;
-    }
-    shadow += s.elements * E;
-  }
-  PayloadHeader h;
-  h.chunks = static_cast<std::uint32_t>(p.chunks);
-  h.version = version;
-  h.base_version = base_version_;
-  h.bytes = static_cast<std::uint64_t>(body - start);
-  if (opt_.checksum && !p.overflow) h.crc = crc32c(start + sizeof(PayloadHeader), static_cast<std::size_t>(body - start) - sizeof(PayloadHeader));
-  std::memcpy(start, &h, sizeof h);
-  p.payload = p.overflow ? p.capacity + 1 : body - start;
+std::int64_t DeltaExecutor<T>::slice_room(const Pair& p, std::size_t slice, std::int64_t block) const {
+  // A slice before the last leaves one whole block after its own for the
+  // next slice's header, so that a later slice can always say it overflowed.
+  const std::int64_t bb = dopt_.block_bytes;
+  return slice + 1 < p.slices.size() ? (p.capacity / bb - block - 1) * bb : p.capacity - block * bb;
 }
 
 template <class T>
-void DeltaExecutor<T>::decode(Pair& p, std::uint64_t version) {
+template <class Poke>
+std::int64_t DeltaExecutor<T>::encode(Pair& p, std::size_t slice, std::uint64_t version, Poke&& poke) {
   using namespace delta;
-  const std::byte* const start = recv_stage_.data() + p.stage_offset;
+  const Slice& sl = p.slices[slice];
+  const Stream& s = p.streams[sl.stream];
+  const auto E = static_cast<std::int64_t>(s.E);
+  // After an overflow the pair sends nothing more, but every slice is still
+  // diffed: the shadow must become this version (the refit then goes dense).
+  const bool sending = !p.overflow;
+  std::byte* const start = send_stage_.data() + p.stage_offset + p.next_block * dopt_.block_bytes;
+  std::byte* const end = start + std::max<std::int64_t>(0, slice_room(p, slice, p.next_block));
+  std::byte* table = start + sizeof(PayloadHeader);
+  std::byte* body = table + 4 * sl.chunks;
+  bool fits = sending && body <= end;
+  std::byte* shadow = shadow_.data() + p.shadow_offset + sl.shadow_offset;
+  std::size_t cursor = sl.seg;
+  for (std::int64_t c0 = sl.first; c0 < sl.first + sl.elements; c0 += kChunk) {
+    const std::int64_t n = std::min(kChunk, s.elements - c0);
+    // Compare in place when one contiguous segment holds the whole chunk (no pack).
+    while (cursor < s.segs.size() && s.segs[cursor].first + s.segs[cursor].count <= c0) ++cursor;
+    const StreamSegment* g = cursor < s.segs.size() ? &s.segs[cursor] : nullptr;
+    const bool direct = g && g->contiguous && g->first + g->count >= c0 + n;
+    const std::byte* cur = direct ? g->base + (g->src_offset + c0 - g->first) * E : chunk_.data();
+    if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
+    const std::int64_t k = diff_compact_bytes(s.E, cur, shadow, n, idx_.data(), vals_.data());
+    shadow += n * E;
+    last_.compared += n;
+    last_.changed += k;
+    // A transport that progresses only inside its calls (UCX) would leave
+    // the wire idle during a slice's diff once its socket buffers drained.
+    if ((c0 / kChunk) % 4 == 3) poke();
+    if (!fits) continue;
+    const std::int64_t esc = gap_escapes(idx_.data(), k);
+    const ChunkMode m = best_mode(n, k, E, esc);
+    const std::int64_t need = body_bytes(m, n, k, E, esc);
+    if (body + need > end) {
+      fits = false;
+      continue;
+    }
+    ++last_.chunks[static_cast<int>(m)];
+    const std::uint32_t entry = table_entry(m, k);
+    std::memcpy(table, &entry, 4);
+    table += 4;
+    write_chunk_body(m, n, k, E, esc, idx_.data(), vals_.data(), cur, body);
+    body += need;
+  }
+  if (!sending) return 0;
   PayloadHeader h;
-  std::memcpy(&h, start, sizeof h);
+  h.chunks = static_cast<std::uint32_t>(sl.chunks);
+  h.version = version;
+  h.base_version = base_version_;
+  if (!fits) {
+    p.overflow = true;
+    h.flags = PayloadHeader::kOverflow;
+    body = start + sizeof h;
+  }
+  h.bytes = static_cast<std::uint64_t>(body - start);
+  if (opt_.checksum && fits) h.crc = crc32c(start + sizeof h, static_cast<std::size_t>(body - start) - sizeof h);
+  std::memcpy(start, &h, sizeof h);
+  p.payload += body - start;
+  return blocks_of(body - start);
+}
+
+template <class T>
+delta::PayloadHeader DeltaExecutor<T>::slice_header(const Pair& p, std::size_t slice, std::int64_t block, std::uint64_t version) const {
+  using namespace delta;
+  PayloadHeader h;
+  std::memcpy(&h, recv_stage_.data() + p.stage_offset + block * dopt_.block_bytes, sizeof h);
   auto bad = [&](const std::string& why) {
-    throw IntegrityError(fmt::format("rank {}: delta refit version {}: the payload from rank {} (tensors {}) {}", me_, version, p.peer, tensors_of(p), why));
+    throw IntegrityError(fmt::format("rank {}: delta refit version {}: the payload from rank {} (tensors {}), slice {} of {}, {}", me_, version,
+                                     p.peer, tensors_of(p), slice + 1, p.slices.size(), why));
   };
+  const auto chunks = static_cast<std::uint64_t>(p.slices[slice].chunks);
+  const auto room = static_cast<std::uint64_t>(std::max<std::int64_t>(0, slice_room(p, slice, block)));
   if (h.magic != PayloadHeader{}.magic) bad("has no payload header");
   if (h.version != version) bad(fmt::format("is of version {}", h.version));
   if (h.base_version != base_version_)
     bad(fmt::format("is a delta over version {}, but this rank's destination holds version {}", h.base_version, base_version_));
-  if (h.chunks != static_cast<std::uint64_t>(p.chunks) || h.bytes > static_cast<std::uint64_t>(p.payload) || h.bytes < sizeof h + 4 * h.chunks)
-    bad(fmt::format("has {} chunks and {} bytes; expected {} chunks within {} bytes", h.chunks, h.bytes, p.chunks, p.payload));
+  if (h.flags & ~PayloadHeader::kOverflow) bad(fmt::format("has unknown flags {:#x}", h.flags));
+  const std::uint64_t least = sizeof h + (h.flags ? 0 : 4 * chunks);
+  if (h.chunks != chunks || h.bytes > std::max<std::uint64_t>(room, sizeof h) || h.bytes < least || (h.flags && h.bytes != sizeof h))
+    bad(fmt::format("has {} chunks and {} bytes; expected {} chunks within {} bytes", h.chunks, h.bytes, chunks, room));
+  return h;
+}
+
+template <class T>
+void DeltaExecutor<T>::decode(Pair& p, std::size_t slice, std::int64_t block, std::uint64_t version) {
+  using namespace delta;
+  const Slice& sl = p.slices[slice];
+  const Stream& s = p.streams[sl.stream];
+  const auto E = static_cast<std::int64_t>(s.E);
+  const std::byte* const start = recv_stage_.data() + p.stage_offset + block * dopt_.block_bytes;
+  const PayloadHeader h = slice_header(p, slice, block, version);  // (read again: the head's checks hold for these bytes)
+  auto bad = [&](const std::string& why) {
+    throw IntegrityError(fmt::format("rank {}: delta refit version {}: the payload from rank {} (tensors {}), slice {} of {}, {}", me_, version,
+                                     p.peer, tensors_of(p), slice + 1, p.slices.size(), why));
+  };
   if (opt_.checksum && crc32c(start + sizeof h, h.bytes - sizeof h) != h.crc) bad("fails its CRC32C");
   const std::byte* table = start + sizeof h;
-  const std::byte* body = table + 4 * p.chunks;
+  const std::byte* body = table + 4 * sl.chunks;
   const std::byte* const end = start + h.bytes;
-  for (const Stream& s : p.streams) {
-    const auto E = static_cast<std::int64_t>(s.E);
-    std::size_t cursor = 0;
-    for (std::int64_t c0 = 0; c0 < s.elements; c0 += kChunk) {
-      const std::int64_t n = std::min(kChunk, s.elements - c0);
-      std::uint32_t entry;
-      std::memcpy(&entry, table, 4);
-      table += 4;
-      const auto m = static_cast<ChunkMode>(entry >> 24);
-      const std::int64_t k = entry & 0xFFFFFF;
-      if (entry >> 24 >= kChunkModes || k > n || (m == ChunkMode::same) != (k == 0)) bad(fmt::format("has a bad chunk entry {:#x}", entry));
-      std::int64_t esc = 0;
-      if (m == ChunkMode::gap) {
-        const std::int64_t g = indices_from_gaps(body, k, n, end - body, idx_.data());
-        if (g < 0) bad("has a malformed gap list");
-        esc = (g - k) / 2;
-      }
-      const std::int64_t need = body_bytes(m, n, k, E, esc);
-      if (body + need > end) bad("is shorter than its chunk table says");
-      if (m == ChunkMode::index) {
-        std::memcpy(idx_.data(), body, static_cast<std::size_t>(2 * k));
-        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + 2 * k);
-      } else if (m == ChunkMode::gap) {
-        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + k + 2 * esc);
-      } else if (m == ChunkMode::mask) {
-        if (indices_from_mask(body, n, idx_.data()) != k) bad("has a bitmask whose count is not its table's");
-        scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + (n + 7) / 8);
-      } else if (m == ChunkMode::dense) {
-        stream_copy<false>(s.E, s.segs, cursor, c0, n, const_cast<std::byte*>(body));
-      }
-      body += need;
+  std::size_t cursor = sl.seg;
+  for (std::int64_t c0 = sl.first; c0 < sl.first + sl.elements; c0 += kChunk) {
+    const std::int64_t n = std::min(kChunk, s.elements - c0);
+    std::uint32_t entry;
+    std::memcpy(&entry, table, 4);
+    table += 4;
+    const auto m = static_cast<ChunkMode>(entry >> 24);
+    const std::int64_t k = entry & 0xFFFFFF;
+    if (entry >> 24 >= kChunkModes || k > n || (m == ChunkMode::same) != (k == 0)) bad(fmt::format("has a bad chunk entry {:#x}", entry));
+    std::int64_t esc = 0;
+    if (m == ChunkMode::gap) {
+      const std::int64_t g = indices_from_gaps(body, k, n, end - body, idx_.data());
+      if (g < 0) bad("has a malformed gap list");
+      esc = (g - k) / 2;
+    }
+    const std::int64_t need = body_bytes(m, n, k, E, esc);
+    if (body + need > end) bad("is shorter than its chunk table says");
+    if (m == ChunkMode::index) {
+      std::memcpy(idx_.data(), body, static_cast<std::size_t>(2 * k));
+      scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + 2 * k);
+    } else if (m == ChunkMode::gap) {
+      scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + k + 2 * esc);
+    } else if (m == ChunkMode::mask) {
+      if (indices_from_mask(body, n, idx_.data()) != k) bad("has a bitmask whose count is not its table's");
+      scatter_bytes(s.E, s.segs, cursor, c0, idx_.data(), k, body + (n + 7) / 8);
+    } else if (m == ChunkMode::dense) {
+      stream_copy<false>(s.E, s.segs, cursor, c0, n, const_cast<std::byte*>(body));
+    }
+    body += need;
+  }
+  if (slice + 1 == p.slices.size()) p.done = true;
+}
+
+template <class T>
+template <class Sent>
+void DeltaExecutor<T>::post_blocks(Pair& p, std::int64_t first, std::int64_t n, Sent&& sent) {
+  if (n <= 0) return;
+  const std::span<const TransferOp> ops(p.ops.data() + first, static_cast<std::size_t>(n));
+  sent(t_->post(ops), ops);
+}
+
+template <class T>
+void DeltaExecutor<T>::on_received(Pending& done, std::vector<Pending>& pending, std::uint64_t version, ExecutorStats& st) {
+  // A slice's first block tells its size: post the rest of its blocks and
+  // the next slice's first block, then scatter what is complete.
+  Pair& p = pairs_[done.pair];
+  auto keep = [&](bool head, std::size_t slice, std::int64_t block) {
+    return [&, head, slice, block](typename T::request r, std::span<const TransferOp> ops) {
+      for (const auto& o : ops) st.bytes_received += static_cast<std::int64_t>(o.bytes);
+      st.messages_received += static_cast<std::int64_t>(ops.size());
+      pending.push_back(Pending{std::move(r), done.pair, slice, block, head});
+    };
+  };
+  if (done.head) {
+    const delta::PayloadHeader h = slice_header(p, done.slice, done.block, version);
+    if (h.flags & delta::PayloadHeader::kOverflow) {
+      p.done = true;  // the sender sends nothing more; the refit goes dense
+      return;
+    }
+    const std::int64_t used = blocks_of(static_cast<std::int64_t>(h.bytes));
+    if (done.slice + 1 < p.slices.size()) post_blocks(p, done.block + used, 1, keep(true, done.slice + 1, done.block + used));
+    if (used > 1) {
+      post_blocks(p, done.block + 1, used - 1, keep(false, done.slice, done.block));
+      return;
     }
   }
-  p.done = true;
+  const auto s0 = Clock::now();
+  decode(p, done.slice, done.block, version);
+  last_.scatter_seconds += std::chrono::duration<double>(Clock::now() - s0).count();
 }
 
 template <class T>
@@ -1260,18 +1403,97 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     }
   }
 
-  // Diff every shadowed send pair into its payload.
+  // Delta, speculatively: the dense rest (local copies, pairs without a
+  // shadow), then each slice diffed and posted at once while the receivers
+  // scatter the slices that arrived; the world's decision comes after.
+  ExecutorStats st;
   try {
-    const auto d0 = Clock::now();
-    for (Pair& p : pairs_)
-      if (p.send) encode(p, version);
-    last_.diff_seconds += std::chrono::duration<double>(Clock::now() - d0).count();
-  } catch (const std::exception& e) {
-    fail_run(e.what());
+    st = rest_.run(version);
+  } catch (...) {
+    broken_ = true;
+    throw;
   }
-  // One all-gather: every sender's counts, overflow and payload sizes, so
-  // that every rank takes the same decision and each receiver learns how
-  // many blocks to post.
+  using request = typename T::request;
+  std::vector<request> sends;
+  std::vector<Pending> pending;
+  std::vector<request*> rs;
+  // Handles the receives that completed (any when `block`, else only those
+  // already done), which may post further receives.
+  auto service = [&](bool block) {
+    while (!pending.empty()) {
+      std::size_t j = pending.size();
+      if (block) {
+        rs.clear();
+        for (auto& q : pending) rs.push_back(&q.r);
+        j = t_->wait_any(std::span<request* const>(rs.data(), rs.size()), deadline);
+      } else {
+        for (std::size_t i = 0; i < pending.size() && j == pending.size(); ++i)
+          if (t_->test(pending[i].r)) j = i;
+        if (j == pending.size()) return;
+      }
+      Pending d = std::move(pending[j]);
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(j));
+      on_received(d, pending, version, st);
+    }
+  };
+  try {
+    std::size_t most = 0;
+    for (Pair& p : pairs_) {
+      p.done = p.send;
+      p.overflow = false;
+      p.payload = 0;
+      p.next_block = 0;
+      most = std::max(most, p.slices.size());
+    }
+    for (std::size_t i = 0; i < pairs_.size(); ++i)
+      if (!pairs_[i].send)
+        post_blocks(pairs_[i], 0, 1, [&](request r, std::span<const TransferOp> ops) {
+          st.bytes_received += static_cast<std::int64_t>(ops[0].bytes);
+          ++st.messages_received;
+          pending.push_back(Pending{std::move(r), i, 0, 0, true});
+        });
+    // Slice by slice, round robin over the receivers, so that each has its
+    // first slice after one slice's diff.
+    for (std::size_t k = 0; k < most; ++k) {
+      for (Pair& p : pairs_) {
+        if (!p.send || k >= p.slices.size()) continue;
+        const auto d0 = Clock::now();
+        const std::int64_t used = encode(p, k, version, [&] {
+          if (!sends.empty()) t_->test(sends.back());
+        });
+        last_.diff_seconds += std::chrono::duration<double>(Clock::now() - d0).count();
+        post_blocks(p, p.next_block, used, [&](request r, std::span<const TransferOp> ops) {
+          for (const auto& o : ops) st.bytes_sent += static_cast<std::int64_t>(o.bytes);
+          for (const auto& o : ops) last_.block_bytes_sent += static_cast<std::int64_t>(o.bytes);
+          st.messages_sent += static_cast<std::int64_t>(ops.size());
+          sends.push_back(std::move(r));
+        });
+        p.next_block += used;
+      }
+      // Keep the wire moving (a transport may progress only inside its calls).
+      if (pending.empty() && !sends.empty())
+        t_->test(sends.back());
+      else
+        service(false);
+    }
+    service(true);
+    for (auto& r : sends) t_->wait(r, deadline);
+    for (const Pair& p : pairs_)
+      if (p.send) last_.payload_bytes += p.payload;
+  } catch (const IntegrityError& e) {
+    sends.clear();
+    pending.clear();
+    broken_ = true;
+    t_->abort(e.what());
+    throw;
+  } catch (const std::exception& e) {
+    sends.clear();
+    pending.clear();
+    fail_run(fmt::format("rank {}: delta refit version {}: {}", me_, version, e.what()));
+  }
+
+  // One all-gather: every sender's counts and overflow and every rank's
+  // invalidation request, so that every rank takes the same decision.
   bool overflow = false;
   for (const Pair& p : pairs_) overflow |= p.send && p.overflow;
   BlobWriter w;
@@ -1279,7 +1501,6 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   w.put(static_cast<std::int64_t>(last_.changed));
   w.put<std::uint8_t>(overflow ? 1 : 0);
   w.put<std::uint8_t>(invalidate_requested_ ? 1 : 0);
-  put_send_pairs(w, [&](const Pair& p) { w.put(p.payload); });
   std::vector<std::vector<std::byte>> blobs;
   try {
     blobs = t_->all_gather(w.buf, deadline);
@@ -1295,86 +1516,27 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
     last_.world_changed += rd.get<std::int64_t>();
     overflow |= rd.get<std::uint8_t>() != 0;
     world_invalidated_ |= rd.get<std::uint8_t>() != 0;
-    const auto n = rd.get<std::uint32_t>();
-    for (std::uint32_t i = 0; i < n; ++i) {
-      const auto peer = rd.get<std::int64_t>();
-      const auto bytes = rd.get<std::int64_t>();
-      if (peer != me_) continue;
-      for (Pair& p : pairs_)
-        if (!p.send && p.peer == world[r]) p.payload = bytes;
-    }
   }
   const double f = last_.changed_fraction();
   measured_ = f;
   if (overflow || world_invalidated_ || f > dopt_.dense_above) {
-    // (An invalidated base needs no prime here: the diff already brought
-    // the shadows to this version, which the dense refit writes whole.)
-    ExecutorStats st = dense("dense");
+    // The dense refit rewrites every destination element whole, over
+    // whatever slices were scattered. (An invalidated base needs no prime
+    // here: the diff already brought the shadows to this version.)
+    ExecutorStats ds = dense("dense");
     base_version_ = version;  // the shadows were brought to this version by the diff
     if (f > dopt_.dense_above && dopt_.dense_streak > 0) {
       base_valid_ = false;  // no shadow upkeep for a while (the streak's last refit keeps the sampled positions)
       streak_left_ = dopt_.dense_streak;
     }
-    return st;
+    ds.bytes_sent += st.bytes_sent;
+    ds.bytes_received += st.bytes_received;
+    ds.messages_sent += st.messages_sent;
+    ds.messages_received += st.messages_received;
+    return ds;
   }
-
-  // Delta: the dense rest (local copies, pairs without a shadow), then the payloads.
   used_full_ = false;
   last_.mode = "delta";
-  ExecutorStats st;
-  try {
-    st = rest_.run(version);
-  } catch (...) {
-    broken_ = true;
-    throw;
-  }
-  using request = typename T::request;
-  std::vector<request> sends, recvs;
-  std::vector<std::size_t> recv_pair;
-  try {
-    for (std::size_t i = 0; i < pairs_.size(); ++i) {
-      Pair& p = pairs_[i];
-      p.done = p.send;
-      if (p.send) continue;
-      const auto ops = block_ops(p, p.capacity);
-      const std::int64_t used = blocks_of(p.payload);
-      recvs.push_back(t_->post(std::span<const TransferOp>(ops.data(), static_cast<std::size_t>(used))));
-      recv_pair.push_back(i);
-      for (std::int64_t b = 0; b < used; ++b) st.bytes_received += static_cast<std::int64_t>(ops[static_cast<std::size_t>(b)].bytes);
-      st.messages_received += used;
-    }
-    for (Pair& p : pairs_) {
-      if (!p.send) continue;
-      const auto ops = block_ops(p, p.capacity);
-      const std::int64_t used = blocks_of(p.payload);
-      sends.push_back(t_->post(std::span<const TransferOp>(ops.data(), static_cast<std::size_t>(used))));
-      for (std::int64_t b = 0; b < used; ++b) st.bytes_sent += static_cast<std::int64_t>(ops[static_cast<std::size_t>(b)].bytes);
-      st.messages_sent += used;
-      last_.payload_bytes += p.payload;
-      last_.block_bytes_sent += std::min(p.capacity, used * dopt_.block_bytes);
-    }
-    while (!recvs.empty()) {
-      std::vector<request*> rs;
-      for (auto& r : recvs) rs.push_back(&r);
-      const std::size_t j = t_->wait_any(std::span<request* const>(rs.data(), rs.size()), deadline);
-      const auto s0 = Clock::now();
-      decode(pairs_[recv_pair[j]], version);
-      last_.scatter_seconds += std::chrono::duration<double>(Clock::now() - s0).count();
-      recvs.erase(recvs.begin() + static_cast<std::ptrdiff_t>(j));
-      recv_pair.erase(recv_pair.begin() + static_cast<std::ptrdiff_t>(j));
-    }
-    for (auto& r : sends) t_->wait(r, deadline);
-  } catch (const IntegrityError& e) {
-    sends.clear();
-    recvs.clear();
-    broken_ = true;
-    t_->abort(e.what());
-    throw;
-  } catch (const std::exception& e) {
-    sends.clear();
-    recvs.clear();
-    fail_run(fmt::format("rank {}: delta refit version {}: {}", me_, version, e.what()));
-  }
   base_version_ = version;
   st.version = version;
   st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

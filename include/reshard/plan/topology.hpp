@@ -26,7 +26,7 @@
 //    "nvlink_domain": 8, "nic_gbps": 400, "nvlink_gbps": 3600,
 //    "memcpy_gbps": 0, "fabric_gbps": 0, "latency_us": 5, "nvlink_latency_us": 2,
 //    "stage_latency_us": 10, "staging_budget": 268435456, "zero_copy_min": 65536,
-//    "host_cores": 0, "staging_copy_gbps": 0, "staging_run_ns": 0, "messages_in_flight": 1,
+//    "host_cores": 0, "staging_copy_gbps": 0, "staging_run_ns": 0, "quantize_gbps": 0, "messages_in_flight": 1,
 //    "placement": "launch" | "separate", "rank_gpus": [0, 1, ...]}
 #include <algorithm>
 #include <cmath>
@@ -86,6 +86,13 @@ struct Topology {
   /// the loopback preset has them fitted (bench/calibration/README.md).
   double staging_copy_gbps = 0;
   double staging_run_ns = 0;
+  /// FP8 quantizing on the senders (copies into quantized destinations
+  /// that the sender quantizes, docs/fp8.md): FP8 bytes a GPU's host
+  /// produces per second (Gb/s), charged to each sender before its transfer
+  /// (QuantRefit quantizes every tile before the executor runs; on a shared
+  /// host the senders share host_cores). 0 = free: on a cluster a GPU kernel
+  /// at HBM speed; the loopback preset has it measured (docs/measurements.md).
+  double quantize_gbps = 0;
   /// Messages a GPU keeps in flight at once, so that n messages cost
   /// n x latency / messages_in_flight (Little's law), still added to the
   /// transfer time rather than overlapped with it. 1 = one after another,
@@ -105,6 +112,7 @@ struct Topology {
   double nvlink_bytes_per_s() const { return nvlink_gbps * 1e9 / 8; }
   double memcpy_bytes_per_s() const { return memcpy_gbps * 1e9 / 8; }
   double staging_copy_bytes_per_s() const { return staging_copy_gbps * 1e9 / 8; }
+  double quantize_bytes_per_s() const { return quantize_gbps * 1e9 / 8; }
   double fabric_bytes_per_s() const { return fabric_gbps * 1e9 / 8; }
   std::int64_t node_of_gpu(std::int64_t g) const { return g / gpus_per_node; }
   std::int64_t domain_of_gpu(std::int64_t g) const { return g / nvlink_domain; }
@@ -137,6 +145,8 @@ struct Topology {
       bad("staging_run_ns", fmt::format("{} must be >= 0", staging_run_ns));
     if (messages_in_flight < 1)
       bad("messages_in_flight", fmt::format("{} must be >= 1 (1: messages one after another)", messages_in_flight));
+    if (!(quantize_gbps >= 0) || !std::isfinite(quantize_gbps))
+      bad("quantize_gbps", fmt::format("{} must be >= 0 (0: quantizing is free)", quantize_gbps));
     if (!(host_cores >= 0) || !std::isfinite(host_cores))
       bad("host_cores", fmt::format("{} must be >= 0 (0: no shared host)", host_cores));
     if (placement == PlacementKind::explicit_gpus && rank_gpus.empty())
@@ -205,6 +215,10 @@ inline std::optional<Topology> topology_preset(const std::string& name) {
     t.stage_latency_us = 127;
     t.staging_copy_gbps = 8 * 11.1;
     t.staging_run_ns = 75;
+    // FP8 quantizing (block, 128x128 BF16 tiles) as two senders get it at
+    // once: bench/quantize_bench.cpp, two processes together, 5.2-5.7 Gb/s of
+    // FP8 bytes each (one alone: 10.3-10.7), docs/measurements.md (netbed).
+    t.quantize_gbps = 5.4;
     t.host_cores = 2;  // this machine's cores, shared by every process of a refit
     return t;
   }
@@ -220,13 +234,13 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   static const std::set<std::string> known = {"name",        "base",          "gpus_per_node",    "nvlink_domain",
                                               "nic_gbps",    "nvlink_gbps",   "memcpy_gbps",      "fabric_gbps", "latency_us",
                                               "nvlink_latency_us", "stage_latency_us", "staging_budget", "zero_copy_min",
-                                              "host_cores", "staging_copy_gbps", "staging_run_ns",
+                                              "host_cores", "staging_copy_gbps", "staging_run_ns", "quantize_gbps",
                                               "messages_in_flight", "placement", "rank_gpus"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k))
       bad(k, fmt::format("unknown field (known: name base gpus_per_node nvlink_domain nic_gbps nvlink_gbps "
                          "memcpy_gbps fabric_gbps latency_us nvlink_latency_us stage_latency_us staging_budget zero_copy_min host_cores "
-                         "staging_copy_gbps staging_run_ns messages_in_flight placement rank_gpus)"));
+                         "staging_copy_gbps staging_run_ns quantize_gbps messages_in_flight placement rank_gpus)"));
   Topology t;
   if (auto it = j.find("base"); it != j.end()) {
     if (!it->is_string()) bad("base", fmt::format("expected a preset name (a string), got {}", it->type_name()));
@@ -267,6 +281,7 @@ inline Topology parse_topology(const nlohmann::json& j, const std::string& origi
   number("host_cores", t.host_cores);
   number("staging_copy_gbps", t.staging_copy_gbps);
   number("staging_run_ns", t.staging_run_ns);
+  number("quantize_gbps", t.quantize_gbps);
   integer("messages_in_flight", t.messages_in_flight);
   if (auto it = j.find("rank_gpus"); it != j.end()) {
     if (!it->is_array()) bad("rank_gpus", fmt::format("expected an array of GPU numbers, got {}", it->type_name()));

@@ -101,6 +101,7 @@ inline const char* to_string(LinkKind k) {
 struct CopyShape {
   CopyForm form = CopyForm::packed;
   std::int32_t pack_runs = 1, unpack_runs = 1;
+  bool sender_quantized = false;  ///< FP8 bytes its sender quantizes first (CopyQuant::sender)
   /// A bare form: one run per staged side (a half copy staged at its source).
   static CopyShape of(CopyForm f) {
     return CopyShape{f, f == CopyForm::zero_copy ? 0 : 1, f == CopyForm::packed ? 1 : 0};
@@ -111,6 +112,7 @@ struct CopyShape {
 /// unpacked at the destination (bytes and unit-stride runs per side).
 struct StagingWork {
   double pack_bytes = 0, pack_runs = 0, unpack_bytes = 0, unpack_runs = 0;
+  double quant_bytes = 0;  ///< FP8 bytes the source quantizes before the transfer
 };
 
 /// One stage's traffic between one pair of GPUs.
@@ -140,7 +142,8 @@ class Traffic {
     auto runs = [](bool in_place_side, std::int64_t r) {
       return in_place_side ? 0 : static_cast<std::int32_t>(std::min<std::int64_t>(r, std::numeric_limits<std::int32_t>::max()));
     };
-    return CopyShape{copy_form(src_in_place, dst_in_place), runs(src_in_place, src_runs), runs(dst_in_place, dst_runs)};
+    return CopyShape{copy_form(src_in_place, dst_in_place), runs(src_in_place, src_runs), runs(dst_in_place, dst_runs),
+                     c.quant == CopyQuant::sender};
   }
   /// `bytes` of one copy (after any wire-dtype scaling) from rank to rank;
   /// `form`: the copy's form (a bare copy of bytes is packed, one run a side).
@@ -176,6 +179,7 @@ class Traffic {
       p.staging.unpack_bytes += bytes;
       p.staging.unpack_runs += shape.unpack_runs;
     }
+    if (shape.sender_quantized) p.staging.quant_bytes += bytes;
   }
   /// Adds another Traffic's pairs (same placement): per-thread Traffics of
   /// a streamed plan are summed this way.
@@ -196,6 +200,7 @@ class Traffic {
         p.staging.pack_runs += q.staging.pack_runs;
         p.staging.unpack_bytes += q.staging.unpack_bytes;
         p.staging.unpack_runs += q.staging.unpack_runs;
+        p.staging.quant_bytes += q.staging.quant_bytes;
       }
   }
   std::size_t stages() const { return stages_.size(); }
@@ -292,7 +297,8 @@ struct StageResult {
   double seconds = 0;          ///< fluid + message latency + barrier + staging copies
   double fluid_seconds = 0;    ///< the max-min fair transfer time
   double latency_seconds = 0;  ///< slowest GPU's per-message cost + barrier
-  double copy_seconds = 0;     ///< staging copies: the slowest packer, then the slowest unpacker
+  double copy_seconds = 0;     ///< the senders' quantizing, then staging copies: the slowest packer, then the slowest unpacker
+  double quantize_seconds = 0;  ///< of which the senders' FP8 quantizing (Topology::quantize_gbps)
   double bound_seconds = 0;    ///< the stage's busiest port: load / rate
   std::int64_t bound_gpu = -1;  ///< -2: the shared fabric
   Port bound_port = Port::nic_in;
@@ -723,28 +729,36 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
 
 }  // namespace sim_detail
 
-/// The staging copies of a stage (Topology::staging_copy_gbps and
-/// staging_run_ns): every source GPU packs its staged bytes, then every
-/// destination GPU unpacks them; each phase takes its slowest GPU, and on a
-/// shared host the GPUs of a phase share host_cores.
-inline double staging_copy_seconds(const std::vector<PairTraffic>& pairs, const Topology& topo) {
-  if (!(topo.staging_copy_gbps > 0) && !(topo.staging_run_ns > 0)) return 0;
-  auto cost = [&](double bytes, double runs) {
-    return (topo.staging_copy_gbps > 0 ? bytes / topo.staging_copy_bytes_per_s() : 0.0) + runs * topo.staging_run_ns * 1e-9;
-  };
-  std::unordered_map<std::int64_t, double> pack, unpack;  // GPU -> seconds
-  for (const auto& p : pairs) {
-    if (p.src_gpu == p.dst_gpu) continue;  // local copies go box to box, unstaged
-    if (p.staging.pack_runs > 0) pack[p.src_gpu] += cost(p.staging.pack_bytes, p.staging.pack_runs);
-    if (p.staging.unpack_runs > 0) unpack[p.dst_gpu] += cost(p.staging.unpack_bytes, p.staging.unpack_runs);
-  }
+/// The host work of a stage around its transfer: first every sender
+/// quantizes the FP8 bytes it sends (Topology::quantize_gbps; QuantRefit
+/// quantizes before the executor runs), then the staging copies
+/// (staging_copy_gbps and staging_run_ns): every source GPU packs its staged
+/// bytes, then every destination GPU unpacks them. Each phase takes its
+/// slowest GPU, and on a shared host the GPUs of a phase share host_cores.
+/// `quantize`, when given, gets the quantizing phase's part.
+inline double staging_copy_seconds(const std::vector<PairTraffic>& pairs, const Topology& topo, double* quantize = nullptr) {
   auto phase = [&](const std::unordered_map<std::int64_t, double>& m) {
     double slowest = 0;
     for (const auto& [g, c] : m) slowest = std::max(slowest, c);
     const double share = topo.host_cores > 0 ? std::max(1.0, static_cast<double>(m.size()) / topo.host_cores) : 1.0;
     return slowest * share;
   };
-  return phase(pack) + phase(unpack);
+  std::unordered_map<std::int64_t, double> quant, pack, unpack;  // GPU -> seconds
+  if (topo.quantize_gbps > 0)
+    for (const auto& p : pairs)
+      if (p.staging.quant_bytes > 0) quant[p.src_gpu] += p.staging.quant_bytes / topo.quantize_bytes_per_s();
+  const double q = phase(quant);
+  if (quantize) *quantize = q;
+  if (!(topo.staging_copy_gbps > 0) && !(topo.staging_run_ns > 0)) return q;
+  auto cost = [&](double bytes, double runs) {
+    return (topo.staging_copy_gbps > 0 ? bytes / topo.staging_copy_bytes_per_s() : 0.0) + runs * topo.staging_run_ns * 1e-9;
+  };
+  for (const auto& p : pairs) {
+    if (p.src_gpu == p.dst_gpu) continue;  // local copies go box to box, unstaged
+    if (p.staging.pack_runs > 0) pack[p.src_gpu] += cost(p.staging.pack_bytes, p.staging.pack_runs);
+    if (p.staging.unpack_runs > 0) unpack[p.dst_gpu] += cost(p.staging.unpack_bytes, p.staging.unpack_runs);
+  }
+  return q + phase(pack) + phase(unpack);
 }
 
 /// Simulates every stage of the traffic on its topology (see the top).
@@ -892,7 +906,7 @@ inline SimResult simulate(const Traffic& tr) {
     for (std::size_t g = 0; g < msg_cost_out.size(); ++g) msg = std::max({msg, msg_cost_out[g], msg_cost_in[g]});
     // The barrier is handshakes between processes too: stretched alike on a shared host.
     st.latency_seconds = msg + topo.stage_latency_us * 1e-6 * oversubscribed;
-    st.copy_seconds = staging_copy_seconds(pairs, topo);
+    st.copy_seconds = staging_copy_seconds(pairs, topo, &st.quantize_seconds);
     st.seconds = st.fluid_seconds + st.latency_seconds + st.copy_seconds;
     res.seconds += st.seconds;
     res.bound_seconds += st.bound_seconds;
@@ -1102,26 +1116,36 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
 // what it sends against its shadow (reads weights and shadow, writes the
 // payload); after it each receiver scatters (reads the payload, rewrites the
 // 32-byte sectors holding a change: 1 - (1 - F)^(32 / E) of them). Both run
-// at `device_gbps` of device memory bandwidth and are added to the transfer
-// (the host executor diffs everything first; a device one could overlap),
-// the busiest GPU's each. The density all-gather's latency is left out.
+// at `device_gbps` of device memory bandwidth, the busiest GPU's each. The
+// executor diffs, sends and scatters each pair's stream slice by slice
+// (DeltaOptions::slice_bytes), so the three overlap but for one slice at
+// each end: with S slices in the largest pair, the slowest of diff,
+// transfer and scatter plus 1/S of the other two. On a shared host
+// (topology host_cores > 0) every process's diff and scatter share those
+// cores: at least the sum of them all over host_cores. The density
+// all-gather's latency is left out.
 
 struct DeltaSimResult {
   double density = 0, device_gbps = 0;
   double dense_bytes = 0, wire_bytes = 0;  ///< network bytes, dense and as delta payloads
   double diff_seconds = 0, scatter_seconds = 0;
   SimResult transfer;
-  double seconds = 0;  ///< diff + transfer + scatter
+  std::int64_t slices = 1;   ///< in the largest pair
+  double host_seconds = 0;   ///< shared host: every diff and scatter over host_cores (0 otherwise)
+  double seconds = 0;        ///< the pipeline of slices (see above), at least host_seconds
 };
 
-inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& place, double density, double device_gbps) {
+inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& place, double density, double device_gbps,
+                                     std::int64_t slice_bytes = DeltaOptions{}.slice_bytes) {
   if (!(density >= 0 && density <= 1)) fail("simulate_delta: the changed fraction {} is outside [0, 1]", density);
   if (!(device_gbps > 0)) fail("simulate_delta: the device memory bandwidth {} GB/s is not positive", device_gbps);
+  if (slice_bytes < 1) fail("simulate_delta: slice_bytes {} is below 1", slice_bytes);
   DeltaSimResult r;
   r.density = density;
   r.device_gbps = device_gbps;
   Traffic tr(place);
   std::unordered_map<std::int64_t, double> diff_bytes, scatter_bytes;  // per GPU
+  std::map<std::pair<std::int64_t, std::int64_t>, double> pair_bytes;   // dense, per network pair
   for (const Copy& c : s.copies) {
     const std::int64_t a = place.gpu(c.src_rank), b = place.gpu(c.dst_rank);
     const auto dense = static_cast<double>(c.bytes());
@@ -1133,15 +1157,24 @@ inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& pla
     tr.add(0, c.src_rank, c.dst_rank, wire, CopyForm::packed);
     r.dense_bytes += dense;
     r.wire_bytes += wire;
+    pair_bytes[{c.src_rank, c.dst_rank}] += dense;
     diff_bytes[a] += 2 * dense + wire;
     const double touched = 1 - std::pow(1 - density, 32.0 / static_cast<double>(std::max<std::int64_t>(c.element_bytes, 1)));
     scatter_bytes[b] += wire + 2 * dense * touched;
   }
   const double bw = device_gbps * 1e9;
-  for (const auto& kv : diff_bytes) r.diff_seconds = std::max(r.diff_seconds, kv.second / bw);
-  for (const auto& kv : scatter_bytes) r.scatter_seconds = std::max(r.scatter_seconds, kv.second / bw);
+  double all = 0;  // every GPU's diff and scatter, seconds
+  for (const auto& kv : diff_bytes) r.diff_seconds = std::max(r.diff_seconds, kv.second / bw), all += kv.second / bw;
+  for (const auto& kv : scatter_bytes) r.scatter_seconds = std::max(r.scatter_seconds, kv.second / bw), all += kv.second / bw;
+  for (const auto& kv : pair_bytes)
+    r.slices = std::max(r.slices, static_cast<std::int64_t>(std::ceil(kv.second / static_cast<double>(slice_bytes))));
   r.transfer = simulate(tr);
-  r.seconds = r.diff_seconds + r.transfer.seconds + r.scatter_seconds;
+  const double phases[3] = {r.diff_seconds, r.transfer.seconds, r.scatter_seconds};
+  const double slowest = *std::max_element(phases, phases + 3), sum = phases[0] + phases[1] + phases[2];
+  r.seconds = slowest + (sum - slowest) / static_cast<double>(r.slices);
+  const double cores = place.topology().host_cores;
+  if (cores > 0) r.host_seconds = all / cores;
+  r.seconds = std::max(r.seconds, r.host_seconds);
   return r;
 }
 
