@@ -443,8 +443,6 @@ class Resharder {
   /// returned). Every rank calls both, in that order, one refit at a time.
   /// Plain schedules only: delta, staged and FP8-quantized refits use refit().
   DeviceEvent enqueue(std::uint64_t version, const StreamOrder& order = {}) {
-    if (pending_) fail("rank {}: Resharder::enqueue of version {}: version {} is enqueued and not committed yet: commit() it first", me_, version,
-                       pending_->version);
     if (opt_.delta.enabled || opt_.staged || quant_)
       fail("rank {}: Resharder::enqueue: {} refits run through refit() (enqueue / commit splits plain schedules only)", me_,
            opt_.delta.enabled ? "delta" : opt_.staged ? "staged" : "FP8-quantized");

@@ -436,7 +436,6 @@ class Executor {
   ExecutorStats complete();
   /// Between enqueue() and complete(): the event after the run's last copy (device buffers; else nullptr).
   DeviceEvent enqueued_done() const { return in_run_ ? run_.st.done : nullptr; }
-  bool enqueued() const { return in_run_; }
 
   /// Names for error messages, by destination-layout tensor id (a Copy's
   /// `tensor`); without them tensors are "tensor #id". Set before setup.
