@@ -216,6 +216,23 @@ def substitute(argv: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\{(rank|world|addr|master)\}", lambda m: keys[m.group(1)], a) for a in argv]
 
 
+def split_exports(args: list[str]) -> tuple[list[str], list[str]]:
+    """--mpirun-arg's `-x VAR[=VALUE]` pairs apart from the other arguments: in an MPMD command line mpirun
+    applies -x to the one app context it stands in (the first), so netbed repeats them in every host's."""
+    shared, exports = [], []
+    i = 0
+    while i < len(args):
+        if args[i] == "-x":
+            if i + 1 == len(args):
+                raise NetbedError("--mpirun-arg=-x is the last mpirun argument: it needs VAR or VAR=VALUE after it")
+            exports += args[i:i + 2]
+            i += 2
+        else:
+            shared.append(args[i])
+            i += 1
+    return shared, exports
+
+
 def host_env(bed: Bed, i: int) -> dict[str, str]:
     return {"NETBED_RANK": str(i), "NETBED_WORLD": str(bed.hosts), "NETBED_ADDR": bed.addr(i),
             "NETBED_MASTER": bed.addr(0), "NETBED_DEV": "eth0", "NETBED_PREFIX": bed.prefix}
@@ -252,6 +269,7 @@ def run_main(a) -> int:
         raise NetbedError("--each and --mpirun exclude each other")
     if a.timeout <= 0:
         raise NetbedError(f"--timeout {a.timeout}: must be > 0 seconds")
+    shared, exports = split_exports(a.mpirun_arg)
     prefix = a.prefix or f"rsnb-{os.getpid()}-"
     bed = Bed(prefix, a.hosts, parse_rate(a.rate, "--rate"), a.ranks_per_node,
               parse_rate(a.intra_rate, "--intra-rate") if a.intra_rate else 0, log)
@@ -290,10 +308,10 @@ def run_main(a) -> int:
             run_ip(["ip", "-n", bed.switch, "addr", "add", f"{SUBNET}.255.254/16", "dev", "br0"], "addressing the bridge")
             base.update(PMIX_MCA_ptl_tcp_remote_connections="1", PMIX_MCA_ptl_tcp_if_include="br0",
                         OMPI_MCA_oob_tcp_if_include="br0")
-            cmd = ["ip", "netns", "exec", bed.switch, "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"] + a.mpirun_arg
+            cmd = ["ip", "netns", "exec", bed.switch, "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"] + shared
             for i, ns in enumerate(bed.names):
                 env = host_env(bed, i)
-                cmd += ([":"] if i else []) + ["-np", "1"] + sum((["-x", f"{k}={v}"] for k, v in env.items()), []) + \
+                cmd += ([":"] if i else []) + ["-np", "1"] + exports + sum((["-x", f"{k}={v}"] for k, v in env.items()), []) + \
                        ["ip", "netns", "exec", ns] + substitute(a.command, dict(base, **env))
             procs.append(subprocess.Popen(cmd, env=base, start_new_session=True))
         else:

@@ -4,7 +4,8 @@
 # timeout, SIGINT / SIGTERM to netbed during setup or the run, SIGKILL of
 # netbed) no namespace, link, bridge or qdisc of the run is left behind and
 # the root namespace's links and qdiscs are unchanged. Needs root, iproute2.
-#   bash bench/netbed/test_netbed.sh [--quick]   (--quick: skips the intra/inter-node shaping and mpirun checks)
+#   bash bench/netbed/test_netbed.sh [--quick]   (--quick: skips the intra/inter-node shaping and the mpirun
+#   teardown check)
 set -u
 cd "$(dirname "$0")/../.."
 NB="python3 bench/netbed/netbed.py"
@@ -102,14 +103,20 @@ if [ "$QUICK" != --quick ]; then
   m=$(within "$r2" 100e6) && pass "inter-node link (100mbit): $m" || fail "inter-node link: $m"
   expect_clean "shaping" $P
   if command -v mpirun >/dev/null; then
-    out=$($NB run --quiet --hosts 3 --rate 100mbit --prefix $P --timeout 60 --mpirun -- sh -c 'echo {rank} $(ip -o -4 addr show eth0 | awk "{print \$4}")')
-    rc=$?; want=$(printf '0 10.213.0.1/16\n1 10.213.0.2/16\n2 10.213.0.3/16')
-    [ $rc = 0 ] && [ "$(echo "$out" | sort)" = "$want" ] && pass "mpirun: rank i in host i" || fail "mpirun: exit $rc: $out"
     $NB run --hosts 3 --rate 100mbit --prefix $P --mpirun -- sleep 1007 2>"$LOG" &
     pid=$!; wait_for "$LOG" "hosts up" || fail "never up"; sleep 1; kill -TERM $pid; wait $pid
     expect_rc "SIGTERM during an mpirun run" $? 143; expect_clean "SIGTERM during an mpirun run" $P
     pgrep -f "sleep 1007" -a | grep -q . && fail "mpirun run: a rank survived" || pass "mpirun run: ranks gone"
   fi
+fi
+if command -v mpirun >/dev/null; then
+  # Every rank in its own host, each with the --mpirun-arg=-x variables (mpirun gives an MPMD line's -x to one app
+  # context only: netbed repeats them in each).
+  out=$($NB run --quiet --hosts 3 --rate 100mbit --prefix $P --timeout 60 --mpirun --mpirun-arg=-x \
+    --mpirun-arg=NB_TEST_X=x1 -- sh -c 'echo {rank} $(ip -o -4 addr show eth0 | awk "{print \$4}") ${NB_TEST_X:-unset}')
+  rc=$?; want=$(printf '0 10.213.0.1/16 x1\n1 10.213.0.2/16 x1\n2 10.213.0.3/16 x1')
+  [ $rc = 0 ] && [ "$(echo "$out" | sort)" = "$want" ] && pass "mpirun: rank i in host i, -x in each" || fail "mpirun: exit $rc: $out"
+  expect_clean "mpirun" $P
 fi
 echo "netbed tests: $fails failed"
 [ $fails = 0 ]

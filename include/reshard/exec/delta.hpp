@@ -762,7 +762,7 @@ class DeltaExecutor {
   double sample();
   template <class F>
   void put_send_pairs(BlobWriter& w, F&& each) const;
-  std::string tensors_of(const Pair& p) const;
+  std::set<std::string> tensor_names(const Pair& p) const;  ///< the pair's tensors, by name where set_tensor_names gave one
 
   T* t_ = nullptr;
   ExecutorOptions opt_;
@@ -1204,7 +1204,7 @@ delta::PayloadHeader DeltaExecutor<T>::slice_header(const Pair& p, std::size_t s
   std::memcpy(&h, recv_stage_.data() + p.stage_offset + block * dopt_.block_bytes, sizeof h);
   auto bad = [&](const std::string& why) {
     throw IntegrityError(fmt::format("rank {}: delta refit version {}: the payload from rank {} (tensors {}), slice {} of {}, {}", me_, version,
-                                     p.peer, tensors_of(p), slice + 1, p.slices.size(), why));
+                                     p.peer, fmt::join(tensor_names(p), ", "), slice + 1, p.slices.size(), why));
   };
   const auto chunks = static_cast<std::uint64_t>(p.slices[slice].chunks);
   const auto room = static_cast<std::uint64_t>(std::max<std::int64_t>(0, slice_room(p, slice, block)));
@@ -1229,7 +1229,7 @@ void DeltaExecutor<T>::decode(Pair& p, std::size_t slice, std::int64_t block, st
   const PayloadHeader h = slice_header(p, slice, block, version);  // (read again: the head's checks hold for these bytes)
   auto bad = [&](const std::string& why) {
     throw IntegrityError(fmt::format("rank {}: delta refit version {}: the payload from rank {} (tensors {}), slice {} of {}, {}", me_, version,
-                                     p.peer, tensors_of(p), slice + 1, p.slices.size(), why));
+                                     p.peer, fmt::join(tensor_names(p), ", "), slice + 1, p.slices.size(), why));
   };
   if (opt_.checksum && crc32c(start + sizeof h, h.bytes - sizeof h) != h.crc) bad("fails its CRC32C");
   const std::byte* table = start + sizeof h;
@@ -1544,11 +1544,11 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
 }
 
 template <class T>
-std::string DeltaExecutor<T>::tensors_of(const Pair& p) const {
+std::set<std::string> DeltaExecutor<T>::tensor_names(const Pair& p) const {
   std::set<std::string> names;
   for (auto id : p.tensors)
     names.insert(id >= 0 && static_cast<std::size_t>(id) < names_.size() ? names_[static_cast<std::size_t>(id)] : fmt::format("tensor #{}", id));
-  return fmt::format("{}", fmt::join(names, ", "));
+  return names;
 }
 
 template <class T>
@@ -1562,9 +1562,7 @@ std::vector<MissingPieces> DeltaExecutor<T>::missing() const {
     m.peer = p.peer;
     m.messages = 1;
     m.bytes = p.bytes;
-    std::set<std::string> names;
-    for (auto id : p.tensors)
-      names.insert(id >= 0 && static_cast<std::size_t>(id) < names_.size() ? names_[static_cast<std::size_t>(id)] : fmt::format("tensor #{}", id));
+    const std::set<std::string> names = tensor_names(p);
     m.tensors.assign(names.begin(), names.end());
     out.push_back(std::move(m));
   }

@@ -1115,15 +1115,21 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
 // staging). Local copies stay dense. Before the transfer each sender diffs
 // what it sends against its shadow (reads weights and shadow, writes the
 // payload); after it each receiver scatters (reads the payload, rewrites the
-// 32-byte sectors holding a change: 1 - (1 - F)^(32 / E) of them). Both run
-// at `device_gbps` of device memory bandwidth, the busiest GPU's each. The
+// memory lines holding a change: 1 - (1 - F)^(L / E) of them, L the line a
+// write moves: a GPU's 32-byte sector, a CPU's 64-byte cache line on a
+// shared host). Both run at `device_gbps` of memory bandwidth, the busiest
+// GPU's each. The
 // executor diffs, sends and scatters each pair's stream slice by slice
 // (DeltaOptions::slice_bytes), so the three overlap but for one slice at
 // each end: with S slices in the largest pair, the slowest of diff,
 // transfer and scatter plus 1/S of the other two. On a shared host
 // (topology host_cores > 0) every process's diff and scatter share those
-// cores: at least the sum of them all over host_cores. The density
-// all-gather's latency is left out.
+// cores, and so does moving the payloads (the same cores run TCP and UCX:
+// the wire bytes at fabric_gbps, the host's rate of moving bytes with all
+// its cores, as the dense loopback fit measures it): at least the sum of
+// the kernels over host_cores plus the wire bytes over the fabric, then the
+// last slice's transfer and scatter (its diff is part of that sum). The
+// density all-gather's latency is left out.
 
 struct DeltaSimResult {
   double density = 0, device_gbps = 0;
@@ -1131,8 +1137,8 @@ struct DeltaSimResult {
   double diff_seconds = 0, scatter_seconds = 0;
   SimResult transfer;
   std::int64_t slices = 1;   ///< in the largest pair
-  double host_seconds = 0;   ///< shared host: every diff and scatter over host_cores (0 otherwise)
-  double seconds = 0;        ///< the pipeline of slices (see above), at least host_seconds
+  double host_seconds = 0;   ///< shared host: every diff and scatter over host_cores, plus the payloads' moving (0 otherwise)
+  double seconds = 0;        ///< the pipeline of slices (see above), at least host_seconds and the last slice's tail
 };
 
 inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& place, double density, double device_gbps,
@@ -1143,6 +1149,8 @@ inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& pla
   DeltaSimResult r;
   r.density = density;
   r.device_gbps = device_gbps;
+  const Topology& topo = place.topology();
+  const double line = topo.host_cores > 0 ? 64 : 32;  // bytes a scattered write moves (see above)
   Traffic tr(place);
   std::unordered_map<std::int64_t, double> diff_bytes, scatter_bytes;  // per GPU
   std::map<std::pair<std::int64_t, std::int64_t>, double> pair_bytes;   // dense, per network pair
@@ -1159,7 +1167,7 @@ inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& pla
     r.wire_bytes += wire;
     pair_bytes[{c.src_rank, c.dst_rank}] += dense;
     diff_bytes[a] += 2 * dense + wire;
-    const double touched = 1 - std::pow(1 - density, 32.0 / static_cast<double>(std::max<std::int64_t>(c.element_bytes, 1)));
+    const double touched = 1 - std::pow(1 - density, line / static_cast<double>(std::max<std::int64_t>(c.element_bytes, 1)));
     scatter_bytes[b] += wire + 2 * dense * touched;
   }
   const double bw = device_gbps * 1e9;
@@ -1172,9 +1180,10 @@ inline DeltaSimResult simulate_delta(const Schedule& s, const RankPlacement& pla
   const double phases[3] = {r.diff_seconds, r.transfer.seconds, r.scatter_seconds};
   const double slowest = *std::max_element(phases, phases + 3), sum = phases[0] + phases[1] + phases[2];
   r.seconds = slowest + (sum - slowest) / static_cast<double>(r.slices);
-  const double cores = place.topology().host_cores;
-  if (cores > 0) r.host_seconds = all / cores;
-  r.seconds = std::max(r.seconds, r.host_seconds);
+  if (topo.host_cores > 0) {
+    r.host_seconds = all / topo.host_cores + (topo.fabric_gbps > 0 ? r.wire_bytes / topo.fabric_bytes_per_s() : 0.0);
+    r.seconds = std::max(r.seconds, r.host_seconds + (r.transfer.seconds + r.scatter_seconds) / static_cast<double>(r.slices));
+  }
   return r;
 }
 
