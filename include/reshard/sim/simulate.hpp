@@ -1118,11 +1118,10 @@ inline LowerBound refit_lower_bound(const Layout& src, const Layout& dst, const 
 // memory lines holding a change: 1 - (1 - F)^(L / E) of them, L the line a
 // write moves: a GPU's 32-byte sector, a CPU's 64-byte cache line on a
 // shared host). Both run at `device_gbps` of memory bandwidth, the busiest
-// GPU's each. The
-// executor diffs, sends and scatters each pair's stream slice by slice
-// (DeltaOptions::slice_bytes), so the three overlap but for one slice at
-// each end: with S slices in the largest pair, the slowest of diff,
-// transfer and scatter plus 1/S of the other two. On a shared host
+// GPU's each. The executor diffs, sends and scatters each pair's stream
+// slice by slice (DeltaOptions::slice_bytes), so the three overlap but for
+// one slice at each end: with S slices in the largest pair, the slowest of
+// diff, transfer and scatter plus 1/S of the other two. On a shared host
 // (topology host_cores > 0) every process's diff and scatter share those
 // cores, and so does moving the payloads (the same cores run TCP and UCX:
 // the wire bytes at fabric_gbps, the host's rate of moving bytes with all
