@@ -435,6 +435,56 @@ TEST_CASE("FP8 destinations: the senders' quantizing is charged at quantize_gbps
                        doctest::Contains("quantize_gbps"), LayoutError);
 }
 
+TEST_CASE("FP8 quantizing as QuantRefit does it: a piece sent to two replicas once, the receivers' where no sender holds a tile") {
+  // w 4096 x 4096: bf16 rows cut over the source's tp, block FP8 rows cut
+  // over the destination's tp (tiles of tile_rows x 128, scales beside).
+  auto bf16_src = [](std::int64_t tp) {
+    LayoutSpec spec = mesh_layout({{"tp", tp}});
+    add_tensor(spec, "w", {4096, 4096}, {cut({ax(spec, "tp")}), {}}, DType::bf16);
+    return Layout(std::move(spec));
+  };
+  auto fp8_dst = [](std::int64_t dp, std::int64_t first, std::int64_t tile_rows) {
+    LayoutSpec spec = mesh_layout({{"dp", dp}, {"tp", 2}}, first);
+    add_tensor(spec, "w", {4096, 4096}, {cut({ax(spec, "tp")}), {}}, DType::fp8e4m3);
+    spec.tensors.back().quant = QuantSpec{QuantScheme::block, {tile_rows, 128}, "w_scale_inv"};
+    add_tensor(spec, "w_scale_inv", {4096 / tile_rows, 32}, {cut({ax(spec, "tp")}), {}}, DType::f32);
+    return Layout(std::move(spec));
+  };
+  Topology topo;
+  topo.gpus_per_node = topo.nvlink_domain = 8;
+  topo.placement = PlacementKind::separate;
+  topo.quantize_gbps = 8;  // 1 GB/s of FP8 bytes
+  auto quantize = [&](const Traffic& tr) { return simulate(tr).stages.at(0).quantize_seconds; };
+  auto planned = [&](const Layout& src, const Layout& dst, const RankPlacement& place) {
+    Traffic tr(place);
+    add_traffic(tr, plan(src, dst));
+    return tr;
+  };
+  // tp=4 -> tp=2 (128 x 128 tiles): each sender quantizes its quarter of w,
+  // 4 Mi FP8 bytes, before the transfer, once even when two replicas (dp=2)
+  // receive it; the streamed traffic (threads' accumulators merged) alike.
+  const Layout src4 = bf16_src(4);
+  const double quarter = 1024.0 * 4096 / 1e9;
+  for (std::int64_t dp : {1, 2}) {
+    CAPTURE(dp);
+    const Layout dst = fp8_dst(dp, 4, 128);
+    const RankPlacement place(topo, src4, dst);
+    CHECK(quantize(planned(src4, dst, place)) == doctest::Approx(quarter));
+    PlanOptions po;
+    po.threads = 2;
+    CHECK(quantize(streamed_traffic(src4, dst, place, po, false)) == doctest::Approx(quarter));
+    CHECK_THROWS_WITH_AS(streamed_traffic(src4, dst, place, po, true), doctest::Contains("'w' is FP8"), Error);
+  }
+  // Tiles of 1024 rows over sources of 512 rows: no sender holds a whole
+  // tile, so the copies carry bf16 and each receiver quantizes its half of
+  // w (8 Mi FP8 bytes) after the transfer.
+  const Layout src8 = bf16_src(8), halves = fp8_dst(1, 8, 1024);
+  const RankPlacement place(topo, src8, halves);
+  const Schedule s = plan(src8, halves);
+  CHECK(std::all_of(s.copies.begin(), s.copies.end(), [](const Copy& c) { return c.quant == CopyQuant::receiver; }));
+  CHECK(quantize(planned(src8, halves, place)) == doctest::Approx(2048.0 * 4096 / 1e9));
+}
+
 TEST_CASE("a delta refit: diff, transfer and scatter overlapped slice by slice, and on a shared host at least its cores' work") {
   // One bf16 tensor of 64 Mi elements (128 MiB) from rank 0 to rank 1, each
   // on a node of its own, at 2.57% changed. By the model's definition: the

@@ -112,7 +112,8 @@ struct CopyShape {
 /// unpacked at the destination (bytes and unit-stride runs per side).
 struct StagingWork {
   double pack_bytes = 0, pack_runs = 0, unpack_bytes = 0, unpack_runs = 0;
-  double quant_bytes = 0;  ///< FP8 bytes the source quantizes before the transfer
+  double quant_bytes = 0;       ///< FP8 bytes the source quantizes before the transfer
+  double recv_quant_bytes = 0;  ///< FP8 bytes the destination quantizes after it (CopyQuant::receiver)
 };
 
 /// One stage's traffic between one pair of GPUs.
@@ -150,15 +151,28 @@ class Traffic {
   void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyForm form = CopyForm::packed) {
     add(stage, src_rank, dst_rank, bytes, CopyShape::of(form));
   }
+  /// A schedule's copy, `bytes` on the wire (after any wire-dtype scaling).
+  /// FP8 quantizing as QuantRefit does it: a sender quantizes each piece it
+  /// holds once, however many replicas it sends it to; a receiver quantizes
+  /// the FP8 elements it receives in the source dtype.
+  void add_copy(std::int32_t stage, const Copy& c, double bytes) {
+    CopyShape shape = shape_of(c);
+    if (shape.sender_quantized) {
+      std::vector<std::int64_t> piece{c.src_rank, c.src_buffer, c.offset(0), c.rank};
+      for (int d = 0; d < c.rank; ++d) piece.insert(piece.end(), {c.extent(d), c.stride(0, d)});
+      const auto [it, first] = quantized_.try_emplace(std::move(piece), QuantCounted{stage, pair_key(c.src_rank, c.dst_rank), bytes});
+      shape.sender_quantized = first;
+    }
+    PairTraffic& p = add(stage, c.src_rank, c.dst_rank, bytes, shape);
+    if (c.quant == CopyQuant::receiver) p.staging.recv_quant_bytes += static_cast<double>(c.elements());
+  }
   /// `shape`: shape_of() the copy.
-  void add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyShape shape) {
+  PairTraffic& add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyShape shape) {
     const CopyForm form = shape.form;
     if (stage < 0) fail("simulate: negative stage {}", stage);
     if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
     const std::int64_t a = place_->gpu(src_rank), b = place_->gpu(dst_rank);
-    auto& m = stages_[static_cast<std::size_t>(stage)];
-    const std::uint64_t key = (static_cast<std::uint64_t>(a) << 32) ^ static_cast<std::uint64_t>(b);
-    auto& p = m[key];
+    auto& p = stages_[static_cast<std::size_t>(stage)][pair_key(src_rank, dst_rank)];
     p.src_gpu = a;
     p.dst_gpu = b;
     p.bytes += bytes;
@@ -180,6 +194,7 @@ class Traffic {
       p.staging.unpack_runs += shape.unpack_runs;
     }
     if (shape.sender_quantized) p.staging.quant_bytes += bytes;
+    return p;
   }
   /// Adds another Traffic's pairs (same placement): per-thread Traffics of
   /// a streamed plan are summed this way.
@@ -201,7 +216,11 @@ class Traffic {
         p.staging.unpack_bytes += q.staging.unpack_bytes;
         p.staging.unpack_runs += q.staging.unpack_runs;
         p.staging.quant_bytes += q.staging.quant_bytes;
+        p.staging.recv_quant_bytes += q.staging.recv_quant_bytes;
       }
+    // A piece both quantized: counted once (where this Traffic counted it).
+    for (const auto& [piece, q] : o.quantized_)
+      if (!quantized_.try_emplace(piece, q).second) stages_[static_cast<std::size_t>(q.stage)][q.pair].staging.quant_bytes -= q.bytes;
   }
   std::size_t stages() const { return stages_.size(); }
   /// Per GPU, its pairs with other GPUs in each stage (a staged refit splits
@@ -236,8 +255,19 @@ class Traffic {
   }
 
  private:
+  std::uint64_t pair_key(std::int64_t src_rank, std::int64_t dst_rank) const {
+    return static_cast<std::uint64_t>(place_->gpu(src_rank)) << 32 ^ static_cast<std::uint64_t>(place_->gpu(dst_rank));
+  }
+  /// Where a sender-quantized piece was counted.
+  struct QuantCounted {
+    std::int32_t stage = 0;
+    std::uint64_t pair = 0;
+    double bytes = 0;
+  };
+
   const RankPlacement* place_;
   std::vector<std::unordered_map<std::uint64_t, PairTraffic>> stages_;
+  std::map<std::vector<std::int64_t>, QuantCounted> quantized_;  ///< sender-quantized pieces: source rank, buffer, box
 };
 
 /// Bytes on the wire per byte of each destination tensor (1 = as planned).
@@ -269,14 +299,12 @@ inline std::vector<double> fp8_wire_scale(const Layout& dst) {
 
 inline void add_traffic(Traffic& tr, const Schedule& s, const std::vector<double>* wire = nullptr) {
   for (const auto& c : s.copies)
-    tr.add(0, c.src_rank, c.dst_rank, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0),
-           tr.shape_of(c));
+    tr.add_copy(0, c, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0));
 }
 inline void add_traffic(Traffic& tr, const StagedSchedule& s, const std::vector<double>* wire = nullptr) {
   for (std::size_t i = 0; i < s.schedule.copies.size(); ++i) {
     const auto& c = s.schedule.copies[i];
-    tr.add(s.stage_of(i), c.src_rank, c.dst_rank,
-           static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0), tr.shape_of(c));
+    tr.add_copy(s.stage_of(i), c, static_cast<double>(c.bytes()) * (wire ? (*wire)[static_cast<std::size_t>(c.tensor)] : 1.0));
   }
 }
 
@@ -298,7 +326,7 @@ struct StageResult {
   double fluid_seconds = 0;    ///< the max-min fair transfer time
   double latency_seconds = 0;  ///< slowest GPU's per-message cost + barrier
   double copy_seconds = 0;     ///< the senders' quantizing, then staging copies: the slowest packer, then the slowest unpacker
-  double quantize_seconds = 0;  ///< of which the senders' FP8 quantizing (Topology::quantize_gbps)
+  double quantize_seconds = 0;  ///< of which FP8 quantizing: the senders' before the transfer, the receivers' after (Topology::quantize_gbps)
   double bound_seconds = 0;    ///< the stage's busiest port: load / rate
   std::int64_t bound_gpu = -1;  ///< -2: the shared fabric
   Port bound_port = Port::nic_in;
@@ -733,9 +761,10 @@ inline double fluid_time(const std::vector<FlowPorts>& ports, const std::vector<
 /// quantizes the FP8 bytes it sends (Topology::quantize_gbps; QuantRefit
 /// quantizes before the executor runs), then the staging copies
 /// (staging_copy_gbps and staging_run_ns): every source GPU packs its staged
-/// bytes, then every destination GPU unpacks them. Each phase takes its
-/// slowest GPU, and on a shared host the GPUs of a phase share host_cores.
-/// `quantize`, when given, gets the quantizing phase's part.
+/// bytes, then every destination GPU unpacks them; last the receivers
+/// quantize what arrived in the source dtype. Each phase takes its slowest
+/// GPU, and on a shared host the GPUs of a phase share host_cores.
+/// `quantize`, when given, gets the two quantizing phases' part.
 inline double staging_copy_seconds(const std::vector<PairTraffic>& pairs, const Topology& topo, double* quantize = nullptr) {
   auto phase = [&](const std::unordered_map<std::int64_t, double>& m) {
     double slowest = 0;
@@ -743,11 +772,13 @@ inline double staging_copy_seconds(const std::vector<PairTraffic>& pairs, const 
     const double share = topo.host_cores > 0 ? std::max(1.0, static_cast<double>(m.size()) / topo.host_cores) : 1.0;
     return slowest * share;
   };
-  std::unordered_map<std::int64_t, double> quant, pack, unpack;  // GPU -> seconds
+  std::unordered_map<std::int64_t, double> quant, recv_quant, pack, unpack;  // GPU -> seconds
   if (topo.quantize_gbps > 0)
-    for (const auto& p : pairs)
+    for (const auto& p : pairs) {
       if (p.staging.quant_bytes > 0) quant[p.src_gpu] += p.staging.quant_bytes / topo.quantize_bytes_per_s();
-  const double q = phase(quant);
+      if (p.staging.recv_quant_bytes > 0) recv_quant[p.dst_gpu] += p.staging.recv_quant_bytes / topo.quantize_bytes_per_s();
+    }
+  const double q = phase(quant) + phase(recv_quant);
   if (quantize) *quantize = q;
   if (!(topo.staging_copy_gbps > 0) && !(topo.staging_run_ns > 0)) return q;
   auto cost = [&](double bytes, double runs) {
