@@ -160,8 +160,8 @@ class Traffic {
     if (shape.sender_quantized) {
       std::vector<std::int64_t> piece{c.src_rank, c.src_buffer, c.offset(0), c.rank};
       for (int d = 0; d < c.rank; ++d) piece.insert(piece.end(), {c.extent(d), c.stride(0, d)});
-      const auto [it, first] = quantized_.try_emplace(std::move(piece), QuantCounted{stage, pair_key(c.src_rank, c.dst_rank), bytes});
-      shape.sender_quantized = first;
+      const QuantCounted at{stage, pair_key(place_->gpu(c.src_rank), place_->gpu(c.dst_rank)), bytes};
+      shape.sender_quantized = quantized_.try_emplace(std::move(piece), at).second;  // a piece already counted is not again
     }
     PairTraffic& p = add(stage, c.src_rank, c.dst_rank, bytes, shape);
     if (c.quant == CopyQuant::receiver) p.staging.recv_quant_bytes += static_cast<double>(c.elements());
@@ -172,7 +172,7 @@ class Traffic {
     if (stage < 0) fail("simulate: negative stage {}", stage);
     if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
     const std::int64_t a = place_->gpu(src_rank), b = place_->gpu(dst_rank);
-    auto& p = stages_[static_cast<std::size_t>(stage)][pair_key(src_rank, dst_rank)];
+    auto& p = stages_[static_cast<std::size_t>(stage)][pair_key(a, b)];
     p.src_gpu = a;
     p.dst_gpu = b;
     p.bytes += bytes;
@@ -255,8 +255,8 @@ class Traffic {
   }
 
  private:
-  std::uint64_t pair_key(std::int64_t src_rank, std::int64_t dst_rank) const {
-    return static_cast<std::uint64_t>(place_->gpu(src_rank)) << 32 ^ static_cast<std::uint64_t>(place_->gpu(dst_rank));
+  static std::uint64_t pair_key(std::int64_t src_gpu, std::int64_t dst_gpu) {
+    return static_cast<std::uint64_t>(src_gpu) << 32 ^ static_cast<std::uint64_t>(dst_gpu);
   }
   /// Where a sender-quantized piece was counted.
   struct QuantCounted {
