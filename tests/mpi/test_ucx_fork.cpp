@@ -161,6 +161,81 @@ TEST_CASE("ucx put: a receiver deregistering while the sender's puts are in flig
   CHECK(reports[0].find("rank 1 deregistered the memory of the matching receive") != std::string::npos);
 }
 
+TEST_CASE("ucx tag: a sender deregistering while its send is in flight ends it first; nothing of the memory is sent afterwards") {
+  // A failed refit drops its sends unwaited and the caller frees their memory
+  // right after deregistering it. The sender posts 64 MiB (rendezvous: the
+  // data moves while its worker progresses) and deregisters at once, then
+  // paints the memory; a paint byte at the receiver is a read after
+  // deregister_memory returned (under ASan, a read of freed memory).
+  static constexpr std::size_t N = std::size_t{64} << 20;
+  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
+  const auto reports = run_ok(2, [](int r, UcxTransport& t, const auto& report) {
+    std::vector<unsigned char> buf(N, r == 0 ? kData : 0);
+    const RegionHandle h = t.register_memory(buf.data(), N, MemoryKind::host);
+    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 7, h, 0, N} : TransferOp{OpKind::recv, 0, 7, h, 0, N};
+    t.prepare(std::span(&op, 1), in(10s));
+    if (r == 0) {
+      { auto q = t.post(std::span(&op, 1)); }  // dropped unwaited
+      t.deregister_memory(h);
+      std::fill(buf.begin(), buf.end(), kPaint);
+      t.all_gather({}, in(20s));  // the receiver's wait has ended
+      return;
+    }
+    auto q = t.post(std::span(&op, 1));
+    const std::string failed = fails([&] { t.wait(q, in(10s)); });
+    const auto painted = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
+    report(fmt::format("painted {} receive: {}", painted, failed.empty() ? "completed" : failed));
+    t.all_gather({}, in(20s));
+  });
+  INFO(reports[1]);
+  CHECK(reports[1].rfind("painted 0 ", 0) == 0);
+}
+
+TEST_CASE("ucx tag: a send to a receiver that stopped progressing: deregistering closes the endpoints to it by force; nothing is sent afterwards") {
+  // The receiver takes the first bytes, then does not progress for 2.5 s
+  // (busy elsewhere, or giving up): the sender's deregistration gives the
+  // send a moment, then ends it by closing its endpoints to that rank, which
+  // counts as failed from then on, saying why.
+  static constexpr std::size_t N = std::size_t{64} << 20;
+  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
+  auto outs = fork_world::run(2, [&](int r, Bootstrap& boot, const auto& report) {
+    UcxTransport t(std::move(boot));
+    std::vector<unsigned char> buf(N, r == 0 ? kData : 0);
+    const RegionHandle h = t.register_memory(buf.data(), N, MemoryKind::host);
+    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 7, h, 0, N} : TransferOp{OpKind::recv, 0, 7, h, 0, N};
+    t.prepare(std::span(&op, 1), in(10s));
+    if (r == 0) {
+      { auto q = t.post(std::span(&op, 1)); }  // dropped unwaited
+      std::this_thread::sleep_for(200ms);        // the receiver has taken the first bytes
+      const auto t0 = Clock::now();
+      t.deregister_memory(h);
+      const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+      std::fill(buf.begin(), buf.end(), kPaint);
+      report(fmt::format("deregistered in {:.2f} s; then: {}", took, fails([&] { (void)t.describe_endpoint(1); })));
+      return 0;
+    }
+    auto q = t.post(std::span(&op, 1));
+    while (buf[0] != kData) (void)t.test(q);
+    std::this_thread::sleep_for(2500ms);
+    const std::string failed = fails([&] { t.wait(q, in(3s)); });
+    const auto painted = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
+    const auto landed = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kData));
+    report(fmt::format("painted {} landed {} receive: {}", painted, landed, failed.empty() ? "completed" : failed));
+    return 0;
+  });
+  INFO(fork_world::describe(outs));
+  REQUIRE(outs.size() == 2);
+  for (const auto& o : outs) {
+    CHECK(o.exited);
+    CHECK(o.code == 0);
+  }
+  CHECK(outs[1].report.rfind("painted 0 ", 0) == 0);
+  CHECK(outs[1].report.find(fmt::format("landed {} ", N)) == std::string::npos);  // else the case tested nothing
+  const std::string& sender = outs[0].report;
+  CHECK(std::stod(sender.substr(std::string("deregistered in ").size())) < 5.0);
+  CHECK(sender.find("peer rank 1 failed earlier (rank 0 closed its endpoints to it: region 0 was deregistered while sends out of it") != std::string::npos);
+}
+
 TEST_CASE("ucx put: revokes end promptly: two ranks revoking each other's receives, and a sender that gave up") {
   UcxOptions uo;
   uo.protocol = UcxProtocol::put;

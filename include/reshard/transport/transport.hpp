@@ -30,8 +30,10 @@
 //    reads or writes the region again. It cancels what is pending there and
 //    waits (bounded) for copies, receives or puts already running into it
 //    (UCX: tagged receives cancelled; put senders revoked, each answering once
-//    its puts landed; local: queued copy tasks dropped, running ones waited
-//    for); a peer's op matched with one cancelled fails (local, UCX puts).
+//    its puts landed; sends out of it given a moment, then the endpoints to
+//    the peers they still go to closed by force, those peers failed from then
+//    on; local: queued copy tasks dropped, running ones waited for); a peer's
+//    op matched with one cancelled fails (local, UCX puts).
 //
 //  * lifetime (optional): `Lifetime lifetime() const` watches this endpoint
 //    object and whatever holds its registrations (a world, an inner

@@ -165,6 +165,16 @@ struct AmHeader {
 };
 
 inline std::string status_text(ucs_status_t s) { return fmt::format("{} ({})", ucs_status_string(s), static_cast<int>(s)); }
+/// Starts closing `ep` (by force: its requests end at once, cancelled, and
+/// the peer is not waited for); the close request, or nullptr when none is
+/// left to wait on.
+inline void* close_endpoint(ucp_ep_h ep, bool force) {
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  prm.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t s = ucp_ep_close_nbx(ep, &prm);
+  return s && !UCS_PTR_IS_ERR(s) ? s : nullptr;
+}
 
 }  // namespace ucx_detail
 
@@ -343,6 +353,10 @@ class UcxTransport {
                    const std::vector<std::uint64_t>& uid_epochs);
   void start_tag(std::uint32_t op);
   void fail_op(std::uint32_t op, const std::string& why);
+  /// Ends every request to `peer` now: its endpoints are closed by force
+  /// (UCX completes their requests as cancelled) and the peer counts as
+  /// failed from then on, for `why`.
+  void close_by_force(std::size_t peer, const std::string& why);
   /// Throws if an item of g failed; true when all its items completed.
   bool group_done(const Group& g) const;
   template <class Done, class Describe>
@@ -544,12 +558,8 @@ inline UcxTransport::~UcxTransport() {
   for (auto& p : peers_) {
     for (ucp_ep_h* e : {&p->data, &p->ep}) {
       if (!*e || (e == &p->data && p->data == p->ep)) continue;
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       // A data endpoint has no error handling: never wait on it for a peer that may be gone.
-      prm.flags = (p->failed || aborted_ || e == &p->data) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      ucs_status_ptr_t s = ucp_ep_close_nbx(*e, &prm);
-      if (s && !UCS_PTR_IS_ERR(s)) closing.push_back(s);
+      if (void* r = ucx_detail::close_endpoint(*e, p->failed || aborted_ || e == &p->data)) closing.push_back(r);
     }
     p->ep = p->data = nullptr;
   }
@@ -842,11 +852,7 @@ inline ucp_ep_h UcxTransport::ensure_ep(std::size_t peer) {
     try {
       open(false, &p.data);
     } catch (...) {
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      ucs_status_ptr_t s = ucp_ep_close_nbx(p.ep, &prm);
-      if (s && !UCS_PTR_IS_ERR(s)) ucp_request_free(s);
+      if (void* r = ucx_detail::close_endpoint(p.ep, true)) ucp_request_free(r);  // UCX frees it when it completes
       p.ep = nullptr;
       throw;
     }
@@ -924,6 +930,24 @@ inline void UcxTransport::fail_op(std::uint32_t op, const std::string& why) {
   Op& o = ops_[op];
   if (o.error.empty()) o.error = why;
   o.stage = Stage::idle;
+  ++events_;
+}
+
+inline void UcxTransport::close_by_force(std::size_t peer, const std::string& why) {
+  Peer& p = *peers_[peer];
+  if (!p.failed) {
+    p.failed = true;
+    p.failure = why;
+  }
+  for (auto& o : ops_)
+    if (o.peer == peer) o.rkey = nullptr;
+  for (auto& [id, rk] : p.rkeys) ucp_rkey_destroy(rk);
+  p.rkeys.clear();
+  for (ucp_ep_h* e : {&p.data, &p.ep}) {
+    if (!*e || (e == &p.data && p.data == p.ep)) continue;
+    if (void* r = ucx_detail::close_endpoint(*e, true)) ucp_request_free(r);  // UCX frees it when it completes
+  }
+  p.ep = p.data = nullptr;
   ++events_;
 }
 
@@ -1075,6 +1099,25 @@ inline void UcxTransport::deregister_memory(RegionHandle h) {
   for (auto op : dying)
     if (ops_[op].op.kind == OpKind::send && !peers_[ops_[op].peer]->failed && puts_in_flight(op)) putting_to.insert(ops_[op].peer);
   if (worker_ && !putting_to.empty()) land_puts(putting_to, Clock::now() + std::chrono::seconds(1));
+  // Whatever still reads it ends now. A tagged send out of it (a receiver
+  // that gave up never takes a rendezvous send, and UCX sends the data
+  // whenever the worker progresses next, even in the destructor), or a put
+  // that did not land (a data endpoint without error handling to a dead
+  // peer): their peers' endpoints are closed by force, after a moment.
+  auto out_of_region = [&](const Pending* p) {
+    return (p->kind == Pending::tag_send || p->kind == Pending::put_chunk) && p->req && ops_[p->op].op.region.id == h.id;
+  };
+  if (worker_ && std::any_of(live_.begin(), live_.end(), out_of_region)) {
+    progress_until(Clock::now() + std::chrono::milliseconds(aborted_ ? 100 : 1000),
+                   [&] { return std::none_of(live_.begin(), live_.end(), out_of_region); });
+    std::set<std::size_t> stuck;
+    for (const Pending* p : live_)
+      if (out_of_region(p)) stuck.insert(ops_[p->op].peer);
+    for (auto peer : stuck)
+      close_by_force(peer, fmt::format("rank {} closed its endpoints to it: region {} was deregistered while sends out of it "
+                                       "to that rank were in flight (an earlier refit failed)", me_, h.id));
+    progress_until(Clock::now() + std::chrono::seconds(1), [&] { return std::none_of(live_.begin(), live_.end(), out_of_region); });
+  }
   if (it->second.memh && worker_) ucp_mem_unmap(ctx_, it->second.memh);
   regions_.erase(it);
 }
