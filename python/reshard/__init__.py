@@ -475,6 +475,49 @@ def _is_torch_store(store: Any) -> bool:
     return any(c.__name__ == "Store" and c.__module__.startswith("torch") for c in type(store).__mro__)
 
 
+def _listening_socket_inodes(port: int) -> "set[str]":
+    """The inodes of the TCP sockets listening on ``port`` on this host (/proc/net/tcp, tcp6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    # local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 is the inode.
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except (OSError, ValueError, StopIteration):
+            continue
+    return inodes
+
+
+def _serves_store(store: Any) -> bool:
+    """Whether this process hosts the TCPStore that ``store`` talks to (its listening socket is one of this
+    process's descriptors). False where that cannot be told (no port, no /proc): then close() cannot keep
+    the host until its clients are done, which costs at most c10d's warning in their processes."""
+    while hasattr(store, "underlying_store"):  # PrefixStore
+        store = store.underlying_store
+    port = getattr(store, "port", None)
+    if not isinstance(port, int) or port <= 0:
+        return False
+    inodes = _listening_socket_inodes(port)
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
 _generations: "dict[tuple[int, str, int], int]" = {}
 _ranks_on_store: "dict[int, set[int]]" = {}  # the ranks of this process that made a Resharder on each store object
 _generations_lock = threading.Lock()
@@ -622,16 +665,13 @@ class Resharder:
             alone = len(_ranks_on_store.get(id(self._store), ())) == 1
         wait = self._store.wait if alone and _is_torch_store(self._store) else None
         if wait is not None:
-            # The last rank out says so under one key that the others wait for (TCPStore.wait: one
-            # request each, answered when it is set): no rank polls the count while the store's
-            # host, out as soon as that key is set, exits (a poll in flight then made c10d print a
-            # recvValue trace).
+            # The last rank in says so under one key that the others wait for (TCPStore.wait: one
+            # request each, answered when it is set) rather than every rank polling the count.
             done = f"{self._prefix}/all_closed"
             if n >= world:
                 self._store.set(done, b"1")
             try:
                 wait([done], datetime.timedelta(seconds=bound))
-                return
             except Exception:
                 if time.monotonic() < deadline:
                     return  # the store's host left: it does so only once every rank counted itself out
@@ -641,17 +681,37 @@ class Resharder:
                     return  # the store's host left
                 raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
                                      f"{bound:.1f} s (a rank died or did not call close())") from None
-        while True:
-            try:
-                n = int(add(key, 0))
-            except Exception:
-                return  # the store's host left: it does so only once every rank counted itself out
-            if n >= world:
+        else:
+            while True:
+                try:
+                    n = int(add(key, 0))
+                except Exception:
+                    return  # the store's host left: it does so only once every rank counted itself out
+                if n >= world:
+                    break
+                if time.monotonic() > deadline:
+                    raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
+                                         f"{bound:.1f} s (a rank died or did not call close())")
+                time.sleep(0.005)
+        self._leave(add, world, deadline)
+
+    def _leave(self, add: Any, world: int, deadline: float) -> None:
+        """Every rank closed. Each counts itself out with one last request; the process hosting the store
+        then waits until every rank has, so that it exits only after each client's last request was
+        answered (one in flight when the host exits makes c10d print a 'recvValue failed' trace)."""
+        key = f"{self._prefix}/left"
+        try:
+            n = int(add(key, 1))
+        except Exception:
+            return  # the store's host left early (its own deadline passed)
+        if n >= world or not _serves_store(self._store):
+            return
+        while time.monotonic() < deadline + 1:
+            time.sleep(0.002)
+            if int(add(key, 0)) >= world:
                 return
-            if time.monotonic() > deadline:
-                raise TransportError(f"rank {self.rank}: close: only {n} of {world} ranks closed within "
-                                     f"{bound:.1f} s (a rank died or did not call close())")
-            time.sleep(0.005)
+        # Every rank closed, so the refit is complete; a client that did not count itself out
+        # died after its close() or is slow to: at worst its process prints c10d's warning.
 
     def invalidate_delta_base(self) -> None:
         """With ``delta=True``: this rank's destination was written by something else, so the next refit

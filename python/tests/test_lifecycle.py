@@ -163,3 +163,22 @@ def test_close_with_rank0_hosting_the_store_prints_nothing(models, capfd):
         assert all(results[r][1] == "ok" for r in ranks), (job, results)
         err = capfd.readouterr().err
         assert "recvValue" not in err and "Traceback" not in err, f"job {job}:\n{err}"
+
+
+def test_store_server_is_told_from_its_clients():
+    """close() keeps the process hosting the TCPStore until every client's last request was answered, so it
+    must tell that process (the listening socket is one of its descriptors) from a client in another
+    process, also through a PrefixStore; a store with no server (HashStore) has no host."""
+    from reshard import _serves_store
+
+    host = torch.distributed.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                                      wait_for_workers=False)
+    assert _serves_store(host)
+    assert _serves_store(torch.distributed.PrefixStore("job", host))
+    assert not _serves_store(torch.distributed.HashStore())
+    code = ("import datetime, torch.distributed as d\nfrom reshard import _serves_store\n"
+            f"c = d.TCPStore('127.0.0.1', {host.port}, None, False, timeout=datetime.timedelta(seconds=30))\n"
+            "print(_serves_store(c), _serves_store(d.PrefixStore('job', c)))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "False"], res.stdout
