@@ -74,6 +74,22 @@ const char* kDst = R"({"mesh": {"axes": [["tp", 2]], "first_rank": 2},
 
 Layout layout(const char* text, const char* origin) { return parse_layout(nlohmann::json::parse(text), origin); }
 
+/// One message of `bytes` from rank 0 to rank 1 (tag 7), prepared: rank 0
+/// sends out of `buf` (all kData), rank 1 receives into it (zeros).
+struct OneMessage {
+  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
+  std::vector<unsigned char> buf;
+  RegionHandle region;
+  TransferOp op;
+  OneMessage(int r, UcxTransport& t, std::size_t bytes) : buf(bytes, r == 0 ? kData : 0) {
+    region = t.register_memory(buf.data(), bytes, MemoryKind::host);
+    op = r == 0 ? TransferOp{OpKind::send, 1, 7, region, 0, bytes} : TransferOp{OpKind::recv, 0, 7, region, 0, bytes};
+    t.prepare(std::span(&op, 1), in(10s));
+  }
+  std::size_t count(unsigned char v) const { return static_cast<std::size_t>(std::count(buf.begin(), buf.end(), v)); }
+  void paint() { std::fill(buf.begin(), buf.end(), kPaint); }
+};
+
 }  // namespace
 
 TEST_CASE("ucx: sends and receives move bytes, replay after replay, with both protocols") {
@@ -128,28 +144,24 @@ TEST_CASE("ucx put: a receiver deregistering while the sender's puts are in flig
   uo.protocol = UcxProtocol::put;
   uo.put_chunk = 64 << 10;  // 256 puts
   static constexpr std::size_t N = std::size_t{16} << 20;
-  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
   const auto reports = run_ok(2, [](int r, UcxTransport& t, const auto& report) {
-    std::vector<unsigned char> buf(N, r == 0 ? kData : 0);
-    const RegionHandle h = t.register_memory(buf.data(), N, MemoryKind::host);
-    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 7, h, 0, N} : TransferOp{OpKind::recv, 0, 7, h, 0, N};
-    t.prepare(std::span(&op, 1), in(10s));
+    OneMessage m(r, t, N);
     if (r == 0) {
-      auto q = t.post(std::span(&op, 1));
+      auto q = t.post(std::span(&m.op, 1));
       report(fails([&] { t.wait(q, in(10s)); }));
       t.all_gather({}, in(10s));
       return;
     }
     bool done = false;
     {
-      auto q = t.post(std::span(&op, 1));
-      while (buf[0] != kData && !done) done = t.test(q);
+      auto q = t.post(std::span(&m.op, 1));
+      while (m.buf[0] != OneMessage::kData && !done) done = t.test(q);
     }  // dropped unwaited
-    const auto landed = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kData));
-    t.deregister_memory(h);
-    std::fill(buf.begin(), buf.end(), kPaint);
+    const auto landed = m.count(OneMessage::kData);
+    t.deregister_memory(m.region);
+    m.paint();
     t.all_gather({}, in(10s));  // the sender's wait has ended
-    const auto kept = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
+    const auto kept = m.count(OneMessage::kPaint);
     report(fmt::format("completed {} landed {} kept {}", done, landed, kept));
   }, uo);
   INFO(reports[0]);
@@ -167,23 +179,18 @@ TEST_CASE("ucx tag: a sender deregistering while its send is in flight ends it f
   // data moves while its worker progresses) and deregisters at once, then
   // paints the memory; a paint byte at the receiver is a read after
   // deregister_memory returned (under ASan, a read of freed memory).
-  static constexpr std::size_t N = std::size_t{64} << 20;
-  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
   const auto reports = run_ok(2, [](int r, UcxTransport& t, const auto& report) {
-    std::vector<unsigned char> buf(N, r == 0 ? kData : 0);
-    const RegionHandle h = t.register_memory(buf.data(), N, MemoryKind::host);
-    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 7, h, 0, N} : TransferOp{OpKind::recv, 0, 7, h, 0, N};
-    t.prepare(std::span(&op, 1), in(10s));
+    OneMessage m(r, t, std::size_t{64} << 20);
     if (r == 0) {
-      { auto q = t.post(std::span(&op, 1)); }  // dropped unwaited
-      t.deregister_memory(h);
-      std::fill(buf.begin(), buf.end(), kPaint);
+      { auto q = t.post(std::span(&m.op, 1)); }  // dropped unwaited
+      t.deregister_memory(m.region);
+      m.paint();
       t.all_gather({}, in(20s));  // the receiver's wait has ended
       return;
     }
-    auto q = t.post(std::span(&op, 1));
+    auto q = t.post(std::span(&m.op, 1));
     const std::string failed = fails([&] { t.wait(q, in(10s)); });
-    const auto painted = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
+    const auto painted = m.count(OneMessage::kPaint);
     report(fmt::format("painted {} receive: {}", painted, failed.empty() ? "completed" : failed));
     t.all_gather({}, in(20s));
   });
@@ -197,29 +204,24 @@ TEST_CASE("ucx tag: a send to a receiver that stopped progressing: deregistering
   // send a moment, then ends it by closing its endpoints to that rank, which
   // counts as failed from then on, saying why.
   static constexpr std::size_t N = std::size_t{64} << 20;
-  static constexpr unsigned char kData = 0x5A, kPaint = 0xA5;
   auto outs = fork_world::run(2, [&](int r, Bootstrap& boot, const auto& report) {
     UcxTransport t(std::move(boot));
-    std::vector<unsigned char> buf(N, r == 0 ? kData : 0);
-    const RegionHandle h = t.register_memory(buf.data(), N, MemoryKind::host);
-    const TransferOp op = r == 0 ? TransferOp{OpKind::send, 1, 7, h, 0, N} : TransferOp{OpKind::recv, 0, 7, h, 0, N};
-    t.prepare(std::span(&op, 1), in(10s));
+    OneMessage m(r, t, N);
     if (r == 0) {
-      { auto q = t.post(std::span(&op, 1)); }  // dropped unwaited
-      std::this_thread::sleep_for(200ms);        // the receiver has taken the first bytes
+      { auto q = t.post(std::span(&m.op, 1)); }  // dropped unwaited
+      std::this_thread::sleep_for(200ms);          // the receiver has taken the first bytes
       const auto t0 = Clock::now();
-      t.deregister_memory(h);
+      t.deregister_memory(m.region);
       const double took = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::fill(buf.begin(), buf.end(), kPaint);
+      m.paint();
       report(fmt::format("deregistered in {:.2f} s; then: {}", took, fails([&] { (void)t.describe_endpoint(1); })));
       return 0;
     }
-    auto q = t.post(std::span(&op, 1));
-    while (buf[0] != kData) (void)t.test(q);
+    auto q = t.post(std::span(&m.op, 1));
+    while (m.buf[0] != OneMessage::kData) (void)t.test(q);
     std::this_thread::sleep_for(2500ms);
     const std::string failed = fails([&] { t.wait(q, in(3s)); });
-    const auto painted = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kPaint));
-    const auto landed = static_cast<std::size_t>(std::count(buf.begin(), buf.end(), kData));
+    const auto painted = m.count(OneMessage::kPaint), landed = m.count(OneMessage::kData);
     report(fmt::format("painted {} landed {} receive: {}", painted, landed, failed.empty() ? "completed" : failed));
     return 0;
   });
