@@ -644,9 +644,10 @@ class Resharder:
     def close(self) -> None:
         """Waits until every rank closed (collective), then frees the transport. Idempotent.
 
-        With a store that has ``add`` (TCPStore), each rank then counts itself
-        out and waits until every rank has, so the process hosting the store
-        can exit as soon as its own ``close()`` returns: no rank still needs it.
+        With a store that has ``add`` (TCPStore), each rank counts itself in
+        and waits until every rank has, then counts itself out; the process
+        hosting the store also waits until every rank counted itself out, so
+        it can exit as soon as its own ``close()`` returns: no rank still needs it.
         """
         if self._closed:
             return
@@ -708,8 +709,11 @@ class Resharder:
             return
         while time.monotonic() < deadline + 1:
             time.sleep(0.002)
-            if int(add(key, 0)) >= world:
-                return
+            try:
+                if int(add(key, 0)) >= world:
+                    return
+            except Exception:
+                return  # this process's own store server is gone: nobody can still be waiting on it
         # Every rank closed, so the refit is complete; a client that did not count itself out
         # died after its close() or is slow to: at worst its process prints c10d's warning.
 
