@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
 # The Python package's tests (part of the README's test command and .ci/run):
-# a venv under $HOME/.cache/reshard-venv (created once, then reused; torch is
-# ~5 GB, so it lives outside the clone) with nanobind, scikit-build-core,
-# numpy, pytest and torch from PyPI; `pip install .` of this repository; then
+# the venv under $HOME/.cache/reshard-venv (scripts/venvs.sh: created once,
+# then reused; torch is ~5 GB, so it lives outside the clone) with nanobind,
+# scikit-build-core, numpy, pytest and torch from PyPI; `pip install .` of this repository; then
 # pytest over python/tests. Any failure, and a run that collects no tests
 # (pytest exit 5), fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RESHARD_VENV:-$HOME/.cache/reshard-venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "python_tests: creating the venv $VENV"
-  python3 -m venv "$VENV"
-fi
+bash scripts/venvs.sh package
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --disable-pip-version-check nanobind scikit-build-core numpy pytest torch
 # Incremental rebuilds: scikit-build-core keeps build-python/<wheel tag>; ccache when present.
 if command -v ccache >/dev/null 2>&1; then
   export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"

@@ -2,7 +2,11 @@
 # Sanitizer and fuzzing runs (the last step of the README's test command,
 # which .ci/run runs):
 #
-#   bash scripts/sanitize.sh [asan] [tsan] [fuzz]      (no argument: all three)
+#   bash scripts/sanitize.sh [--build-only] [asan] [tsan] [fuzz]   (no stage: all three)
+#
+#   --build-only  configure and build the stages' folders, run nothing
+#                 (scripts/test_all.sh builds them at low priority while the
+#                 other tests run; the run after it finds them built)
 #
 #   asan  build-asan: the test suite built with g++ -fsanitize=address,undefined
 #         (UBSan does not recover: any finding fails its test) and run by ctest.
@@ -47,6 +51,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
+build_only=0
+if [ "${1:-}" = --build-only ]; then
+  build_only=1
+  shift
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(asan tsan fuzz)
 for s in "${stages[@]}"; do
@@ -121,17 +130,11 @@ expect_tests() {
   done
 }
 
-# Builds targets of a configured folder at -j$jobs. Not `--target a b c`:
-# the Makefile generator builds those one after another, one file at a time
-# (each is one source file); the group target (RESHARD_TARGET_GROUP in
-# CMakeLists.txt) depends on all of them, so make runs their files in parallel.
+# Builds targets of a configured folder side by side, at -j$jobs.
 build_group() {
   local dir=$1
   shift
-  local list
-  list=$(IFS=';'; echo "$*")
-  cmake -S . -B "$dir" -DRESHARD_TARGET_GROUP="$list" >> "$dir/configure.log"
-  cmake --build "$dir" -j"$jobs" --target reshard-group
+  bash "$root/scripts/build_group.sh" "$dir" "$jobs" "$@"
 }
 
 # ------------------------------------------------------------------- ASan
@@ -140,6 +143,8 @@ if want asan; then
   cmake -S . -B build-asan -DRESHARD_SANITIZE=address,undefined -DRESHARD_WITH_CUDA=OFF > build-asan/configure.log
   mapfile -t targets < <(test_targets build-asan)
   build_group build-asan "${targets[@]}"
+fi
+if want asan && [ "$build_only" -eq 0 ]; then
   stamp "asan: ctest"
   RESHARD_SEEDS=${RESHARD_SAN_SEEDS:-1:600} ctest --test-dir build-asan --output-on-failure --no-tests=error -j"$jobs" -E '^(static_fail|ucx\.mpi|mpi)\.|^example\.find_package$'
   # The mpirun tests' leaks come from inside Open MPI (its op and component
@@ -170,6 +175,8 @@ if want tsan; then
   fi
   tsan_tests="^($(IFS='|'; echo "${tsan_parts[*]}"))\$"
   build_group build-tsan "${targets[@]}"
+fi
+if want tsan && [ "$build_only" -eq 0 ]; then
   stamp "tsan: ctest"
   # TSan needs the address space layout it expects (no ASLR surprises on new kernels).
   setarch "$(uname -m)" -R true 2>/dev/null && tsan_prefix=(setarch "$(uname -m)" -R) || tsan_prefix=()
@@ -193,6 +200,8 @@ if want fuzz; then
   fuzz_targets=()
   for t in "${fuzzers[@]}"; do fuzz_targets+=("fuzz-${t//_/-}"); done
   build_group "$fuzz_dir" "${fuzz_targets[@]}"
+fi
+if want fuzz && [ "$build_only" -eq 0 ]; then
   failed=0
   for t in "${fuzzers[@]}"; do
     exe="$fuzz_dir/bin/fuzz-${t//_/-}"
@@ -233,4 +242,8 @@ if want fuzz; then
   [ "$failed" -eq 0 ] || exit 1
   stamp "fuzz: passed"
 fi
-stamp "all requested stages passed (${stages[*]})"
+if [ "$build_only" -eq 1 ]; then
+  stamp "built (${stages[*]})"
+else
+  stamp "all requested stages passed (${stages[*]})"
+fi

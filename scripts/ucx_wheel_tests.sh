@@ -9,8 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RESHARD_VENV:-$HOME/.cache/reshard-venv}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check libucx-cu13
+bash scripts/venvs.sh package
 B=build-ucx-wheel
 launcher=()
 if command -v ccache >/dev/null 2>&1; then
@@ -23,7 +22,7 @@ if cmake --build "$B" --target help | grep "test_cuda_ucx_memory" > /dev/null; t
   targets+=(test_cuda_ucx_memory)
   probe=1
 fi
-cmake --build "$B" -j2 --target "${targets[@]}"
+bash scripts/build_group.sh "$B" 2 "${targets[@]}"
 ctest --test-dir "$B" -L ucx --output-on-failure --no-tests=error
 if [ $probe = 1 ]; then
   ctest --test-dir "$B" -R '^test_cuda_ucx_memory$' --output-on-failure --no-tests=error
@@ -34,7 +33,6 @@ fi
 # venv keeps the default build: the UCX version loaded, then refits across
 # processes through it from Python (and, with a GPU and a driver, CUDA
 # tensors between processes sharing it: test_cuda_tensors.py).
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check nanobind scikit-build-core numpy pytest torch
 PKG="$PWD/$B/python-pkg"
 rm -rf "$PKG"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$PKG" \
