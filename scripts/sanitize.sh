@@ -25,12 +25,13 @@
 #         them that are not ours.
 #   fuzz  build-fuzz: the libFuzzer targets of fuzz/ with clang and
 #         address,undefined; each replays fuzz/corpus/<target> and
-#         fuzz/regressions/<target>, then fuzzes for RESHARD_FUZZ_SECONDS.
+#         fuzz/regressions/<target>, then the three fuzz side by side for
+#         RESHARD_FUZZ_SECONDS (on 2 cores each gets about 2/3 of one).
 #         A crash fails the step and leaves the input in
 #         build-fuzz/artifacts/<target>/; add it to fuzz/regressions/<target>/.
 #
 # Environment:
-#   RESHARD_FUZZ_SECONDS     fuzzing time per target (default 45)
+#   RESHARD_FUZZ_SECONDS     fuzzing time of the three, side by side (default 60)
 #   RESHARD_FUZZ_RUNS        instead: fuzz each target for this many executions
 #   RESHARD_FUZZ_SANITIZE    the fuzzers' sanitizers (default address,undefined;
 #                            `undefined` alone runs the schedule replay about
@@ -64,7 +65,7 @@ done
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 jobs=${RESHARD_SAN_JOBS:-2}
-fuzz_seconds=${RESHARD_FUZZ_SECONDS:-45}
+fuzz_seconds=${RESHARD_FUZZ_SECONDS:-60}
 fuzz_runs=${RESHARD_FUZZ_RUNS:-}
 t_start=$(date +%s)
 stamp() { echo "sanitize: [$(( $(date +%s) - t_start ))s] $*"; }
@@ -206,8 +207,7 @@ if want fuzz && [ "$build_only" -eq 0 ]; then
   for t in "${fuzzers[@]}"; do
     exe="$fuzz_dir/bin/fuzz-${t//_/-}"
     art="$fuzz_dir/artifacts/$t"
-    work="$fuzz_dir/corpus/$t"
-    mkdir -p "$art" "$work"
+    mkdir -p "$art" "$fuzz_dir/corpus/$t"
     inputs=("fuzz/corpus/$t")
     [ -d "fuzz/regressions/$t" ] && inputs+=("fuzz/regressions/$t")
     stamp "fuzz: $t: replaying ${inputs[*]}"
@@ -217,20 +217,30 @@ if want fuzz && [ "$build_only" -eq 0 ]; then
       tail -40 "$art/replay.log"
       echo "sanitize: fuzz: $t: a corpus or regression input fails (log: $art/replay.log)" >&2
       failed=1
-      continue
     fi
-    if [ -n "$fuzz_runs" ]; then
-      limit=(-runs="$fuzz_runs")
-      stamp "fuzz: $t: fuzzing for $fuzz_runs executions"
-    else
-      limit=(-max_total_time="$fuzz_seconds")
-      stamp "fuzz: $t: fuzzing for ${fuzz_seconds}s"
-    fi
-    # -entropic=0: libFuzzer's entropic scheduling spends most of the time
-    # updating feature frequencies on these targets (tens of thousands of
-    # features per input); without it they run about 3x more inputs.
-    if ! "$exe" "${limit[@]}" -entropic=0 -timeout=60 -rss_limit_mb=4096 -max_len=4096 -print_final_stats=1 \
-        -artifact_prefix="$art/" "$work" "fuzz/corpus/$t" > "$art/fuzz.log" 2>&1; then
+  done
+  [ "$failed" -eq 0 ] || exit 1
+  if [ -n "$fuzz_runs" ]; then
+    limit=(-runs="$fuzz_runs")
+    stamp "fuzz: fuzzing ${fuzzers[*]} side by side, $fuzz_runs executions each"
+  else
+    limit=(-max_total_time="$fuzz_seconds")
+    stamp "fuzz: fuzzing ${fuzzers[*]} side by side, ${fuzz_seconds}s each"
+  fi
+  # -entropic=0: libFuzzer's entropic scheduling spends most of the time
+  # updating feature frequencies on these targets (tens of thousands of
+  # features per input); without it they run about 3x more inputs.
+  pids=()
+  for t in "${fuzzers[@]}"; do
+    art="$fuzz_dir/artifacts/$t"
+    "$fuzz_dir/bin/fuzz-${t//_/-}" "${limit[@]}" -entropic=0 -timeout=60 -rss_limit_mb=4096 -max_len=4096 \
+      -print_final_stats=1 -artifact_prefix="$art/" "$fuzz_dir/corpus/$t" "fuzz/corpus/$t" > "$art/fuzz.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!fuzzers[@]}"; do
+    t=${fuzzers[$i]}
+    art="$fuzz_dir/artifacts/$t"
+    if ! wait "${pids[$i]}"; then
       tail -60 "$art/fuzz.log"
       echo "sanitize: fuzz: $t: libFuzzer found a crash; the input is in $art/ (add it to fuzz/regressions/$t/)" >&2
       failed=1

@@ -254,8 +254,10 @@ def main():
                     help="the simulator's memory bandwidth for the host diff and scatter (bytes read + written per "
                          "second): docs/delta.md measured 3.6-4.6 GB/s of weights per sender with two diffing at "
                          "once, each reading weights and shadow: about 8 GB/s")
-    ap.add_argument("--python", default=os.path.expanduser("~/.cache/reshard-venv/bin/python"),
-                    help="a Python with torch and the reshard package (the gloo case)")
+    ap.add_argument("--python", default=os.path.join(os.environ.get("RESHARD_VENV") or os.path.expanduser(
+                        "~/.cache/reshard-venv"), "bin", "python"),
+                    help="a Python with torch and the reshard package (the gloo case; default: the package venv of "
+                         "scripts/venvs.sh, $RESHARD_VENV or ~/.cache/reshard-venv)")
     ap.add_argument("--python-model", nargs="*", default=[], help="python_refit.py model flags, e.g. --layers 2")
     ap.add_argument("--out", help="append one JSON record per case to this file")
     ap.add_argument("--work", default="/tmp/reshard-netbed", help="folder for the topology files")

@@ -157,44 +157,19 @@ class Traffic {
   /// the FP8 elements it receives in the source dtype.
   void add_copy(std::int32_t stage, const Copy& c, double bytes) {
     CopyShape shape = shape_of(c);
+    const std::int64_t a = place_->gpu(c.src_rank), b = place_->gpu(c.dst_rank);
     if (shape.sender_quantized) {
       std::vector<std::int64_t> piece{c.src_rank, c.src_buffer, c.offset(0), c.rank};
       for (int d = 0; d < c.rank; ++d) piece.insert(piece.end(), {c.extent(d), c.stride(0, d)});
-      const QuantCounted at{stage, pair_key(place_->gpu(c.src_rank), place_->gpu(c.dst_rank)), bytes};
+      const QuantCounted at{stage, pair_key(a, b), bytes};
       shape.sender_quantized = quantized_.try_emplace(std::move(piece), at).second;  // a piece already counted is not again
     }
-    PairTraffic& p = add(stage, c.src_rank, c.dst_rank, bytes, shape);
+    PairTraffic& p = add_between_gpus(stage, a, b, bytes, shape);
     if (c.quant == CopyQuant::receiver) p.staging.recv_quant_bytes += static_cast<double>(c.elements());
   }
   /// `shape`: shape_of() the copy.
   PairTraffic& add(std::int32_t stage, std::int64_t src_rank, std::int64_t dst_rank, double bytes, CopyShape shape) {
-    const CopyForm form = shape.form;
-    if (stage < 0) fail("simulate: negative stage {}", stage);
-    if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
-    const std::int64_t a = place_->gpu(src_rank), b = place_->gpu(dst_rank);
-    auto& p = stages_[static_cast<std::size_t>(stage)][pair_key(a, b)];
-    p.src_gpu = a;
-    p.dst_gpu = b;
-    p.bytes += bytes;
-    ++p.copies;
-    switch (form) {
-      case CopyForm::zero_copy: ++p.forms.zero_copy; break;
-      case CopyForm::half:
-        ++p.forms.half;
-        p.forms.half_bytes += bytes;
-        break;
-      case CopyForm::packed: p.forms.packed_bytes += bytes; break;
-    }
-    if (shape.pack_runs > 0) {
-      p.staging.pack_bytes += bytes;
-      p.staging.pack_runs += shape.pack_runs;
-    }
-    if (shape.unpack_runs > 0) {
-      p.staging.unpack_bytes += bytes;
-      p.staging.unpack_runs += shape.unpack_runs;
-    }
-    if (shape.sender_quantized) p.staging.quant_bytes += bytes;
-    return p;
+    return add_between_gpus(stage, place_->gpu(src_rank), place_->gpu(dst_rank), bytes, shape);
   }
   /// Adds another Traffic's pairs (same placement): per-thread Traffics of
   /// a streamed plan are summed this way.
@@ -255,6 +230,35 @@ class Traffic {
   }
 
  private:
+  /// As add(), from GPU `a` to GPU `b` (the ranks' GPUs, looked up once).
+  PairTraffic& add_between_gpus(std::int32_t stage, std::int64_t a, std::int64_t b, double bytes, CopyShape shape) {
+    const CopyForm form = shape.form;
+    if (stage < 0) fail("simulate: negative stage {}", stage);
+    if (static_cast<std::size_t>(stage) >= stages_.size()) stages_.resize(static_cast<std::size_t>(stage) + 1);
+    auto& p = stages_[static_cast<std::size_t>(stage)][pair_key(a, b)];
+    p.src_gpu = a;
+    p.dst_gpu = b;
+    p.bytes += bytes;
+    ++p.copies;
+    switch (form) {
+      case CopyForm::zero_copy: ++p.forms.zero_copy; break;
+      case CopyForm::half:
+        ++p.forms.half;
+        p.forms.half_bytes += bytes;
+        break;
+      case CopyForm::packed: p.forms.packed_bytes += bytes; break;
+    }
+    if (shape.pack_runs > 0) {
+      p.staging.pack_bytes += bytes;
+      p.staging.pack_runs += shape.pack_runs;
+    }
+    if (shape.unpack_runs > 0) {
+      p.staging.unpack_bytes += bytes;
+      p.staging.unpack_runs += shape.unpack_runs;
+    }
+    if (shape.sender_quantized) p.staging.quant_bytes += bytes;
+    return p;
+  }
   static std::uint64_t pair_key(std::int64_t src_gpu, std::int64_t dst_gpu) {
     return static_cast<std::uint64_t>(src_gpu) << 32 ^ static_cast<std::uint64_t>(dst_gpu);
   }
