@@ -2,8 +2,8 @@
 # The Python package's tests (part of the README's test command and .ci/run):
 # the venv under $HOME/.cache/reshard-venv (scripts/venvs.sh: created once,
 # then reused; torch is ~5 GB, so it lives outside the clone) with nanobind,
-# scikit-build-core, numpy, pytest and torch from PyPI; `pip install .` of this repository; then
-# pytest over python/tests. Any failure, and a run that collects no tests
+# scikit-build-core, numpy, pytest and torch from PyPI; `pip install .` of
+# this repository; then pytest over python/tests. Any failure, and a run that collects no tests
 # (pytest exit 5), fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
