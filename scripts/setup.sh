@@ -5,7 +5,8 @@
 # compilers and sanitizer runtimes).
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config nlohmann-json3-dev doctest-dev libcli11-dev libfmt-dev
-      libucx-dev ucx-utils openmpi-bin libopenmpi-dev python3 python3-dev python3-venv iproute2)
+      libucx-dev ucx-utils openmpi-bin libopenmpi-dev python3 python3-dev python3-venv iproute2
+      procps)
 [ $# -gt 0 ] && pkgs=("$@")
 missing=()
 for p in "${pkgs[@]}"; do
