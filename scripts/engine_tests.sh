@@ -11,17 +11,15 @@
 # (pytest exit 5), fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${RESHARD_VLLM_VENV:-$HOME/.cache/reshard-vllm-venv}"
-MVENV="${RESHARD_MEGATRON_VENV:-$HOME/.cache/reshard-megatron-venv}"
 bash scripts/venvs.sh vllm megatron
-PY="$VENV/bin/python"
-MPY="$MVENV/bin/python"
+PY=$(bash scripts/venvs.sh --python vllm)
+MPY=$(bash scripts/venvs.sh --python megatron)
 if command -v ccache >/dev/null 2>&1; then
   export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
 fi
-echo "engine_tests: installing reshard into $VENV (compiles the module)"
+echo "engine_tests: installing reshard into the vLLM venv ($PY; compiles the module)"
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation .
-echo "engine_tests: installing reshard into $MVENV (compiles the module for Python 3.12)"
+echo "engine_tests: installing reshard into the Megatron venv ($MPY; compiles the module for Python 3.12)"
 "$MPY" -m pip install -q --disable-pip-version-check --no-build-isolation .
 export RESHARD_MEGATRON_PYTHON="$MPY" RESHARD_REQUIRE_MEGATRON=1
 export UCX_TLS="${UCX_TLS:-tcp,self,sm}" UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" GLOO_SOCKET_IFNAME=lo

@@ -7,9 +7,8 @@
 # (pytest exit 5), fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${RESHARD_VENV:-$HOME/.cache/reshard-venv}"
 bash scripts/venvs.sh package
-PY="$VENV/bin/python"
+PY=$(bash scripts/venvs.sh --python package)
 # Incremental rebuilds: scikit-build-core keeps build-python/<wheel tag>; ccache when present.
 if command -v ccache >/dev/null 2>&1; then
   export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"

@@ -8,14 +8,14 @@
 # command and .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${RESHARD_VENV:-$HOME/.cache/reshard-venv}"
 bash scripts/venvs.sh package
+PY=$(bash scripts/venvs.sh --python package)
 B=build-ucx-wheel
 launcher=()
 if command -v ccache >/dev/null 2>&1; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 fi
-cmake -S . -B "$B" -DRESHARD_UCX_WHEEL=ON -DPython3_EXECUTABLE="$VENV/bin/python" "${launcher[@]}"
+cmake -S . -B "$B" -DRESHARD_UCX_WHEEL=ON -DPython3_EXECUTABLE="$PY" "${launcher[@]}"
 targets=(test_ucx_conformance test_ucx_faults test_ucx_fork ucx-mpi-refit reshard-refit)
 probe=0
 if cmake --build "$B" --target help | grep "test_cuda_ucx_memory" > /dev/null; then  # (not -q: pipefail and SIGPIPE)
@@ -35,10 +35,10 @@ fi
 # tensors between processes sharing it: test_cuda_tensors.py).
 PKG="$PWD/$B/python-pkg"
 rm -rf "$PKG"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$PKG" \
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$PKG" \
   -C cmake.define.RESHARD_UCX_WHEEL=ON -C "build-dir=build-python/ucx-wheel-{wheel_tag}" .
 cd python/tests
-PYTHONPATH="$PKG" "$VENV/bin/python" -c '
+PYTHONPATH="$PKG" "$PY" -c '
 import importlib.metadata, os, reshard
 info, wheel = reshard.ucx_info(), importlib.metadata.version("libucx-cu13")
 loaded = info["version"]
@@ -46,5 +46,5 @@ assert reshard.__file__.startswith(os.environ["PYTHONPATH"]), reshard.__file__
 assert loaded == wheel, f"the module runs on UCX {loaded}, not on the wheel (UCX {wheel})"
 print("python module on the wheel:", info["summary"], "| has_cuda:", reshard.has_cuda)
 '
-PYTHONPATH="$PKG" UCX_TLS="${UCX_TLS:-tcp,self,sm}" UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" "$VENV/bin/python" -m pytest -q \
+PYTHONPATH="$PKG" UCX_TLS="${UCX_TLS:-tcp,self,sm}" UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" "$PY" -m pytest -q \
   -p no:cacheprovider test_cuda_tensors.py test_multiprocess.py -k "cuda or two_refits or colocated or bad_buffer or strided"

@@ -4,6 +4,7 @@
 # clone) and brought up to date with pip (quick when nothing is missing):
 #
 #   bash scripts/venvs.sh [package] [vllm] [megatron]    (no argument: all three)
+#   bash scripts/venvs.sh --python NAME                  (prints NAME's python; makes nothing)
 #
 #   package   $RESHARD_VENV (default ~/.cache/reshard-venv), the system
 #             python3: the package's tests (scripts/python_tests.sh), the UCX
@@ -25,9 +26,18 @@
 set -euo pipefail
 pipq() { local py=$1; shift; "$py" -m pip install -q --disable-pip-version-check "$@"; }
 stamp() { echo "venvs: [$(date -u +%H:%M:%S)] $*"; }
+# Where each venv lives: the one place the test scripts (and refits.py) learn it from.
+venv_dir() {
+  case "$1" in
+    package) echo "${RESHARD_VENV:-$HOME/.cache/reshard-venv}" ;;
+    vllm) echo "${RESHARD_VLLM_VENV:-$HOME/.cache/reshard-vllm-venv}" ;;
+    megatron) echo "${RESHARD_MEGATRON_VENV:-$HOME/.cache/reshard-megatron-venv}" ;;
+    *) echo "venvs: unknown venv '$1' (package, vllm, megatron)" >&2; return 2 ;;
+  esac
+}
 
 package() {
-  local venv="${RESHARD_VENV:-$HOME/.cache/reshard-venv}"
+  local venv; venv=$(venv_dir package)
   if [ ! -x "$venv/bin/python" ]; then
     stamp "creating $venv"
     python3 -m venv "$venv"
@@ -38,7 +48,7 @@ package() {
 
 VLLM_VERSION=0.33.0
 vllm() {
-  local venv="${RESHARD_VLLM_VENV:-$HOME/.cache/reshard-vllm-venv}"
+  local venv; venv=$(venv_dir vllm)
   if [ ! -x "$venv/bin/python" ]; then
     stamp "creating $venv (vLLM $VLLM_VERSION and its torch: ~9.5 GB)"
     python3 -m venv "$venv"
@@ -52,7 +62,7 @@ vllm() {
 }
 
 megatron() {
-  local venv="${RESHARD_MEGATRON_VENV:-$HOME/.cache/reshard-megatron-venv}"
+  local venv; venv=$(venv_dir megatron)
   if [ ! -x "$venv/bin/python" ]; then
     # pyenv's own 3.12 first: its python3.12 shim refuses to run unless 3.12 is a global version.
     local py312="" c
@@ -81,9 +91,13 @@ megatron() {
   stamp "Megatron venv ready: $venv"
 }
 
+if [ "${1:-}" = --python ]; then
+  [ $# -eq 2 ] || { echo "venvs: --python takes one venv name (package, vllm, megatron)" >&2; exit 2; }
+  dir=$(venv_dir "$2") || exit 2
+  echo "$dir/bin/python"
+  exit 0
+fi
 wanted=("$@")
 [ ${#wanted[@]} -eq 0 ] && wanted=(package vllm megatron)
-for v in "${wanted[@]}"; do
-  case "$v" in package|vllm|megatron) ;; *) echo "venvs: unknown venv '$v' (package, vllm, megatron)" >&2; exit 2 ;; esac
-done
+for v in "${wanted[@]}"; do venv_dir "$v" > /dev/null || exit 2; done
 for v in "${wanted[@]}"; do "$v"; done

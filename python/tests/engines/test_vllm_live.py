@@ -26,9 +26,11 @@ import reshard  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "refit_worker.py"
-# Megatron-Core 0.19 needs Python 3.12: its own venv (scripts/engine_tests.sh makes it and sets this).
-MEGATRON_PY = os.environ.get("RESHARD_MEGATRON_PYTHON",
-                             str(pathlib.Path.home() / ".cache/reshard-megatron-venv/bin/python"))
+# Megatron-Core 0.19 needs Python 3.12: its own venv (scripts/engine_tests.sh makes it and sets this;
+# else where scripts/venvs.sh keeps it).
+MEGATRON_PY = os.environ.get("RESHARD_MEGATRON_PYTHON") or subprocess.run(
+    ["bash", str(HERE.parents[2] / "scripts" / "venvs.sh"), "--python", "megatron"],
+    capture_output=True, text=True, check=True).stdout.strip()
 
 
 def megatron_python() -> str:
