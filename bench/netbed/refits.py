@@ -17,10 +17,10 @@ Predictions: `reshard-plan ... --topology T --simulate --stats` with T the netbe
 1448/1514 (TCP payload of a 1514-byte frame at MTU 1500, which htb counts whole), on the `loopback` preset's
 host model (2 shared cores: its fabric cap, per-message and staging-copy costs). Delta predictions take each
 delta version at its own measured changed fraction (the median of them beside the median measured) and
---delta-device-gbps 8 (memory bytes per second, fitted on plain loopback where the
-CPU bounds the refit: docs/delta.md, "Simulator"); the simulator overlaps diff, transfer and scatter in slices as
-the executor runs them, charges the shared cores with every diff, scatter and the payloads' moving, and charges the
-FP8 senders' quantizing at the preset's quantize_gbps (bench/quantize_bench.cpp).
+the host's memory rate (--delta-device-gbps: by default fitted once per run on plain loopback, where the CPU
+bounds the refit: the "delta: loopback fit" record; docs/delta.md, "Simulator"); the simulator overlaps diff,
+transfer and scatter in slices as the executor runs them, charges the shared cores with every diff, scatter and the
+payloads' moving, and charges the FP8 senders' quantizing at the preset's quantize_gbps (bench/quantize_bench.cpp).
 
     python3 bench/netbed/refits.py --rates 1gbit,5gbit [--cases dense,delta,fp8,gloo,hier] [--out runs.jsonl]
     python3 bench/netbed/refits.py --smoke      (CI: tiny models, 4 hosts, seconds)
@@ -69,6 +69,7 @@ class Runner:
             if not os.access(b, os.X_OK):
                 sys.exit(f"refits.py: {b} is not built (cmake --build {a.build} --target reshard-refit reshard-plan)")
         self.records = []
+        self.fitted_gbps = None
         self.load_before = os.getloadavg()[0]
         self.topo_dir = a.work
         os.makedirs(self.topo_dir, exist_ok=True)
@@ -131,30 +132,72 @@ class Runner:
                     note=f"{j['bytes_moved'] / 2**20:.1f} MiB, busiest link {j['bottleneck_gb_per_s'] * 8:.2f} Gb/s")
         return j
 
-    def delta(self, rate):
-        cmd = [self.refit, "--transport", "ucx"] + self.model_args() + ["--delta", "--versions", str(self.a.versions),
-                                                                        "--no-baseline", "--json"]
-        nb, j, _ = self.netbed(self.hosts(), rate, "mpirun", cmd)
-        assert j["validated"], "delta refit not validated"
-        d, dn = j["delta"], j["dense"]
-        # Each delta version predicted at its own changed fraction (the first after the prime changes the most),
-        # and the median of those beside the median measured.
-        topo = self.topology(rate)
-        versions = []
-        for v in d["per_version"]:
+    def delta_cmd(self):
+        return [self.refit, "--transport", "ucx"] + self.model_args() + ["--delta", "--versions", str(self.a.versions),
+                                                                         "--no-baseline", "--json"]
+
+    def predict_versions(self, j, topo, gbps):
+        """Each delta version of a reshard-refit --delta run predicted at its own changed fraction (the first
+        after the prime changes the most); the median of those goes beside the median measured."""
+        versions, sc = [], None
+        for v in j["delta"]["per_version"]:
             if v["mode"] != "delta":
                 continue
             sc, sim = self.predict(self.model_args(), topo, ["--delta-density", f"{v['changed_fraction']:.4f}",
-                                                             "--delta-device-gbps", f"{self.a.delta_device_gbps:g}"])
+                                                             "--delta-device-gbps", f"{gbps:g}"])
             versions.append({"changed_fraction": v["changed_fraction"], "measured_s": v["seconds"],
                              "predicted_s": sim["delta"]["seconds"], "bytes": v["bytes_moved"]})
         if not versions:
             raise RuntimeError("no version of the delta run was refit as a delta (every one went dense)")
+        return versions, sc, sim
+
+    def device_gbps(self):
+        """--delta-device-gbps, or with `fit` the host's memory rate fitted once per run where the CPU alone bounds
+        the delta refit: the same command on plain loopback (every rank on `lo`, no link limit), and the rate at
+        which the loopback model predicts its median delta version (docs/delta.md, "Simulator")."""
+        if self.a.delta_device_gbps != "fit":
+            return float(self.a.delta_device_gbps)
+        if self.fitted_gbps is not None:
+            return self.fitted_gbps
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   OMPI_MCA_rmaps_base_oversubscribe="1")
+        cmd = ["mpirun", "-np", str(self.hosts()), "--bind-to", "none", "-x", "UCX_TLS=tcp,self", "-x",
+               "UCX_NET_DEVICES=lo"] + self.delta_cmd()
+        self.load_before = os.getloadavg()[0]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+        if p.returncode != 0:
+            raise RuntimeError(f"the loopback fit: exit {p.returncode}: {shlex.join(cmd)}\n{p.stderr[-3000:]}")
+        j = last_json(p.stdout)
+        assert j["validated"], "the loopback fit's delta refit not validated"
+        measured = j["delta"]["seconds"]
+
+        def predicted(gbps):
+            return statistics.median(v["predicted_s"] for v in self.predict_versions(j, "loopback", gbps)[0])
+        lo, hi = 0.5, 1000.0  # GB/s; the prediction falls as the rate grows, down to the transfer's floor
+        if predicted(hi) > measured or predicted(lo) < measured:
+            raise RuntimeError(f"the loopback fit: no memory rate in {lo:g}-{hi:g} GB/s predicts the measured "
+                               f"{measured:.3f} s")
+        while hi / lo > 1.01:
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if predicted(mid) > measured else (lo, mid)
+        self.fitted_gbps = round((lo * hi) ** 0.5, 2)
+        versions, sc, _ = self.predict_versions(j, "loopback", self.fitted_gbps)
+        self.record("delta: loopback fit", "lo", measured, statistics.median(v["predicted_s"] for v in versions),
+                    cmd, sc, delta_device_gbps=self.fitted_gbps, versions=versions, validated=j["validated"],
+                    note=f"--delta-device-gbps fitted: {self.fitted_gbps:g} GB/s of memory traffic")
+        return self.fitted_gbps
+
+    def delta(self, rate):
+        gbps = self.device_gbps()
+        nb, j, _ = self.netbed(self.hosts(), rate, "mpirun", self.delta_cmd())
+        assert j["validated"], "delta refit not validated"
+        d, dn = j["delta"], j["dense"]
+        versions, sc, sim = self.predict_versions(j, self.topology(rate), gbps)
         predicted = statistics.median(v["predicted_s"] for v in versions)
         ratio = d["seconds"] / dn["seconds"]
         self.record("delta", rate, d["seconds"], predicted, nb, sc, changed_fraction=d["changed_fraction"],
                     bytes=d["bytes_moved"], dense_seconds=dn["seconds"], dense_bytes=dn["bytes_moved"],
-                    delta_over_dense=ratio, validated=j["validated"], versions=versions,
+                    delta_over_dense=ratio, validated=j["validated"], versions=versions, delta_device_gbps=gbps,
                     note=f"{d['changed_fraction'] * 100:.2f}% changed, {d['bytes_moved'] / 2**20:.1f} MiB; "
                          f"delta/dense time {ratio:.3f}")
         self.record("delta: its dense refit", rate, dn["seconds"], sim["predicted_seconds"], nb, sc,
@@ -250,21 +293,31 @@ def main():
     ap.add_argument("--hier-train", default="tp=2")
     ap.add_argument("--hier-infer", default="tp=1,dp=4")
     ap.add_argument("--intra-factor", type=int, default=10)
-    ap.add_argument("--delta-device-gbps", type=float, default=8,
-                    help="the simulator's memory bandwidth for the host diff and scatter (bytes read + written per "
-                         "second): docs/delta.md measured 3.6-4.6 GB/s of weights per sender with two diffing at "
-                         "once, each reading weights and shadow: about 8 GB/s")
-    ap.add_argument("--python", default=os.path.join(os.environ.get("RESHARD_VENV") or os.path.expanduser(
-                        "~/.cache/reshard-venv"), "bin", "python"),
-                    help="a Python with torch and the reshard package (the gloo case; default: the package venv of "
-                         "scripts/venvs.sh, $RESHARD_VENV or ~/.cache/reshard-venv)")
+    ap.add_argument("--delta-device-gbps", default="fit",
+                    help="the simulator's memory rate for the host diff and scatter (GB/s of bytes read + written), "
+                         "or `fit` (default): fitted once per run on plain loopback, where the CPU bounds the delta "
+                         "refit (docs/delta.md, \"Simulator\"; 8 on the 2-core machine of 2026-12-06, 10.5 on that "
+                         "of 2026-12-07)")
+    ap.add_argument("--python", help="a Python with torch and the reshard package (the gloo case; default: the "
+                                      "package venv, as `scripts/venvs.sh --python package` prints it)")
     ap.add_argument("--python-model", nargs="*", default=[], help="python_refit.py model flags, e.g. --layers 2")
     ap.add_argument("--out", help="append one JSON record per case to this file")
     ap.add_argument("--work", default="/tmp/reshard-netbed", help="folder for the topology files")
     ap.add_argument("--smoke", action="store_true", help="CI: tiny models on 4-6 hosts at 1gbit, one iteration")
     a = ap.parse_args()
+    if a.python is None:
+        a.python = subprocess.run(["bash", os.path.join(ROOT, "scripts", "venvs.sh"), "--python", "package"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+    if a.delta_device_gbps != "fit":
+        try:
+            if float(a.delta_device_gbps) <= 0:
+                raise ValueError
+        except ValueError:
+            sys.exit(f"refits.py: --delta-device-gbps {a.delta_device_gbps!r}: a positive number of GB/s, or fit")
     if a.smoke:
         a.rates, a.model, a.infer, a.iterations, a.versions = "1gbit", "examples/models/tiny-llama.json", "tp=2", 1, 3
+        if a.delta_device_gbps == "fit":
+            a.delta_device_gbps = "8"  # tiny-llama's refit is all per-message costs: nothing to fit the rate on
         a.hier_model, a.gloo_iterations = "examples/models/tiny-llama.json", 1
         a.fp8_infer = "tp=1,dp=2"  # tiny-llama's 64 kv rows: FP8 tiles of 128 rows must not be cut
         a.python_model = ["--layers", "1", "--hidden", "256", "--intermediate", "512", "--heads", "8", "--kv-heads", "2",
