@@ -171,6 +171,33 @@ inline void copy_box(std::size_t element_bytes, int rank, const std::int64_t* ex
 }
 
 namespace kernels {
+/// The rows of elements [first, first + count) of a box (row-major order)
+/// by odometer: f(offset, n) for each run of n elements along the innermost
+/// dim, `offset` the run's first element in the box's strides, from its start.
+template <class Row>
+inline void for_each_row(int rank, const std::int64_t* extent, const std::int64_t* stride, std::int64_t first,
+                         std::int64_t count, Row&& f) {
+  std::array<std::int64_t, 32> idx{};
+  std::int64_t rem = first;
+  for (int k = rank - 1; k >= 0; --k) {
+    idx[static_cast<std::size_t>(k)] = rem % extent[k];
+    rem /= extent[k];
+  }
+  const int in = rank - 1;
+  while (count > 0) {
+    std::int64_t bo = 0;
+    for (int k = 0; k < rank; ++k) bo += idx[static_cast<std::size_t>(k)] * stride[k];
+    const std::int64_t n = std::min(count, extent[in] - idx[static_cast<std::size_t>(in)]);
+    f(bo, n);
+    count -= n;
+    idx[static_cast<std::size_t>(in)] = 0;
+    for (int k = in - 1; k >= 0; --k) {
+      if (++idx[static_cast<std::size_t>(k)] < extent[k]) break;
+      idx[static_cast<std::size_t>(k)] = 0;
+    }
+  }
+}
+
 template <bool Pack>
 inline void stream_range(std::size_t eb, int rank, const std::int64_t* extent, const BoxSide& box,
                          std::int64_t first, std::int64_t count, std::byte* stream) {
@@ -194,18 +221,9 @@ inline void stream_range(std::size_t eb, int rank, const std::int64_t* extent, c
   }
   // Partial range (a message chunk starts or ends inside the box): rows by
   // odometer, the stream pointer advancing with each run.
-  std::array<std::int64_t, 32> idx{};
-  std::int64_t rem = first;
-  for (int k = rank - 1; k >= 0; --k) {
-    idx[static_cast<std::size_t>(k)] = rem % extent[k];
-    rem /= extent[k];
-  }
   const int in = rank - 1;
   std::byte* sp = stream;
-  while (count > 0) {
-    std::int64_t bo = 0;
-    for (int k = 0; k < rank; ++k) bo += idx[static_cast<std::size_t>(k)] * box.stride[k];
-    const std::int64_t n = std::min(count, extent[in] - idx[static_cast<std::size_t>(in)]);
+  for_each_row(rank, extent, box.stride, first, count, [&](std::int64_t bo, std::int64_t n) {
     std::byte* bp = b + static_cast<std::ptrdiff_t>(bo) * static_cast<std::ptrdiff_t>(eb);
     switch (eb) {
       case 1: Pack ? run<1>(bp, box.stride[in], sp, 1, n) : run<1>(sp, 1, bp, box.stride[in], n); break;
@@ -216,13 +234,7 @@ inline void stream_range(std::size_t eb, int rank, const std::int64_t* extent, c
         Pack ? run_bytes(eb, bp, box.stride[in], sp, 1, n) : run_bytes(eb, sp, 1, bp, box.stride[in], n);
     }
     sp += static_cast<std::ptrdiff_t>(n) * static_cast<std::ptrdiff_t>(eb);
-    count -= n;
-    idx[static_cast<std::size_t>(in)] = 0;
-    for (int k = in - 1; k >= 0; --k) {
-      if (++idx[static_cast<std::size_t>(k)] < extent[k]) break;
-      idx[static_cast<std::size_t>(k)] = 0;
-    }
-  }
+  });
 }
 }  // namespace kernels
 

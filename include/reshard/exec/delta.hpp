@@ -18,8 +18,9 @@
 //    shadowed pairs' bytes on each sender, per destination set
 //    (DeltaOptions::shadow_budget bounds it; pairs past the bound are refit
 //    dense every time by a plain Executor over just those copies).
-//  * Encoding. The sender packs each chunk (the copy kernels), diffs it with
-//    the shadow (updating the shadow; AVX-512 where the CPU has it) and
+//  * Encoding. The sender diffs each chunk with the shadow where it lies
+//    (row by row; a chunk of short or strided rows is packed first), updating
+//    the shadow (AVX-512 where the CPU has it), and
 //    writes the cheapest of: nothing
 //    (unchanged), byte gaps + values, 16-bit indices + values, a bitmask +
 //    values, or the dense values. A payload header carries the version and the base version, and
@@ -570,6 +571,49 @@ inline void stream_copy(std::size_t E, const std::vector<StreamSegment>& segs, s
     first += m;
     n -= m;
   }
+}
+
+/// Rows shorter than this are packed before the diff (a kernel call per few
+/// elements costs more than copying them).
+inline constexpr std::int64_t kMinInPlaceRow = 64;
+
+/// Diff-and-compact (diff_compact_bytes's contract: positions from `first`,
+/// `base` the n elements' contiguous shadow) of stream elements [first,
+/// first + n) read in place from the segments, row by row: the column slices
+/// of row-parallel weights need no pack into a scratch chunk first. Returns
+/// -1, having read and written nothing, where a segment's rows are not of unit
+/// stride and at least kMinInPlaceRow long (the caller packs).
+inline std::int64_t diff_in_place(std::size_t E, const std::vector<StreamSegment>& segs, std::size_t cursor, std::int64_t first,
+                                  std::int64_t n, std::byte* base, std::uint16_t* idx, std::byte* vals) {
+  while (cursor < segs.size() && segs[cursor].first + segs[cursor].count <= first) ++cursor;
+  std::size_t last = cursor;
+  for (std::int64_t covered = 0; last < segs.size() && covered < n; ++last) {
+    const StreamSegment& g = segs[last];
+    const int in = g.rank - 1;
+    if (!g.contiguous && (g.rank < 1 || g.strides(0)[in] != 1 || g.extents()[in] < kMinInPlaceRow)) return -1;
+    covered = g.first + g.count - first;
+  }
+  const auto esz = static_cast<std::int64_t>(E);
+  std::int64_t k = 0;
+  auto row = [&](const std::byte* cur, std::int64_t at, std::int64_t len) {
+    const std::int64_t kr = diff_compact_bytes(E, cur, base + at * esz, len, idx + k, vals + k * esz);
+    for (std::int64_t j = k; j < k + kr; ++j) idx[j] = static_cast<std::uint16_t>(idx[j] + at);
+    k += kr;
+  };
+  for (std::size_t s = cursor; s < last; ++s) {
+    const StreamSegment& g = segs[s];
+    const std::int64_t in = std::max<std::int64_t>(0, first - g.first), m = std::min(first + n, g.first + g.count) - g.first - in;
+    std::int64_t at = g.first + in - first;  // the chunk position of the next element
+    if (g.contiguous) {
+      row(g.base + (g.src_offset + in) * esz, at, m);
+      continue;
+    }
+    kernels::for_each_row(g.rank, g.extents(), g.strides(0), in, m, [&](std::int64_t offset, std::int64_t len) {
+      row(g.base + (g.src_offset + offset) * esz, at, len);
+      at += len;
+    });
+  }
+  return k;
 }
 
 /// memcpy with non-temporal stores (SSE2) for a prime's shadow: it is not
@@ -1152,13 +1196,18 @@ std::int64_t DeltaExecutor<T>::encode(Pair& p, std::size_t slice, std::uint64_t 
   std::size_t cursor = sl.seg;
   for (std::int64_t c0 = sl.first; c0 < sl.first + sl.elements; c0 += kChunk) {
     const std::int64_t n = std::min(kChunk, s.elements - c0);
-    // Compare in place when one contiguous segment holds the whole chunk (no pack).
+    // Compare in place: one contiguous segment holds the whole chunk, or its
+    // segments' rows are long enough; else pack the chunk first.
     while (cursor < s.segs.size() && s.segs[cursor].first + s.segs[cursor].count <= c0) ++cursor;
     const StreamSegment* g = cursor < s.segs.size() ? &s.segs[cursor] : nullptr;
     const bool direct = g && g->contiguous && g->first + g->count >= c0 + n;
-    const std::byte* cur = direct ? g->base + (g->src_offset + c0 - g->first) * E : chunk_.data();
-    if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
-    const std::int64_t k = diff_compact_bytes(s.E, cur, shadow, n, idx_.data(), vals_.data());
+    std::int64_t k = direct ? -1 : diff_in_place(s.E, s.segs, cursor, c0, n, shadow, idx_.data(), vals_.data());
+    // The chunk's values, for a dense body: after the diff the shadow holds them.
+    const std::byte* cur = direct ? g->base + (g->src_offset + c0 - g->first) * E : k >= 0 ? shadow : chunk_.data();
+    if (k < 0) {
+      if (!direct) stream_copy<true>(s.E, s.segs, cursor, c0, n, chunk_.data());
+      k = diff_compact_bytes(s.E, cur, shadow, n, idx_.data(), vals_.data());
+    }
     shadow += n * E;
     last_.compared += n;
     last_.changed += k;
