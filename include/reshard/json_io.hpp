@@ -261,7 +261,7 @@ inline void read_tensor(const json& j, const Mesh& m, TensorSpec& t, const Where
   if (t.name.empty()) bad(wt.at("name"), "tensor name is empty");
   w.tensor = t.name;
   w.field.clear();
-  check_keys(j, w, {"name", "shape", "dtype", "dims", "stage", "quant"});
+  check_keys(j, w, {"name", "shape", "dtype", "dims", "stage", "quant", "rows_of"});
   const json& shape = required(j, "shape", w);
   expect_array(shape, w.at("shape"));
   for (std::size_t d = 0; d < shape.size(); ++d) t.shape.push_back(as_int(shape[d], w.at("shape").at(d)));
@@ -307,6 +307,15 @@ inline void read_tensor(const json& j, const Mesh& m, TensorSpec& t, const Where
     }
     q.scale = as_string(required(*quant, "scale", wq), wq.at("scale"));
     t.quant = std::move(q);
+  }
+  if (const json* rows = member(j, "rows_of")) {
+    const Where wr = w.at("rows_of");
+    expect_object(*rows, wr);
+    check_keys(*rows, wr, {"tensor", "start"});
+    t.rows_of = as_string(required(*rows, "tensor", wr), wr.at("tensor"));
+    if (t.rows_of.empty() || t.rows_of == t.name) bad(wr.at("tensor"), "must name another (checkpoint) tensor");
+    t.rows_start = as_int(required(*rows, "start", wr), wr.at("start"));
+    if (t.rows_start < 0) bad(wr.at("start"), "must be >= 0, got {}", t.rows_start);
   }
 }
 
@@ -524,6 +533,9 @@ inline nlohmann::json layout_to_json(const Layout& L) {
       json q{{"scheme", t.quant->scheme == QuantScheme::block ? "block" : "mx"}, {"scale", t.quant->scale}};
       if (t.quant->scheme == QuantScheme::block || !t.quant->block.empty()) q["block"] = t.quant->block;
       o["quant"] = q;
+    }
+    if (!t.rows_of.empty()) {
+      o["rows_of"] = json{{"tensor", t.rows_of}, {"start", t.rows_start}};
     }
     tensors.push_back(std::move(o));
   }

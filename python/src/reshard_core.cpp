@@ -194,22 +194,33 @@ nb::list list_buffers(const Layout& L, std::int64_t rank) {
   return out;
 }
 
-/// Where each slot of a rank's buffer comes from, as numpy-friendly columns:
-/// runs of (first slot, count, tensor name or None for padding, global
-/// row-major index of the first element). For checking a layout against
-/// memory a framework filled (reshard.engines traces vLLM's loaders).
-nb::list slot_runs(const Layout& L, std::int64_t rank, const std::string& buffer) {
-  nb::list out;
+/// Where each slot of a rank's buffer comes from: runs of (first slot, count,
+/// tensor name or None for padding, global row-major index of the first
+/// element). For checking a layout against memory a framework filled
+/// (reshard.engines traces vLLM's loaders). With `columns`, one (runs, 4)
+/// int64 numpy array instead, the tensor as its index in `Layout.tensors`
+/// (-1: padding): a traced layout of a large model has millions of runs.
+nb::object slot_runs(const Layout& L, std::int64_t rank, const std::string& buffer, bool columns) {
   for (const auto& b : rank_buffers(L, rank)) {
     if (b.name != buffer) continue;
-    std::vector<std::tuple<std::int64_t, std::int64_t, int, std::int64_t>> runs;
+    auto* runs = new std::vector<std::int64_t>;
     {
       nb::gil_scoped_release nogil;
-      for_each_slot_run(L, b, [&](std::int64_t at, std::int64_t n, int t, std::int64_t g) { runs.emplace_back(at, n, t, g); });
+      for_each_slot_run(L, b, [&](std::int64_t at, std::int64_t n, int t, std::int64_t g) {
+        runs->insert(runs->end(), {at, n, std::int64_t{t}, g});
+      });
     }
-    for (const auto& [at, n, t, g] : runs) {
+    if (columns) {
+      nb::capsule owner(runs, [](void* p) noexcept { delete static_cast<std::vector<std::int64_t>*>(p); });
+      const std::size_t shape[2] = {runs->size() / 4, 4};
+      return nb::cast(nb::ndarray<nb::numpy, std::int64_t>(runs->data(), 2, shape, owner));
+    }
+    const std::unique_ptr<std::vector<std::int64_t>> own(runs);
+    nb::list out;
+    for (std::size_t i = 0; i < runs->size(); i += 4) {
+      const auto t = (*runs)[i + 2];
       nb::object name = t < 0 ? nb::none() : nb::cast(L.tensors[static_cast<std::size_t>(t)].name);
-      out.append(nb::make_tuple(at, n, name, g));
+      out.append(nb::make_tuple((*runs)[i], (*runs)[i + 1], name, (*runs)[i + 3]));
     }
     return out;
   }
@@ -966,11 +977,12 @@ NB_MODULE(_core, m) {
              d["shape"] = nb::tuple(nb::cast(ts.shape));
              d["dtype"] = std::string(to_string(ts.dtype));
              d["buffer"] = ts.buffer >= 0 ? nb::cast(L.buffers[static_cast<std::size_t>(ts.buffer)].name) : nb::none();
+             if (!ts.rows_of.empty()) d["rows_of"] = nb::make_tuple(ts.rows_of, ts.rows_start);
              return d;
            },
            "name"_a)
       .def("buffers", &list_buffers, "rank"_a)
-      .def("slot_runs", &slot_runs, "rank"_a, "buffer"_a)
+      .def("slot_runs", &slot_runs, "rank"_a, "buffer"_a, "columns"_a = false)
       .def("to_json", [](const Layout& L) { return layout_to_json(L).dump(1); })
       .def("__repr__", &layout_repr);
 

@@ -53,6 +53,11 @@ struct TensorSpec {
   std::vector<DimSpec> dims;       ///< one per dim, or empty = none cut
   std::vector<StageCoord> stage;   ///< lives only where these coordinates match
   std::optional<QuantSpec> quant;  ///< destination only: FP8 with a scale tensor
+  /// Rows [rows_start, rows_start + shape[0]) of checkpoint tensor `rows_of`
+  /// (a fused checkpoint tensor, e.g. Phi-3's qkv_proj, whose row ranges land
+  /// in different places): a name for planning, the same element values.
+  std::string rows_of;
+  std::int64_t rows_start = 0;
 
   // Resolved by validation (Layout's constructor).
   std::vector<DimCut> cuts;

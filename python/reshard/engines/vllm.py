@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pickle
+import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _TORCH_DTYPES, Error, Layout, layout_from_json
 from . import trace as tr
+
+log = logging.getLogger("reshard")
 
 #: The vLLM release whose loaders the tests run this against.
 TESTED_VLLM = "0.33.0"
@@ -56,17 +60,76 @@ class LiveLayout:
         return self.layout.to_json()
 
 
+def _checkpoint_entries(checkpoint) -> "Tuple[List[str], List[List[int]], List[Any]]":
+    import torch
+
+    names, shapes, dtypes = [], [], []
+    for entry in checkpoint:
+        names.append(entry[0])
+        shapes.append([int(x) for x in entry[1]])
+        dt = entry[2] if len(entry) > 2 else torch.bfloat16
+        dtypes.append(_TORCH_DTYPES[dt] if isinstance(dt, str) else dt)
+    if len(set(names)) != len(names):
+        raise Error("trace: a checkpoint tensor name is given twice")
+    return names, shapes, dtypes
+
+
 def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coords: Mapping[str, int],
-               load: Optional[Callable[[Iterable[Tuple[str, Any]]], Any]] = None) -> "Tuple[tr.RankTrace, Dict[str, Any]]":
-    """This rank's trace: ``load`` (default ``model.load_weights``) fed tagged stand-ins of ``checkpoint``
-    (``(name, shape)`` in any order). Returns the trace and each parameter's tagged slots (for
-    :func:`reshard.engines.trace.verify`). The parameters are restored, untouched, before it returns."""
+               load: Optional[Callable[[Iterable[Tuple[str, Any]]], Any]] = None) -> tr.RankTrace:
+    """This rank's trace: ``load`` (default ``model.load_weights``) fed storage-less stand-ins of
+    ``checkpoint`` (``(name, shape)`` or ``(name, shape, dtype)``, in any order; bf16 by default) while
+    :class:`reshard.engines.record.Recorder` records what it copies where. Nothing is written: the
+    parameters keep their values (a live model) or stay without storage (a meta model)."""
+    import torch
+
+    from . import record as rec
+
+    names, shapes, dtypes = _checkpoint_entries(checkpoint)
+    params = list(model.named_parameters())
+    saved = [p.data for _, p in params]
+    load = load or model.load_weights
+    recorder = rec.Recorder()
+    targets = {n: recorder.track_target(p.data, n) for n, p in params}
+
+    def stand_ins():
+        for k, (n, s, dt) in enumerate(zip(names, shapes, dtypes)):
+            recorder.loading = n
+            yield n, recorder.checkpoint(k, n, s, dt)
+    try:
+        with torch.no_grad(), recorder:
+            load(stand_ins())
+    except Exception as e:  # the engine's own loader refused the checkpoint's names or shapes
+        raise Error(f"trace: the model's load_weights failed on the checkpoint's stand-ins (at "
+                    f"'{recorder.loading}'): {type(e).__name__}: {e}") from e
+    finally:
+        replaced = [n for (n, p), d in zip(params, saved) if p.data is not d and rec.storage_key(p.data) != rec.storage_key(d)]
+        for (_, p), d in zip(params, saved):
+            p.data = d
+    traced, untraced, ubytes, slow = [], {}, {}, {}
+    for (n, p), d in zip(params, saved):
+        if n in replaced:
+            pt, why, elementwise = None, "its loader replaced the parameter's storage (p.data = ...)", False
+        else:
+            pt, why, elementwise = tr.read_writes(n, targets[n], d.numel(), reshard_dtype(d.dtype), names, shapes)
+        if elementwise:
+            slow[n] = d.numel()
+        if pt is None:
+            untraced[n] = why
+            ubytes[n] = d.numel() * d.element_size()
+        else:
+            traced.append(pt)
+    return tr.RankTrace(dict(coords), traced, untraced, ubytes, slow)
+
+
+def trace_rank_tags(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coords: Mapping[str, int],
+                    load: Optional[Callable[[Iterable[Tuple[str, Any]]], Any]] = None) -> tr.RankTrace:
+    """The element-tag trace (the reference :func:`trace_rank` is tested against): every checkpoint
+    element fed as a float64 tag and every parameter swapped for a float64 array while ``load`` runs.
+    Costs 8 bytes of memory per checkpoint element and per parameter element, and their time."""
     import torch
 
     names = [n for n, _ in checkpoint]
     shapes = [list(s) for _, s in checkpoint]
-    if len(set(names)) != len(names):
-        raise Error("trace: a checkpoint tensor name is given twice")
     params = [(n, p) for n, p in model.named_parameters()]
     saved = [p.data for _, p in params]
     load = load or model.load_weights
@@ -77,7 +140,7 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
         try:
             with torch.no_grad():
                 load((n, tr.tag_tensor(k, s)) for k, (n, s) in enumerate(zip(names, shapes)))
-        except Exception as e:  # the engine's own loader refused the checkpoint's names or shapes
+        except Exception as e:
             raise Error(f"trace: the model's load_weights failed on the tagged checkpoint: "
                         f"{type(e).__name__}: {e}") from e
         for n, p in params:
@@ -93,7 +156,7 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
             ubytes[n] = d.numel() * d.element_size()
         else:
             traced.append(pt)
-    return tr.RankTrace(dict(coords), traced, untraced, ubytes), slots
+    return tr.RankTrace(dict(coords), traced, untraced, ubytes)
 
 
 def _vllm_mesh() -> "Tuple[List[Tuple[str, int]], Dict[str, int], Any]":
@@ -122,21 +185,21 @@ def _gather_torch(group: Any) -> Callable[[Any], List[Any]]:
 def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, first_rank: int = 0,
                 gather: Optional[Callable[[Any], List[Any]]] = None, load: Optional[Callable] = None,
                 axes: Optional[Sequence[Tuple[str, int]]] = None, coords: Optional[Mapping[str, int]] = None,
-                origin: Optional[str] = None) -> LiveLayout:
+                origin: Optional[str] = None, tracer: Optional[Callable] = None) -> LiveLayout:
     """The destination layout of a live vLLM model, traced on this rank and exchanged with the others.
 
     Call it on every rank of the engine, after the model is built (weights
     loaded or not; they are left as they are). ``checkpoint``: the checkpoint
-    tensors' ``(name, shape)`` (e.g. a source layout's tensors, or a
-    safetensors index). ``first_rank``: this engine's first global rank in the
-    refit (the trainer's world size when disaggregated). ``gather`` exchanges a
-    picklable object among the engine's ranks (default: vLLM's world group
-    over torch.distributed); ``axes`` / ``coords`` default to vLLM's parallel
-    state (pp, tp). Raises :class:`reshard.Error` on every rank when any
-    rank's check fails.
+    tensors' ``(name, shape)`` or ``(name, shape, dtype)`` (e.g. a source
+    layout's tensors, or a safetensors index). ``first_rank``: this engine's
+    first global rank in the refit (the trainer's world size when
+    disaggregated). ``gather`` exchanges a picklable object among the engine's
+    ranks (default: vLLM's world group over torch.distributed); ``axes`` /
+    ``coords`` default to vLLM's parallel state (pp, tp). ``tracer``: the
+    rank's trace (default :func:`trace_rank`; :func:`trace_rank_tags` is the
+    element-tag reference). Raises :class:`reshard.Error` on every rank when
+    any rank's trace or check fails, naming that rank.
     """
-    import time
-
     t0 = time.perf_counter()
     if axes is None or coords is None:
         vaxes, vcoords, group = _vllm_mesh()
@@ -145,33 +208,61 @@ def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, 
         gather = gather or _gather_torch(group)
     if gather is None:
         raise Error("live_layout: give gather= with axes= and coords=")
-    mine, slots = trace_rank(model, checkpoint, coords, load)
-    parts = gather(pickle.dumps(mine))
-    traces = [pickle.loads(b) for b in parts]
-    shapes = {n: list(s) for n, s in checkpoint}
-    pos = 0
-    for a, s in axes:
-        pos = pos * s + coords[a]
-    rank = first_rank + pos
-    origin = origin or f"vllm live layout ({', '.join(f'{a}={s}' for a, s in axes)})"
-    err = None
-    layout = None
+    rank = first_rank + _position(axes, coords)
     try:
-        _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
-        index = {n: k for k, (n, _) in enumerate(checkpoint)}
-        for pt in mine.params:
-            if any(pt.name in t.untraced for t in traces):
-                continue
-            why = tr.verify(layout, rank, pt, slots[pt.name], index)
-            if why:
-                err = f"rank {rank}: the traced layout does not reproduce vLLM's loader on parameter '{pt.name}': {why}"
-                break
-    except Error as e:
-        err = f"rank {rank}: {e}"
+        mine = (tracer or trace_rank)(model, checkpoint, coords, load)
+        part: Any = pickle.dumps(mine)
+    except Error as e:  # every rank learns it at the exchange, none waits for a part that never comes
+        part = f"rank {rank}: {e}"
+    t_trace = time.perf_counter()
+    parts = gather(part)
+    failed = [p for p in parts if isinstance(p, str)]
+    if failed:
+        raise Error(failed[0] if len(failed) == 1 else f"{failed[0]} (and {len(failed) - 1} more ranks failed)")
+    traces = [pickle.loads(b) for b in parts]
+    origin = origin or f"vllm live layout ({', '.join(f'{a}={s}' for a, s in axes)})"
+    layout, err = _assemble_and_verify(traces, mine, axes, checkpoint, first_rank, rank, origin)
     verdicts = gather(err)
     bad = [v for v in verdicts if v]
     if bad:
         raise Error(bad[0] if len(bad) == 1 else f"{bad[0]} (and {len(bad) - 1} more ranks failed)")
+    live = _bind(model, layout, traces, rank)
+    live.seconds = time.perf_counter() - t0
+    log.info("live layout of rank %d: traced in %.2f s, assembled and checked in %.2f s (%d parameters, %d "
+             "read element by element, %d untraced)", rank, t_trace - t0, live.seconds - (t_trace - t0),
+             len(mine.params), len(mine.slow), len(mine.untraced))
+    return live
+
+
+def _position(axes: Sequence[Tuple[str, int]], coords: Mapping[str, int]) -> int:
+    pos = 0
+    for a, s in axes:
+        pos = pos * s + coords[a]
+    return pos
+
+
+def _assemble_and_verify(traces, mine: tr.RankTrace, axes, checkpoint, first_rank: int, rank: int,
+                         origin: str) -> "Tuple[Optional[Layout], Optional[str]]":
+    """The whole layout from every rank's trace, checked against this rank's recorded writes."""
+    shapes = {e[0]: list(e[1]) for e in checkpoint}
+    index = {e[0]: k for k, e in enumerate(checkpoint)}
+    try:
+        _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
+        untraced = set().union(*(t.untraced for t in traces))
+        for pt in mine.params:
+            if pt.name in untraced:
+                continue
+            why = tr.verify(layout, rank, pt, index)
+            if why:
+                return layout, (f"rank {rank}: the traced layout does not reproduce vLLM's loader on parameter "
+                                f"'{pt.name}': {why}")
+        return layout, None
+    except Error as e:
+        return None, f"rank {rank}: {e}"
+
+
+def _bind(model: Any, layout: Layout, traces, rank: int) -> LiveLayout:
+    """This rank's parameters bound as the layout's buffers, and what the trace left out."""
     untraced: Dict[str, str] = {}
     for t in traces:
         untraced.update(t.untraced)
@@ -184,5 +275,8 @@ def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, 
         bufs[b["name"]] = p.data
     ubytes = sum(p.data.numel() * p.data.element_size() for n, p in params.items() if n in untraced)
     tbytes = sum(t.numel() * t.element_size() for t in bufs.values())
-    real = sum(n * bufs[b].element_size() for b in bufs for _, n, t, _ in layout.slot_runs(rank, b) if t is not None)
-    return LiveLayout(layout, bufs, untraced, ubytes, tbytes, real, rank, time.perf_counter() - t0)
+    real = 0
+    for b, t in bufs.items():
+        runs = layout.slot_runs(rank, b, columns=True)
+        real += int(runs[runs[:, 2] >= 0, 1].sum()) * t.element_size()
+    return LiveLayout(layout, bufs, untraced, ubytes, tbytes, real, rank)
