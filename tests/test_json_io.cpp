@@ -337,10 +337,13 @@ TEST_CASE("layout_to_json reads back to the same layout") {
       {"name": "d", "shape": [4], "dtype": "u32"},
       {"name": "e", "shape": [6], "dtype": "u32", "dims": [{"axes": [], "pad_to": 8}]},
       {"name": "g", "shape": [8, 4], "dtype": "bf16", "dims": ["tp", null]},
-      {"name": "u", "shape": [8, 4], "dtype": "bf16", "dims": ["tp", null]}
+      {"name": "u", "shape": [8, 4], "dtype": "bf16", "dims": ["tp", null]},
+      {"name": "qkv[0:8]", "shape": [8, 4], "dtype": "bf16", "dims": ["tp", null], "rows_of": {"tensor": "qkv", "start": 0}},
+      {"name": "qkv[8:12]", "shape": [4, 4], "dtype": "bf16", "dims": ["tp", null], "rows_of": {"tensor": "qkv", "start": 8}}
     ],
     "buffers": [
       {"name": "gu", "parts": ["g", "u"], "dim": 0, "interleave": 2},
+      {"name": "qkv", "parts": ["qkv[0:8]", "qkv[8:12]"]},
       {"name": "bucket", "parts": ["d", "e"], "flat": {"axes": ["dp"], "split": "chunk"}}
     ]})";
   const auto L1 = parse(text);
@@ -350,6 +353,7 @@ TEST_CASE("layout_to_json reads back to the same layout") {
   CHECK(j1 == j2);
   CHECK(j1.at("tensors").at(3).find("dims") == j1.at("tensors").at(3).end());  // all null: left out
   CHECK(j1.at("tensors").at(5).at("dims").at(0) == "tp");                      // compact form
+  CHECK(j1.at("tensors").at(8).at("rows_of") == json{{"tensor", "qkv"}, {"start", 8}});
   // Same layout: the same plan against a third layout.
   const auto other = parse(R"({"mesh": {"axes": [["tp", 3]], "first_rank": 20},
     "tensors": [{"name": "a", "shape": [8, 8], "dtype": "bf16", "dims": [null, {"axes": ["tp"], "split": "balanced"}]},
@@ -390,6 +394,12 @@ TEST_CASE("rejections name the file, the tensor and the field") {
       {R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [{"name": "", "shape": [4], "dtype": "f32"}]})", "",
        "tensors[0].name", "tensor name is empty"},
       {R"({"mesh": {"axes": [["tp", 2]], "rank": [0, 1]}, "tensors": []})", "", "mesh.rank", "unknown field"},
+      {R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [{"name": "w", "shape": [4], "dtype": "f32", "rows_of": {"tensor": "w", "start": 0}}]})",
+       "w", "rows_of.tensor", "must name another (checkpoint) tensor"},
+      {R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [{"name": "w", "shape": [4], "dtype": "f32", "rows_of": {"tensor": "x", "start": -1}}]})",
+       "w", "rows_of.start", "must be >= 0"},
+      {R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [{"name": "w", "shape": [4], "dtype": "f32", "rows_of": {"tensor": "x", "begin": 1}}]})",
+       "w", "rows_of.begin", "unknown field"},
       {R"({"mesh": {"axes": [["tp", 2]], "ranks": []}, "tensors": []})", "", "mesh.ranks", "must not be empty"},
       {R"({"mesh": {"axes": [["tp", 2]]}, "tensors": [], "buffers": [{"name": "b", "parts": []}]})", "",
        "buffers[0] 'b'.parts", "at least one part"},

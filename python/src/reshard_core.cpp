@@ -194,37 +194,52 @@ nb::list list_buffers(const Layout& L, std::int64_t rank) {
   return out;
 }
 
+/// The slot runs of one buffer of a rank: (first slot, count, tensor index or
+/// -1 for padding, global row-major index of the first element).
+std::vector<std::int64_t> runs_of(const Layout& L, const RankBuffer& b) {
+  std::vector<std::int64_t> runs;
+  nb::gil_scoped_release nogil;
+  for_each_slot_run(L, b, [&](std::int64_t at, std::int64_t n, int t, std::int64_t g) {
+    runs.insert(runs.end(), {at, n, std::int64_t{t}, g});
+  });
+  return runs;
+}
+
+/// Runs as one (runs, 4) int64 numpy array that owns them.
+nb::object run_columns(std::vector<std::int64_t>&& v) {
+  auto* runs = new std::vector<std::int64_t>(std::move(v));
+  nb::capsule owner(runs, [](void* p) noexcept { delete static_cast<std::vector<std::int64_t>*>(p); });
+  const std::size_t shape[2] = {runs->size() / 4, 4};
+  return nb::cast(nb::ndarray<nb::numpy, std::int64_t>(runs->data(), 2, shape, owner));
+}
+
 /// Where each slot of a rank's buffer comes from: runs of (first slot, count,
 /// tensor name or None for padding, global row-major index of the first
 /// element). For checking a layout against memory a framework filled
 /// (reshard.engines traces vLLM's loaders). With `columns`, one (runs, 4)
 /// int64 numpy array instead, the tensor as its index in `Layout.tensors`
 /// (-1: padding): a traced layout of a large model has millions of runs.
-nb::object slot_runs(const Layout& L, std::int64_t rank, const std::string& buffer, bool columns) {
+/// Without a buffer name, a dict of every buffer of the rank (columns only).
+nb::object slot_runs(const Layout& L, std::int64_t rank, std::optional<std::string> buffer, bool columns) {
+  if (!buffer) {
+    if (!columns) fail("{}: slot_runs of all buffers of a rank: give columns=True", L.origin);
+    nb::dict all;
+    for (const auto& b : rank_buffers(L, rank)) all[nb::cast(b.name)] = run_columns(runs_of(L, b));
+    return all;
+  }
   for (const auto& b : rank_buffers(L, rank)) {
-    if (b.name != buffer) continue;
-    auto* runs = new std::vector<std::int64_t>;
-    {
-      nb::gil_scoped_release nogil;
-      for_each_slot_run(L, b, [&](std::int64_t at, std::int64_t n, int t, std::int64_t g) {
-        runs->insert(runs->end(), {at, n, std::int64_t{t}, g});
-      });
-    }
-    if (columns) {
-      nb::capsule owner(runs, [](void* p) noexcept { delete static_cast<std::vector<std::int64_t>*>(p); });
-      const std::size_t shape[2] = {runs->size() / 4, 4};
-      return nb::cast(nb::ndarray<nb::numpy, std::int64_t>(runs->data(), 2, shape, owner));
-    }
-    const std::unique_ptr<std::vector<std::int64_t>> own(runs);
+    if (b.name != *buffer) continue;
+    auto runs = runs_of(L, b);
+    if (columns) return run_columns(std::move(runs));
     nb::list out;
-    for (std::size_t i = 0; i < runs->size(); i += 4) {
-      const auto t = (*runs)[i + 2];
+    for (std::size_t i = 0; i < runs.size(); i += 4) {
+      const auto t = runs[i + 2];
       nb::object name = t < 0 ? nb::none() : nb::cast(L.tensors[static_cast<std::size_t>(t)].name);
-      out.append(nb::make_tuple((*runs)[i], (*runs)[i + 1], name, (*runs)[i + 3]));
+      out.append(nb::make_tuple(runs[i], runs[i + 1], name, runs[i + 3]));
     }
     return out;
   }
-  throw LayoutError(ErrorContext{L.origin, "", "buffers"}, fmt::format("rank {} holds no buffer '{}'", rank, buffer));
+  throw LayoutError(ErrorContext{L.origin, "", "buffers"}, fmt::format("rank {} holds no buffer '{}'", rank, *buffer));
 }
 
 // --- buffers -------------------------------------------------------------------
@@ -982,7 +997,7 @@ NB_MODULE(_core, m) {
            },
            "name"_a)
       .def("buffers", &list_buffers, "rank"_a)
-      .def("slot_runs", &slot_runs, "rank"_a, "buffer"_a, "columns"_a = false)
+      .def("slot_runs", &slot_runs, "rank"_a, "buffer"_a = nb::none(), "columns"_a = false)
       .def("to_json", [](const Layout& L) { return layout_to_json(L).dump(1); })
       .def("__repr__", &layout_repr);
 

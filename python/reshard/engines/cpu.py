@@ -19,7 +19,7 @@ import torch
 
 #: The HF model_type of each architecture the example configs use (they do not all spell it).
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "DeepseekV3ForCausalLM": "deepseek_v3"}
+               "DeepseekV3ForCausalLM": "deepseek_v3", "Phi3ForCausalLM": "phi3", "Glm4ForCausalLM": "glm4"}
 
 
 def model_type(cfg: Mapping) -> str:

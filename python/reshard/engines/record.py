@@ -25,8 +25,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
 
@@ -133,6 +132,7 @@ class Recorder(TorchDispatchMode):
         self._alive: List[torch.Tensor] = []  # keeps tracked storages from being freed and their keys reused
         self.targets: Dict[str, Storage] = {}
         self.loading: str = ""                # the checkpoint tensor the loader is on (for messages)
+        self._written: Dict[Any, Tuple[int, ...]] = {}  # per op: the arguments its schema writes
 
     def track_target(self, t: torch.Tensor, name: str) -> Storage:
         key = storage_key(t)
@@ -147,7 +147,8 @@ class Recorder(TorchDispatchMode):
         return st
 
     def checkpoint(self, k: int, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        with _disable_current_modes():  # made while the loader runs: not one of its temporaries
+            t = torch.empty(tuple(shape), dtype=dtype, device="meta")
         self._register(t, Storage("checkpoint", name, index=k, shape=tuple(int(s) for s in shape),
                                   element_size=t.element_size()))
         return t
@@ -174,14 +175,14 @@ class Recorder(TorchDispatchMode):
             if st is not None:
                 self._record_write(func, st, dst, args)
                 return dst
-        ins = [self.storage_of(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        tracked = [s for s in ins if s is not None]
-        mutated = self._mutated_tracked(func, args)
-        if mutated is not None:
-            # An in-place op the recorder cannot express (index_put_, add_, ...): the storage's values are
-            # computed from here on; nothing is executed on it.
-            self._poison(mutated, f"the loader changed it with {func.__name__}")
-            return args[0]
+        tracked = self._tracked(args, kwargs)
+        if tracked:
+            mutated = self._mutated_tracked(func, args)
+            if mutated is not None:
+                # An in-place op the recorder cannot express (index_put_, add_, ...): the storage's values
+                # are computed from here on; nothing is executed on it.
+                self._poison(mutated, f"the loader changed it with {func.__name__}")
+                return args[0]
         out = func(*args, **kwargs)
         if func in _FACTORIES:
             self._new_target(out, func, _FACTORIES[func])
@@ -189,11 +190,31 @@ class Recorder(TorchDispatchMode):
             self._derive(func, args, kwargs, out, tracked)
         return out
 
+    def _tracked(self, args, kwargs) -> List[Storage]:
+        """The tracked storages among an op's tensor arguments (one level of lists: cat, stack)."""
+        by_key = self._by_key
+        out: List[Storage] = []
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                st = by_key.get(a.untyped_storage()._cdata)
+                if st is not None:
+                    out.append(st)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        st = by_key.get(b.untyped_storage()._cdata)
+                        if st is not None:
+                            out.append(st)
+        return out
+
     def _mutated_tracked(self, func, args) -> Optional[Storage]:
-        schema = func._schema
-        for a, v in zip(schema.arguments, args):
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor):
-                st = self.storage_of(v)
+        written = self._written.get(func)
+        if written is None:
+            written = self._written[func] = tuple(
+                i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        for i in written:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                st = self.storage_of(args[i])
                 if st is not None:
                     return st
         return None
@@ -233,7 +254,8 @@ class Recorder(TorchDispatchMode):
         self._register(out, st)
 
     def _derive(self, func, args, kwargs, out, tracked: List[Storage]) -> None:
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = [out] if isinstance(out, torch.Tensor) else \
+            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (list, tuple)) else []
         fresh = [o for o in outs if self.storage_of(o) is None]
         if not fresh:
             return  # a view: it shares a tracked storage

@@ -562,20 +562,31 @@ def assemble(traces: Sequence[RankTrace], axes: Sequence[Tuple[str, int]], shape
     return doc, layout_from_json(doc, origin)
 
 
-def verify(layout: Layout, rank: int, param: ParamTrace, index: Mapping[str, int]) -> Optional[str]:
-    """None when ``layout`` puts on ``rank`` exactly what the loader wrote into ``param`` (every slot: the
-    same checkpoint element, or padding where the loader wrote 0 or nothing), else what differs. Compared
-    run by run: the layout's slot runs (in checkpoint tensors' coordinates: a ``rows_of`` tensor's rows
-    are its base tensor's) against the recorded ones."""
-    want = layout.slot_runs(rank, param.name, columns=True)
+def checkpoint_coordinates(layout: Layout, index: Mapping[str, int]):
+    """Per layout tensor (by its index in ``layout.tensors``; the last entry for padding): its checkpoint
+    tensor number (-3 for none) and the shift of its row-major indices into that tensor's (a ``rows_of``
+    tensor's rows are its base tensor's). Computed once per layout for :func:`verify`."""
     names = layout.tensors
     ids = np.full(len(names) + 1, -1, dtype=np.int64)
     shift = np.zeros(len(names) + 1, dtype=np.int64)
     for i, n in enumerate(names):
-        info = layout.tensor(n)
-        base, start = info.get("rows_of") or (n, 0)
-        ids[i] = index.get(base, -3)
-        shift[i] = start * math.prod(info["shape"][1:])
+        ids[i] = index.get(n, -3)
+        if n not in index:
+            info = layout.tensor(n)
+            if info.get("rows_of"):
+                base, start = info["rows_of"]
+                ids[i] = index.get(base, -3)
+                shift[i] = start * math.prod(info["shape"][1:])
+    return ids, shift
+
+
+def verify(layout: Layout, rank: int, param: ParamTrace, coordinates, runs=None) -> Optional[str]:
+    """None when ``layout`` puts on ``rank`` exactly what the loader wrote into ``param`` (every slot: the
+    same checkpoint element, or padding where the loader wrote 0 or nothing), else what differs. Compared
+    run by run: the layout's slot runs (``runs``, else asked of the layout), in checkpoint coordinates
+    (:func:`checkpoint_coordinates`), against the recorded ones."""
+    ids, shift = coordinates
+    want = layout.slot_runs(rank, param.name, columns=True) if runs is None else runs
     t = want[:, 2]
     want = np.stack([want[:, 0], want[:, 1], ids[t], np.where(t >= 0, want[:, 3] + shift[t], -1)], axis=1)
     want = merge_runs(want[np.argsort(want[:, 0], kind="stable")])

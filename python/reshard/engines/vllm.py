@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import pickle
+import re
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -68,7 +69,7 @@ def _checkpoint_entries(checkpoint) -> "Tuple[List[str], List[List[int]], List[A
         names.append(entry[0])
         shapes.append([int(x) for x in entry[1]])
         dt = entry[2] if len(entry) > 2 else torch.bfloat16
-        dtypes.append(_TORCH_DTYPES[dt] if isinstance(dt, str) else dt)
+        dtypes.append(getattr(torch, _TORCH_DTYPES[dt]) if isinstance(dt, str) else dt)
     if len(set(names)) != len(names):
         raise Error("trace: a checkpoint tensor name is given twice")
     return names, shapes, dtypes
@@ -91,8 +92,12 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
     recorder = rec.Recorder()
     targets = {n: recorder.track_target(p.data, n) for n, p in params}
 
+    remote = remote_expert(model)
+
     def stand_ins():
         for k, (n, s, dt) in enumerate(zip(names, shapes, dtypes)):
+            if remote(n):
+                continue
             recorder.loading = n
             yield n, recorder.checkpoint(k, n, s, dt)
     try:
@@ -121,6 +126,33 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
     return tr.RankTrace(dict(coords), traced, untraced, ubytes, slow)
 
 
+_EXPERT = re.compile(r"^(.*)\.(\d+)\.[^.]+(?:\.[^.]+)*$")
+
+
+def remote_expert(model: Any) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor belongs to an expert that vLLM's own expert map places on no slot of
+    this rank (``PREFIX.E.*`` under a MoE layer whose ``layer_name`` is PREFIX): its loader would skip it,
+    so the trace does not feed it (an expert-parallel rank then costs its own experts' tensors, not all)."""
+    local: Dict[str, Callable[[int], bool]] = {}
+    for _, m in model.named_modules():
+        manager = getattr(m, "expert_map_manager", None)
+        prefix = getattr(m, "layer_name", None)
+        if manager is not None and isinstance(prefix, str) and hasattr(manager, "is_local_expert"):
+            local[prefix] = manager.is_local_expert
+    if not local:
+        return lambda name: False
+
+    def remote(name: str) -> bool:
+        m = _EXPERT.match(name)
+        while m is not None:
+            prefix, e = m.group(1), int(m.group(2))
+            if prefix in local:
+                return not bool(local[prefix](e))
+            m = _EXPERT.match(prefix)
+        return False
+    return remote
+
+
 def trace_rank_tags(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coords: Mapping[str, int],
                     load: Optional[Callable[[Iterable[Tuple[str, Any]]], Any]] = None) -> tr.RankTrace:
     """The element-tag trace (the reference :func:`trace_rank` is tested against): every checkpoint
@@ -128,8 +160,7 @@ def trace_rank_tags(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]],
     Costs 8 bytes of memory per checkpoint element and per parameter element, and their time."""
     import torch
 
-    names = [n for n, _ in checkpoint]
-    shapes = [list(s) for _, s in checkpoint]
+    names, shapes, _ = _checkpoint_entries(checkpoint)
     params = [(n, p) for n, p in model.named_parameters()]
     saved = [p.data for _, p in params]
     load = load or model.load_weights
@@ -248,11 +279,13 @@ def _assemble_and_verify(traces, mine: tr.RankTrace, axes, checkpoint, first_ran
     index = {e[0]: k for k, e in enumerate(checkpoint)}
     try:
         _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
+        coordinates = tr.checkpoint_coordinates(layout, index)
         untraced = set().union(*(t.untraced for t in traces))
+        runs = layout.slot_runs(rank, columns=True)
         for pt in mine.params:
             if pt.name in untraced:
                 continue
-            why = tr.verify(layout, rank, pt, index)
+            why = tr.verify(layout, rank, pt, coordinates, runs[pt.name])
             if why:
                 return layout, (f"rank {rank}: the traced layout does not reproduce vLLM's loader on parameter "
                                 f"'{pt.name}': {why}")
@@ -276,7 +309,22 @@ def _bind(model: Any, layout: Layout, traces, rank: int) -> LiveLayout:
     ubytes = sum(p.data.numel() * p.data.element_size() for n, p in params.items() if n in untraced)
     tbytes = sum(t.numel() * t.element_size() for t in bufs.values())
     real = 0
-    for b, t in bufs.items():
-        runs = layout.slot_runs(rank, b, columns=True)
-        real += int(runs[runs[:, 2] >= 0, 1].sum()) * t.element_size()
+    for b, runs in layout.slot_runs(rank, columns=True).items():
+        real += int(runs[runs[:, 2] >= 0, 1].sum()) * bufs[b].element_size()
     return LiveLayout(layout, bufs, untraced, ubytes, tbytes, real, rank)
+
+
+def traced_layout(config_path: Any, spec: str, first_rank: int = 0, **kwargs: Any):
+    """The whole engine's layout for a config and parallel spec, traced in this process without weights
+    (CONTRACT.md section 5): :func:`reshard.engines.vllm_meta.traced_layout`."""
+    from .vllm_meta import traced_layout as traced
+
+    return traced(config_path, spec, first_rank, **kwargs)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from .vllm_meta import main
+
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""vLLM's loaders traced by recording maps between views (reshard.engines.record), checked against the
+element-tag trace (every checkpoint element fed as a float64 tag: the reference, written before the
+recorder and independent of it), against reshard's vLLM preset, and on checkpoints that fuse tensors.
+
+Each engine is traced in this one process (reshard.engines.vllm.traced_layout: vLLM's parallel state
+for each rank in turn over fake process groups). Needs the vLLM venv (scripts/engine_tests.sh).
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import reshard  # noqa: E402
+from reshard.engines import vllm as rv  # noqa: E402
+
+# Every model and parallel spec the engine tests trace live (test_vllm_live.py, test_vllm_backend.py).
+TRACED = [("tiny-llama.json", "tp=2"), ("tiny-llama.json", "tp=4"), ("tiny-llama.json", "tp=2,pp=2"),
+          ("tiny-qwen3.json", "tp=2"), ("tiny-qwen3-moe.json", "tp=2"), ("tiny-qwen3-moe.json", "tp=2,ep=2"),
+          ("tiny-moe.json", "tp=2"), ("tiny-moe.json", "tp=2,ep=2"), ("tiny-mla-mtp.json", "tp=2")]
+
+
+def layout_doc(layout):
+    """A layout's JSON with its tensors and buffers in name order (the file's order means nothing) and
+    no stage coordinate on an axis of size 1 (it says nothing)."""
+    doc = json.loads(layout.to_json())
+    sizes = dict(doc["mesh"]["axes"])
+    for t in doc["tensors"]:
+        stage = {a: c for a, c in t.pop("stage", {}).items() if sizes[a] > 1}
+        if stage:
+            t["stage"] = stage
+    doc["tensors"].sort(key=lambda t: t["name"])
+    doc["buffers"].sort(key=lambda b: b["name"])
+    return doc
+
+
+@pytest.mark.parametrize("config,spec", TRACED)
+def test_recorded_trace_equals_element_tag_trace(tmp_path, models, config, spec):
+    tags = rv.traced_layout(models / config, spec, work=tmp_path / "tags", device="cpu", tracer=rv.trace_rank_tags)
+    recorded = rv.traced_layout(models / config, spec, work=tmp_path / "rec", device="cpu")
+    assert recorded.untraced == tags.untraced == {}
+    assert layout_doc(recorded.layout) == layout_doc(tags.layout)
+    assert recorded.slow == {}, f"parameters read element by element: {recorded.slow}"
+
+
+def plan_summary(src, dst):
+    s = reshard.plan(src, dst).stats
+    return {k: s[k] for k in ("bytes", "local_bytes", "copies", "max_send_bytes", "max_recv_bytes")}
+
+
+@pytest.mark.parametrize("config,spec", TRACED)
+def test_traced_layout_without_storage_equals_the_preset(tmp_path, models, config, spec):
+    traced = rv.traced_layout(models / config, spec, work=tmp_path)
+    assert traced.untraced == {}
+    preset = reshard.vllm_layout(models / config, spec)
+    assert traced.layout.ranks == preset.ranks
+    for r in preset.ranks:
+        assert traced.layout.buffers(r) == preset.buffers(r), f"rank {r}"
+        for b in preset.buffers(r):
+            assert traced.layout.slot_runs(r, b["name"]) == preset.slot_runs(r, b["name"]), f"rank {r} {b['name']}"
+    src = reshard.megatron_layout(models / config, "tp=2")
+    assert plan_summary(src, traced.layout) == plan_summary(src, preset)
+
+
+def test_trace_command_writes_the_layout(tmp_path, models):
+    out = tmp_path / "infer.json"
+    p = subprocess.run([sys.executable, "-m", "reshard.engines.vllm", "trace", str(models / "tiny-llama.json"),
+                        "--infer", "tp=2", "-o", str(out), "--first-rank", "4"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    layout = reshard.read_layout(out)
+    assert layout.ranks == [4, 5]
+    assert layout_doc(layout) == layout_doc(reshard.vllm_layout(models / "tiny-llama.json", "tp=2", first_rank=4))
+    bad = subprocess.run([sys.executable, "-m", "reshard.engines.vllm", "trace", str(models / "tiny-llama.json"),
+                          "--infer", "tp=2,dp=2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "dp=2" in bad.stderr
+
+
+@pytest.mark.parametrize("config,fused", [("tiny-phi3.json", ["qkv_proj", "gate_up_proj"]),
+                                          ("tiny-glm4.json", ["gate_up_proj"])])
+def test_fused_checkpoint_tensors_become_row_ranges(tmp_path, models, config, fused):
+    traced = rv.traced_layout(models / config, "tp=2", work=tmp_path)
+    assert traced.untraced == {}
+    doc = layout_doc(traced.layout)
+    ranged = {t["name"]: t["rows_of"] for t in doc["tensors"] if "rows_of" in t}
+    for kind in fused:
+        base = f"model.layers.0.{'self_attn' if kind == 'qkv_proj' else 'mlp'}.{kind}.weight"
+        mine = sorted((r["start"], n) for n, r in ranged.items() if r["tensor"] == base)
+        assert len(mine) == (3 if kind == "qkv_proj" else 2), f"{base}: {mine}"
+    # The element-tag trace cannot say it: its reader takes a tensor's elements in one box per parameter.
+    tags = rv.traced_layout(models / config, "tp=2", work=tmp_path / "tags", device="cpu",
+                            tracer=rv.trace_rank_tags)
+    assert any("qkv_proj" in n or "gate_up_proj" in n for n in tags.untraced)
