@@ -34,7 +34,7 @@ UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["source", "megatron", "fsdp", "vllm"])
+    ap.add_argument("role", choices=["source", "megatron", "fsdp", "whole", "vllm"])
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--train", required=True)
@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--first-rank", type=int, required=True, help="the vLLM engine's first global rank")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--bridge", action="store_true", help="live Megatron ranks load version 1 by Megatron-Bridge")
+    ap.add_argument("--fail-trace", type=int, default=-1, help="this vLLM rank's trace fails (a planted fault)")
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
@@ -52,10 +53,20 @@ def main():
         store = torch.distributed.TCPStore("127.0.0.1", a.store_port, None, False,
                                            timeout=datetime.timedelta(seconds=180))
         cfg_path = pathlib.Path(a.config)
-        # The checkpoint: HF names and shapes (the presets' global tensors), seeded values per version.
-        ckpt = reshard.megatron_layout(cfg_path, "tp=1")
+        # The checkpoint: HF names and shapes (the presets' global tensors; with --train whole, the
+        # transformers model's: architectures no preset knows), seeded values per version.
+        ckpt = whole_layout(cfg_path) if a.train == "whole" else reshard.megatron_layout(cfg_path, "tp=1")
         full1 = oracle.full_tensors(ckpt, seed=1)
-        if a.role == "fsdp":
+        if a.role == "whole":  # one rank holding the whole checkpoint, split as the engine's trace asks
+            from reshard.engines.rows import split_rows
+
+            dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
+            src = split_rows(ckpt, dst)
+            bufs = {b["name"]: full1[b["name"]] for b in src.buffers(a.rank)}
+            with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
+                out["report"] = r.refit()
+            out["ok"] = True
+        elif a.role == "fsdp":
             out["report"] = run_fsdp(a, store, cfg_path, full1)
             out["ok"] = True
         elif a.train.startswith("fsdp"):  # a vLLM rank of an FSDP2 job: the trainer publishes its layout
@@ -72,7 +83,8 @@ def main():
                 out["report"] = r.refit()
             out["ok"] = True
         else:
-            out.update(run_vllm(a, store, reshard.megatron_layout(cfg_path, a.train), ckpt, full1, cfg_path))
+            src = ckpt if a.train == "whole" else reshard.megatron_layout(cfg_path, a.train)
+            out.update(run_vllm(a, store, src, ckpt, full1, cfg_path))
     except reshard.Error as e:
         out.update(ok=False, error=str(e), kind=type(e).__name__)
     except BaseException:
@@ -133,9 +145,19 @@ def run_fsdp(a, store, cfg_path, full1):
     return report
 
 
+def whole_layout(cfg_path):
+    """The checkpoint as one rank holding every tensor whole (names and shapes of the transformers model)."""
+    from reshard.engines.vllm_meta import checkpoint_tensors
+
+    tensors = [{"name": n, "shape": list(s), "dtype": d} for n, s, d in checkpoint_tensors(cfg_path)]
+    return reshard.layout_from_json(json.dumps({"mesh": {"axes": [["dp", 1]]}, "tensors": tensors}),
+                                    "the whole checkpoint")
+
+
 def run_vllm(a, store, src, ckpt, full1, cfg_path):
     from reshard.engines import cpu
     from reshard.engines import vllm as rv
+    from reshard.engines.rows import split_rows
 
     work = pathlib.Path(a.work)
     os.environ.update(cpu.vllm_env(work))
@@ -146,13 +168,25 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
     cpu.vllm_load(model, oracle.full_tensors(ckpt, seed=0).items())
     params = dict(model.named_parameters())
     checkpoint = [(n, tuple(t.shape)) for n, t in full1.items()]
-    live = rv.live_layout(model, checkpoint, first_rank=a.first_rank)
+    load = None
+    if vrank == a.fail_trace:
+        def load(weights):
+            next(iter(weights))
+            raise RuntimeError("planted: this rank's loader fails")
+    t0 = time.monotonic()
+    try:
+        live = rv.live_layout(model, checkpoint, first_rank=a.first_rank, load=load)
+    except reshard.Error as e:
+        if a.fail_trace < 0:
+            raise
+        return {"ok": False, "error": str(e), "kind": "trace", "seconds": time.monotonic() - t0}
+    src = split_rows(src, live.layout)  # rows of fused checkpoint tensors: ranges of their own
     res = {"trace_seconds": live.seconds, "untraced": live.untraced, "untraced_bytes": live.untraced_bytes,
            "traced_bytes": live.traced_bytes, "global_rank": live.rank}
     if vrank == 0:
         store.set("dst_layout", live.to_json())
     res["needed_bytes"] = live.real_bytes  # every non-padding slot of its buffers
-    res["preset"] = check_preset(cfg_path, a, live, params)
+    res["preset"] = None if a.train == "whole" else check_preset(cfg_path, a, live, params)
     with reshard.Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport="ucx", store=store) as r:
         res["report"] = r.refit()
     bad = cpu.differing_parameters(model, full1.items())  # against vLLM's own loader

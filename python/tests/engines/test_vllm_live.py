@@ -47,10 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge=False, timeout=420):
+def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge=False, timeout=420, fail_trace=-1):
     """train: a Megatron spec (reshard.megatron_layout's ranks: live GPTModel ranks with live_megatron,
-    else buffers the contract oracle fills) or "fsdp:N" (N FSDP2 ranks)."""
-    S = int(train.split(":")[1]) if train.startswith("fsdp:") else len(reshard.megatron_layout(config, train).ranks)
+    else buffers the contract oracle fills), "fsdp:N" (N FSDP2 ranks) or "whole" (one rank holding the
+    whole checkpoint). fail_trace: that vLLM rank's trace fails, and only the vLLM ranks run."""
+    S = int(train.split(":")[1]) if train.startswith("fsdp:") else 1 if train == "whole" else \
+        len(reshard.megatron_layout(config, train).ranks)
     store_port, vllm_port, train_port = free_port(), free_port(), free_port()
     store = torch.distributed.TCPStore("127.0.0.1", store_port, None, True, wait_for_workers=False)
     procs = []
@@ -60,10 +62,12 @@ def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge
         common.append("--ep")
     if bridge:
         common.append("--bridge")
+    if fail_trace >= 0:
+        common += ["--fail-trace", str(fail_trace)]
     env0 = dict(os.environ, UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", GLOO_SOCKET_IFNAME="lo",
                 OMP_NUM_THREADS="1")
-    for r in range(S + tp):
-        role = ("vllm" if r >= S else "fsdp" if train.startswith("fsdp") else
+    for r in range(S, S + tp) if fail_trace >= 0 else range(S + tp):
+        role = ("vllm" if r >= S else "fsdp" if train.startswith("fsdp") else "whole" if train == "whole" else
                 "megatron" if live_megatron else "source")
         env = dict(env0)
         python = megatron_python() if role == "megatron" else sys.executable
@@ -91,6 +95,8 @@ def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge
             if p.poll() is None:
                 p.kill()
         del store
+    if fail_trace >= 0:
+        return [results[r] for r in range(S, S + tp)]
     for r, res in results.items():
         assert res.get("ok"), f"rank {r} ({res['role']}): {res.get('error') or res.get('mismatches')}"
     return [results[r] for r in range(S, S + tp)], [results[r] for r in range(S)]
@@ -151,3 +157,25 @@ def test_deepseek_mla_moe_tp2_from_megatron_layout_tp2_ep2(tmp_path, models):
     # e_score_correction_bias), as vLLM's DeepseekV3ForCausalLM builds it on the CPU.
     v, _ = run_refit(tmp_path, models / "tiny-moe.json", "tp=2,ep=2,etp=1", tp=2)
     check_vllm_ranks(v)
+
+
+@pytest.mark.parametrize("config", ["tiny-phi3.json", "tiny-glm4.json"])
+def test_fused_checkpoint_tp2_from_whole_tensors(tmp_path, models, config):
+    # Phi-3's checkpoint fuses qkv_proj and gate_up_proj, GLM-4's gate_up_proj: each vLLM rank holds
+    # row ranges of them ([q_r; k_r; v_r]). The trace names each range a tensor (rows_of), the source's
+    # whole tensors are split to match (reshard.engines.rows.split_rows), nothing is left untraced, and
+    # every parameter equals vLLM's own load_weights bit for bit.
+    v, t = run_refit(tmp_path, models / config, "whole", tp=2)
+    check_vllm_ranks(v, planted_kinds=())
+    assert sum(x["report"]["bytes_sent"] for x in t) == sum(x["needed_bytes"] for x in v)
+
+
+def test_a_rank_whose_trace_fails_fails_every_rank_at_once_naming_it(tmp_path, models):
+    # vLLM rank 1's loader raises; rank 0 learns it at the exchange of the ranks' parts (it does not wait
+    # for a part that never comes) and raises the same error, naming global rank 2 (first rank 1 + 1).
+    v = run_refit(tmp_path, models / "tiny-llama.json", "whole", tp=2, fail_trace=1, timeout=240)
+    for x in v:
+        assert not x["ok"] and x.get("kind") == "trace", x
+        assert "rank 2: trace: the model's load_weights failed" in x["error"], x["error"]
+        assert "planted" in x["error"], x["error"]
+        assert x["seconds"] < 30, f"rank {x['rank']} took {x['seconds']:.1f} s to fail"
