@@ -17,6 +17,7 @@
 //   auto q = L.add(st::Tensor<st::ColumnParallel<"tp">>("q", {4096, 4096}, DType::bf16).stage<"pp">(0));
 //   reshard::Layout layout = L.lower();                   // validated
 #include <array>
+#include <numeric>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -459,10 +460,7 @@ struct padding<RoundUpPerPart<M>> : padding_of<PadKind::multiple_per_part, M> {}
 /// Do two references share a digit of one axis? Unknown sizes count as the
 /// rest of the axis.
 constexpr bool refs_overlap(const axis_ref& a, const axis_ref& b) {
-  if (!(a.axis == b.axis)) return false;
-  const bool a_reaches = b.size == dynamic || a.stride < b.stride * b.size;
-  const bool b_reaches = a.size == dynamic || b.stride < a.stride * a.size;
-  return a_reaches && b_reaches;
+  return a.axis == b.axis && sub_axes_overlap(a.stride, a.size, b.stride, b.size);
 }
 template <std::size_t N>
 constexpr int first_overlapping_ref(const std::array<axis_ref, N>& r) {
@@ -990,9 +988,7 @@ template <class M, std::size_t N>
 constexpr int first_non_dividing_ref(const std::array<axis_ref, N>& refs) {
   for (std::size_t i = 0; i < N; ++i) {
     const auto n = M::static_sizes[static_cast<std::size_t>(find_name(M::names, refs[i].axis))];
-    if (n == dynamic) continue;
-    const auto span = refs[i].stride * (refs[i].size == dynamic ? 1 : refs[i].size);
-    if (n % span != 0) return static_cast<int>(i);
+    if (n != dynamic && !sub_axis_divides(n, refs[i].stride, refs[i].size)) return static_cast<int>(i);
   }
   return -1;
 }
@@ -1012,24 +1008,16 @@ constexpr bool check_dim_in_mesh() {
         S::refs[static_cast<std::size_t>(j)], M::static_sizes[static_cast<std::size_t>(find_name(
                                                   M::names, S::refs[static_cast<std::size_t>(j)].axis))]>();
     return false;
-  } else if constexpr (S::pad == PadKind::absolute && Extent != dynamic && S::pad_value < Extent) {
-    diagnostic::padded_extent_below_the_extent<D, S::pad_value, Extent>();
-    return false;
-  } else if constexpr (S::split == Split::even && k != dynamic && padded != dynamic && padded % k != 0) {
-    diagnostic::even_split_does_not_divide<D, padded, k>();
-    return false;
-  } else if constexpr (S::split == Split::sizes && k != dynamic &&
-                       static_cast<std::int64_t>(S::sizes.size()) != k) {
-    diagnostic::sizes_count_differs_from_parts<D, static_cast<std::int64_t>(S::sizes.size()), k>();
-    return false;
-  } else if constexpr (constexpr std::int64_t sum =
-                           [] {
-                             std::int64_t s = 0;
-                             for (auto z : S::sizes) s += z;
-                             return s;
-                           }();
-                       S::split == Split::sizes && padded != dynamic && sum != padded) {
-    diagnostic::sizes_sum_differs_from_extent<D, sum, padded>();
+  } else if constexpr (constexpr CutFault fault = cut_fault(S::split, Extent, padded, k, S::sizes); fault != CutFault::none) {
+    // The validated Layout's cut rules (dim_spec.hpp), on what the types know.
+    if constexpr (fault == CutFault::padded_below_extent)
+      diagnostic::padded_extent_below_the_extent<D, S::pad_value, Extent>();
+    else if constexpr (fault == CutFault::even_split_does_not_divide)
+      diagnostic::even_split_does_not_divide<D, padded, k>();
+    else if constexpr (fault == CutFault::sizes_count)
+      diagnostic::sizes_count_differs_from_parts<D, static_cast<std::int64_t>(S::sizes.size()), k>();
+    else  // Sizes<...> holds no negative size (Dim checked)
+      diagnostic::sizes_sum_differs_from_extent<D, std::accumulate(S::sizes.begin(), S::sizes.end(), std::int64_t{0}), padded>();
     return false;
   }
   return true;
