@@ -9,7 +9,7 @@
 #   package   $RESHARD_VENV (default ~/.cache/reshard-venv), the system
 #             python3: the package's tests (scripts/python_tests.sh), the UCX
 #             wheel's (scripts/ucx_wheel_tests.sh): nanobind,
-#             scikit-build-core, numpy, pytest, torch, libucx-cu13
+#             scikit-build-core, numpy, pytest, ruff, torch, libucx-cu13
 #   vllm      $RESHARD_VLLM_VENV (default ~/.cache/reshard-vllm-venv): vLLM
 #             0.33 with the torch it pins, Ray, nanobind, scikit-build-core,
 #             pytest (scripts/engine_tests.sh)
@@ -42,7 +42,7 @@ package() {
     stamp "creating $venv"
     python3 -m venv "$venv"
   fi
-  pipq "$venv/bin/python" nanobind scikit-build-core numpy pytest torch libucx-cu13
+  pipq "$venv/bin/python" nanobind scikit-build-core numpy pytest ruff torch libucx-cu13
   stamp "package venv ready: $venv"
 }
 

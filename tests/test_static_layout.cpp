@@ -21,18 +21,18 @@ using st::sub_axis;
 
 namespace {
 
+/// The same value of each named field in x and y.
+template <class T, class... F>
+void expect_same_fields(const T& x, const T& y, F T::*... field) {
+  ([&] { CHECK(x.*field == y.*field); }(), ...);
+}
+
 void expect_same_dim(const DimSpec& a, const DimSpec& b, const std::string& where) {
   INFO(where);
   REQUIRE(a.axes.size() == b.axes.size());
-  for (std::size_t i = 0; i < a.axes.size(); ++i) {
-    CHECK(a.axes[i].axis == b.axes[i].axis);
-    CHECK(a.axes[i].stride == b.axes[i].stride);
-    CHECK(a.axes[i].size == b.axes[i].size);
-  }
-  CHECK(a.split == b.split);
-  CHECK(a.sizes == b.sizes);
-  CHECK(a.block == b.block);
-  CHECK(a.pad_to == b.pad_to);
+  for (std::size_t i = 0; i < a.axes.size(); ++i)
+    expect_same_fields(a.axes[i], b.axes[i], &AxisRef::axis, &AxisRef::stride, &AxisRef::size);
+  expect_same_fields(a, b, &DimSpec::split, &DimSpec::sizes, &DimSpec::block, &DimSpec::pad_to);
 }
 
 /// Every descriptor field of two validated layouts.
@@ -40,39 +40,28 @@ void expect_same_layout(const Layout& a, const Layout& b) {
   REQUIRE(a.validated());
   REQUIRE(b.validated());
   REQUIRE(a.mesh.axes.size() == b.mesh.axes.size());
-  for (std::size_t i = 0; i < a.mesh.axes.size(); ++i) {
-    CHECK(a.mesh.axes[i].name == b.mesh.axes[i].name);
-    CHECK(a.mesh.axes[i].size == b.mesh.axes[i].size);
-  }
-  CHECK(a.mesh.first_rank == b.mesh.first_rank);
-  CHECK(a.mesh.ranks == b.mesh.ranks);
+  for (std::size_t i = 0; i < a.mesh.axes.size(); ++i)
+    expect_same_fields(a.mesh.axes[i], b.mesh.axes[i], &Axis::name, &Axis::size);
+  expect_same_fields(a.mesh, b.mesh, &Mesh::first_rank, &Mesh::ranks);
   REQUIRE(a.tensors.size() == b.tensors.size());
   for (std::size_t t = 0; t < a.tensors.size(); ++t) {
     const auto &x = a.tensors[t], &y = b.tensors[t];
     INFO("tensor " << x.name);
-    CHECK(x.name == y.name);
-    CHECK(x.shape == y.shape);
-    CHECK(x.dtype == y.dtype);
+    expect_same_fields(x, y, &TensorSpec::name, &TensorSpec::shape, &TensorSpec::dtype, &TensorSpec::buffer);
     REQUIRE(x.dims.size() == y.dims.size());
     for (std::size_t d = 0; d < x.dims.size(); ++d)
       expect_same_dim(x.dims[d], y.dims[d], x.name + " dim " + std::to_string(d));
     REQUIRE(x.stage.size() == y.stage.size());
-    for (std::size_t s = 0; s < x.stage.size(); ++s) {
-      CHECK(x.stage[s].axis == y.stage[s].axis);
-      CHECK(x.stage[s].coord == y.stage[s].coord);
-    }
-    CHECK(x.buffer == y.buffer);
+    for (std::size_t s = 0; s < x.stage.size(); ++s)
+      expect_same_fields(x.stage[s], y.stage[s], &StageCoord::axis, &StageCoord::coord);
   }
   REQUIRE(a.buffers.size() == b.buffers.size());
   for (std::size_t i = 0; i < a.buffers.size(); ++i) {
     const auto &x = a.buffers[i], &y = b.buffers[i];
     INFO("buffer " << x.name);
-    CHECK(x.name == y.name);
-    CHECK(x.parts == y.parts);
-    CHECK(x.kind == y.kind);
+    expect_same_fields(x, y, &BufferSpec::name, &BufferSpec::parts, &BufferSpec::kind);
     if (x.kind == BufferKind::concat) {
-      CHECK(x.dim == y.dim);
-      CHECK(x.interleave == y.interleave);
+      expect_same_fields(x, y, &BufferSpec::dim, &BufferSpec::interleave);
     } else {
       expect_same_dim(x.flat, y.flat, x.name + " flat");
     }

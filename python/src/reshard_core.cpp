@@ -1006,20 +1006,18 @@ NB_MODULE(_core, m) {
     return read_layout_file(path);
   }, "path"_a);
   m.def("layout_from_json", &layout_from_text, "text"_a, "origin"_a = "<json>");
-  m.def("megatron_layout",
-        [](const std::string& config, const std::string& spec, std::int64_t first_rank, bool group_experts) {
+  // The two presets take the same arguments: a config, a parallel spec (named `what` in errors), a first rank.
+  auto def_preset = [&m](const char* name, auto preset, const char* what) {
+    m.def(
+        name,
+        [preset, what](const std::string& config, const std::string& spec, std::int64_t first_rank, bool group_experts) {
           nb::gil_scoped_release nogil;
-          return presets::megatron_layout(presets::model_manifest(config, group_experts), presets::parse_parallel_spec(spec, "train spec"),
-                                          first_rank);
+          return preset(presets::model_manifest(config, group_experts), presets::parse_parallel_spec(spec, what), first_rank);
         },
         "config_path"_a, "spec"_a, "first_rank"_a = 0, "group_experts"_a = false);
-  m.def("vllm_layout",
-        [](const std::string& config, const std::string& spec, std::int64_t first_rank, bool group_experts) {
-          nb::gil_scoped_release nogil;
-          return presets::vllm_layout(presets::model_manifest(config, group_experts), presets::parse_parallel_spec(spec, "infer spec"),
-                                      first_rank);
-        },
-        "config_path"_a, "spec"_a, "first_rank"_a = 0, "group_experts"_a = false);
+  };
+  def_preset("megatron_layout", [](const auto&... a) { return presets::megatron_layout(a...); }, "train spec");
+  def_preset("vllm_layout", [](const auto&... a) { return presets::vllm_layout(a...); }, "infer spec");
 
   nb::class_<PySchedule>(m, "Schedule")
       .def_prop_ro("stats_json", [](const PySchedule& s) { return plan_stats_json(*s.s, *s.src, *s.dst).dump(); })

@@ -244,7 +244,7 @@ def megatron_llama_buffers(cfg: dict, full: Dict[str, torch.Tensor], tp: int, pp
 def vllm_llama_buffers(cfg: dict, full: Dict[str, torch.Tensor], tp: int, first_rank: int, rank: int) -> Expected:
     """What vLLM rank ``rank`` (tp only) holds of a Llama model: [q; k; v] per rank, kv heads replicated past tp = kv heads."""
     t = rank - first_rank
-    L, H, ng = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"]
+    L, ng = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     kv_shard = t // (tp // ng) if tp > ng else t
     kv_parts = min(tp, ng)
     out: Expected = {}

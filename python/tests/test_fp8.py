@@ -53,7 +53,8 @@ def test_fp8_matches_torch_cast(scheme, src_rows):
     src, dst = layouts(src_rows, scheme)
     g = torch.Generator().manual_seed(5)
     # Values over many binades, some tiles all zero.
-    full = (torch.randn(256, 320, generator=g) * torch.exp2(torch.randint(-20, 10, (256, 320), generator=g).float())).to(torch.bfloat16)
+    scales = torch.exp2(torch.randint(-20, 10, (256, 320), generator=g).float())
+    full = (torch.randn(256, 320, generator=g) * scales).to(torch.bfloat16)
     full[:64, :32] = 0
     bufs = {0: {"src": {"w": full[:src_rows[0]].clone()}}, 1: {"src": {"w": full[src_rows[0]:].clone()}}}
     scale_name = "w_scale_inv" if scheme == "block" else "w_scale"

@@ -145,7 +145,7 @@ def test_readme_snippet_prints_no_warning_and_no_leak(alive_at_exit):
     assert res.returncode == 0, res.stderr
     assert "leaked" not in res.stderr and "leaked" not in res.stdout, res.stderr
     assert res.stderr.strip() == "", res.stderr
-    assert "[0.0, 2.0]" in res.stdout  # the snippet's own last line: rank 8's qkv came from training ranks 0 and 2
+    assert "1708 bytes moved" in res.stdout  # the snippet's refit ran (it checks every element itself)
 
 
 @ucx_only

@@ -2,7 +2,6 @@
 built from full tensors (oracle.py), plus the API's shape, dtype and buffer checks."""
 import json
 
-import numpy as np
 import pytest
 import torch
 

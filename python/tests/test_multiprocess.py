@@ -63,12 +63,39 @@ class DictStore:
         return self.d[key]
 
 
+class RankOutcome:
+    """What a worker reports on the job's queue, as run_job reads it: (rank, "ok", reports, checked, seconds),
+    (rank, "error", error class, message, seconds) for a reshard.Error, or (rank, "crash", traceback, None,
+    None) for anything else. The seconds count from construction or the last restart_clock()."""
+
+    def __init__(self, rank, q):
+        self.rank, self.q = rank, q
+        self.restart_clock()
+
+    def restart_clock(self):
+        self.t0 = time.monotonic()
+
+    def ok(self, reports, checked):
+        self.q.put((self.rank, "ok", reports, checked, time.monotonic() - self.t0))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is None:
+            return False
+        if issubclass(kind, reshard.Error):
+            self.q.put((self.rank, "error", kind.__name__, str(error), time.monotonic() - self.t0))
+        else:
+            self.q.put((self.rank, "crash", "".join(traceback.format_exception(kind, error, tb)), None, None))
+        return True  # reported: the process ends normally
+
+
 def worker(rank, port, models, mode, q):
     """One process of the job. Modes: ok (two refits with changed weights), dies (rank 2 exits
     before the second refit), bad (rank 1 gives a wrong dtype). `port` is a TCPStore port, or a
     Manager dict (the generic store)."""
-    t0 = time.monotonic()
-    try:
+    with RankOutcome(rank, q) as outcome:
         import reshard as rs  # noqa: F401  (spawned: a fresh interpreter)
 
         if isinstance(port, tuple):  # (port, True): rank 0 hosts the store; (port, False): the parent does
@@ -80,7 +107,7 @@ def worker(rank, port, models, mode, q):
         if mode == "bad" and rank == 1:
             n = next(iter(bufs))
             bufs[n] = bufs[n].float()
-        t0 = time.monotonic()
+        outcome.restart_clock()
         double = mode == "double"
         back = reshard.allocate(dst, rank, fill=POISON) if double and rank in dst.ranks else None
         r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, transport="ucx", store=store, stall_timeout=10,
@@ -102,7 +129,7 @@ def worker(rank, port, models, mode, q):
                 bufs[n].copy_(v)
         if mode == "dies" and rank == 2:
             os._exit(3)
-        t0 = time.monotonic()
+        outcome.restart_clock()
         reports.append(r.refit())
         if rank in dst.ranks:
             checked += oracle.check(bufs, oracle.vllm_llama_buffers(cfg, full2, 1, len(src.ranks), rank), POISON, "refit 2")
@@ -110,17 +137,12 @@ def worker(rank, port, models, mode, q):
                 assert r.serving_set == 0
                 oracle.check(back, v1, POISON, "back set after refit 2")
         r.close()
-        q.put((rank, "ok", reports, checked, time.monotonic() - t0))
-    except reshard.Error as e:
-        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
-    except BaseException:
-        q.put((rank, "crash", traceback.format_exc(), None, None))
+        outcome.ok(reports, checked)
 
 
 def colocated_worker(rank, port, examples, q):
     """Each process is a rank of both sides (examples/colocated): its buffers given as {"src", "dst"}."""
-    t0 = time.monotonic()
-    try:
+    with RankOutcome(rank, q) as outcome:
         store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
         src = reshard.read_layout(examples / "colocated" / "train.json")
         dst = reshard.read_layout(examples / "colocated" / "infer.json")
@@ -130,11 +152,7 @@ def colocated_worker(rank, port, examples, q):
         with reshard.Resharder(src, dst, rank=rank, buffers=bufs, store=store, stall_timeout=10) as r:
             rep = r.refit()
         checked = oracle.check(bufs["dst"], oracle.contract_buffers(dst, full, rank), POISON, f"rank {rank}")
-        q.put((rank, "ok", [rep], checked, time.monotonic() - t0))
-    except reshard.Error as e:
-        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
-    except BaseException:
-        q.put((rank, "crash", traceback.format_exc(), None, None))
+        outcome.ok([rep], checked)
 
 
 # Per version after the first: the fraction of every tensor's elements given new values, and whether
@@ -177,8 +195,7 @@ def pitched(bufs):
 def delta_worker(rank, port, models, q, double=False, strided=False):
     """Delta refits over versions whose weights change in a known fraction; every element checked each time.
     With `strided`, the 2-d buffers of both sides are views into larger tensors."""
-    t0 = time.monotonic()
-    try:
+    with RankOutcome(rank, q) as outcome:
         store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
         src, dst, cfg, full, bufs = tiny_llama_rank(models, rank, seed=31)
         bigs = []
@@ -208,11 +225,7 @@ def delta_worker(rank, port, models, q, double=False, strided=False):
                                         f"version {v} ({rep['delta']['mode']})")
         assert all((big[:, -3:] == POISON).all() for big in bigs), "a refit wrote past a strided view's columns"
         r.close()
-        q.put((rank, "ok", reports, checked, time.monotonic() - t0))
-    except reshard.Error as e:
-        q.put((rank, "error", type(e).__name__, str(e), time.monotonic() - t0))
-    except BaseException:
-        q.put((rank, "crash", traceback.format_exc(), None, None))
+        outcome.ok(reports, checked)
 
 
 def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, target=None):

@@ -90,6 +90,13 @@ struct OneMessage {
   void paint() { std::fill(buf.begin(), buf.end(), kPaint); }
 };
 
+/// A child's report, one string a line.
+std::vector<std::string> report_lines(const std::string& report) {
+  std::vector<std::string> lines;
+  std::stringstream ss(report);
+  for (std::string l; std::getline(ss, l);) lines.push_back(l);
+  return lines;
+}
 }  // namespace
 
 TEST_CASE("ucx: sends and receives move bytes, replay after replay, with both protocols") {
@@ -321,9 +328,7 @@ TEST_CASE("ucx: prepare fails on every rank, with a message naming sizes, ranks 
   for (const auto& o : outs) {
     REQUIRE(o.exited);
     CHECK(o.code == 0);
-    std::vector<std::string> lines;
-    std::stringstream ss(o.report);
-    for (std::string l; std::getline(ss, l);) lines.push_back(l);
+    const std::vector<std::string> lines = report_lines(o.report);
     REQUIRE(lines.size() == 4);
     CHECK(lines[0].find("size mismatch") != std::string::npos);
     CHECK(lines[0].find("100") != std::string::npos);
@@ -371,9 +376,7 @@ TEST_CASE("ucx: a wait names the peer and the op at its deadline; abort reaches 
   INFO(fork_world::describe(outs));
   const auto& o = outs[1];
   REQUIRE(o.exited);
-  std::vector<std::string> lines;
-  std::stringstream ss(o.report);
-  for (std::string l; std::getline(ss, l);) lines.push_back(l);
+  const std::vector<std::string> lines = report_lines(o.report);
   REQUIRE(lines.size() == 4);
   CHECK(lines[0].find("timed out") != std::string::npos);
   CHECK(lines[0].find("receive of 512 bytes from rank 0") != std::string::npos);

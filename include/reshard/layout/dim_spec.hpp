@@ -4,6 +4,7 @@
 // answers "which global indices does part p hold, at which local index".
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -133,16 +134,48 @@ struct DimCut {
   }
 };
 
+/// What is wrong with cutting a dim of `extent` elements, padded to `padded`, into `parts` parts by
+/// `split` (`sizes`: the explicit part sizes), the first fault in this order. One code path for the
+/// validated Layout (resolve_dim) and the compile-time layouts (static_layout.hpp), where a value
+/// < 0 is not known until runtime and the rules that need it wait for the Layout.
+enum class CutFault : std::uint8_t { none, padded_below_extent, even_split_does_not_divide, sizes_count, size_negative,
+                                     sizes_overflow, sizes_sum };
+template <class Sizes>
+constexpr CutFault cut_fault(Split split, std::int64_t extent, std::int64_t padded, std::int64_t parts, const Sizes& sizes) {
+  if (padded >= 0 && extent >= 0 && padded < extent) return CutFault::padded_below_extent;
+  if (split == Split::even && parts >= 1 && padded >= 0 && padded % parts != 0) return CutFault::even_split_does_not_divide;
+  if (split != Split::sizes) return CutFault::none;
+  if (parts >= 1 && static_cast<std::int64_t>(std::size(sizes)) != parts) return CutFault::sizes_count;
+  std::int64_t sum = 0;
+  for (const std::int64_t z : sizes) {
+    if (z < 0) return CutFault::size_negative;
+    if (__builtin_add_overflow(sum, z, &sum)) return CutFault::sizes_overflow;
+  }
+  return padded >= 0 && sum != padded ? CutFault::sizes_sum : CutFault::none;
+}
+
 /// Resolves `spec` against extent n, or throws LayoutError naming `ctx`.
 inline DimCut resolve_dim(const DimSpec& spec, std::int64_t n, const ErrorContext& ctx) {
   DimCut c;
   c.extent = n;
   c.padded = spec.pad_to ? spec.pad_to : n;
-  if (spec.pad_to && spec.pad_to < n)
-    layout_fail(ctx, "pad_to {} is below the extent {}", spec.pad_to, n);
   const std::int64_t P = c.padded;
   c.k = spec.parts();
   const std::int64_t k = c.k;
+  switch (cut_fault(spec.split, n, P, k, spec.sizes)) {
+    case CutFault::none: break;
+    case CutFault::padded_below_extent: layout_fail(ctx, "pad_to {} is below the extent {}", spec.pad_to, n);
+    case CutFault::even_split_does_not_divide:
+      layout_fail(ctx, "even split of extent {} into {} parts does not divide", P, k);
+    case CutFault::sizes_count:
+      layout_fail(ctx, "explicit split lists {} sizes but the axes make {} parts", spec.sizes.size(), k);
+    case CutFault::size_negative:
+      layout_fail(ctx, "explicit size {} is negative", *std::find_if(spec.sizes.begin(), spec.sizes.end(), [](auto z) { return z < 0; }));
+    case CutFault::sizes_overflow: layout_fail(ctx, "explicit sizes overflow");
+    case CutFault::sizes_sum:
+      layout_fail(ctx, "explicit sizes sum to {} but the {} extent is {}",
+                   std::accumulate(spec.sizes.begin(), spec.sizes.end(), std::int64_t{0}), spec.pad_to ? "padded" : "dim", P);
+  }
   if (spec.split == Split::cyclic) {
     if (spec.block < 1) layout_fail(ctx, "cyclic block size {} must be >= 1", spec.block);
     c.cyclic = true;
@@ -152,8 +185,6 @@ inline DimCut resolve_dim(const DimSpec& spec, std::int64_t n, const ErrorContex
   c.cuts.resize(static_cast<std::size_t>(k) + 1);
   switch (spec.split) {
     case Split::even:
-      if (P % k != 0)
-        layout_fail(ctx, "even split of extent {} into {} parts does not divide", P, k);
       for (std::int64_t p = 0; p <= k; ++p) c.cuts[static_cast<std::size_t>(p)] = p * (P / k);
       break;
     case Split::chunk: {
@@ -166,19 +197,13 @@ inline DimCut resolve_dim(const DimSpec& spec, std::int64_t n, const ErrorContex
       for (std::int64_t p = 0; p <= k; ++p) c.cuts[static_cast<std::size_t>(p)] = p * q + std::min(p, r);
       break;
     }
-    case Split::sizes: {
-      if (static_cast<std::int64_t>(spec.sizes.size()) != k)
-        layout_fail(ctx, "explicit split lists {} sizes but the axes make {} parts", spec.sizes.size(), k);
+    case Split::sizes: {  // cut_fault checked the count, the signs, the sum
       std::int64_t s = 0;
       for (std::size_t p = 0; p < spec.sizes.size(); ++p) {
-        if (spec.sizes[p] < 0) layout_fail(ctx, "explicit size {} is negative", spec.sizes[p]);
         c.cuts[p] = s;
-        if (__builtin_add_overflow(s, spec.sizes[p], &s)) layout_fail(ctx, "explicit sizes overflow");
+        s += spec.sizes[p];
       }
       c.cuts[static_cast<std::size_t>(k)] = s;
-      if (s != P)
-        layout_fail(ctx, "explicit sizes sum to {} but the {} extent is {}", s,
-                    spec.pad_to ? "padded" : "dim", P);
       break;
     }
     case Split::cyclic: break;

@@ -262,8 +262,7 @@ class Layout {
 namespace detail {
 /// Do two axis references share a digit of the same axis?
 inline bool refs_overlap(const AxisRef& a, const AxisRef& b) {
-  if (a.axis != b.axis) return false;
-  return a.stride < b.stride * b.size && b.stride < a.stride * a.size;
+  return a.axis == b.axis && sub_axes_overlap(a.stride, a.size, b.stride, b.size);
 }
 inline bool checked_mul(std::int64_t a, std::int64_t b, std::int64_t& out) {
   return !__builtin_mul_overflow(a, b, &out);
@@ -277,15 +276,14 @@ inline void validate_axis_ref(const Mesh& mesh, AxisRef& r, const ErrorContext& 
     layout_fail(c, "axis index {} is not an axis of the mesh (it has {})", r.axis, mesh.axes.size());
   const auto& ax = mesh.axes[static_cast<std::size_t>(r.axis)];
   if (r.size == 0 && r.stride >= 1) {
-    if (ax.size % r.stride != 0)
+    if (!sub_axis_divides(ax.size, r.stride, 0))
       layout_fail(c, "sub-axis of '{}' without a size: stride {} does not divide the axis size {}", ax.name, r.stride, ax.size);
     r.size = ax.size / r.stride;
   }
   if (r.stride < 1 || r.size < 1)
     layout_fail(c, "sub-axis of '{}' needs stride >= 1 and size >= 1 (got stride {}, size {})", ax.name,
                 r.stride, r.size);
-  std::int64_t span = 0;
-  if (!detail::checked_mul(r.stride, r.size, span) || ax.size % span != 0)
+  if (!sub_axis_divides(ax.size, r.stride, r.size))
     layout_fail(c, "sub-axis of '{}': stride {} * size {} does not divide the axis size {}", ax.name,
                 r.stride, r.size, ax.size);
 }

@@ -31,6 +31,25 @@ struct AxisRef {
   friend bool operator==(const AxisRef&, const AxisRef&) = default;
 };
 
+// The sub-axis rules, one code path for the validated Layout (layout.hpp) and the compile-time
+// layouts (static_layout.hpp, which knows some sizes only at runtime: a size < 1 there is not known
+// yet, and reaches to the end of the axis).
+
+/// Does the sub-axis [stride, stride * size) fit its axis: stride * size (stride alone when the size
+/// is not known) divides the axis size, without overflow?
+constexpr bool sub_axis_divides(std::int64_t axis_size, std::int64_t stride, std::int64_t size) {
+  std::int64_t span = stride;
+  if (size >= 1 && __builtin_mul_overflow(stride, size, &span)) return false;
+  return span >= 1 && axis_size % span == 0;
+}
+
+/// Do two sub-axes of one axis share a digit?
+constexpr bool sub_axes_overlap(std::int64_t a_stride, std::int64_t a_size, std::int64_t b_stride, std::int64_t b_size) {
+  const bool a_reaches = b_size < 1 || a_stride < b_stride * b_size;
+  const bool b_reaches = a_size < 1 || b_stride < a_stride * a_size;
+  return a_reaches && b_reaches;
+}
+
 class Mesh {
  public:
   std::vector<Axis> axes;

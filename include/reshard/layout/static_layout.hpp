@@ -17,6 +17,7 @@
 //   auto q = L.add(st::Tensor<st::ColumnParallel<"tp">>("q", {4096, 4096}, DType::bf16).stage<"pp">(0));
 //   reshard::Layout layout = L.lower();                   // validated
 #include <array>
+#include <numeric>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -85,291 +86,93 @@ consteval axis_ref sub_axis(axis_name axis, std::int64_t stride, std::int64_t si
 }
 
 namespace detail {
-template <auto...>
-inline constexpr bool always_false = false;
-template <class...>
-inline constexpr bool always_false_type = false;
 template <class... T>
 struct type_list {};
+
+// What kind of static-layout type a type is: each names its kind (`using static_layout_kind =
+// kinds::cut;`), so that one test classifies them all; any other type is of no kind.
+namespace kinds {
+struct axis;
+struct mesh;
+struct cut;  // Replicate, Shard<...>
+struct dim;  // Dim<...>
+struct shard_spec;
+struct shape;
+struct tensor;
+}  // namespace kinds
+template <class T, class Kind>
+struct is_kind : std::false_type {};
+template <class T, class Kind>
+  requires std::is_same_v<typename T::static_layout_kind, Kind>
+struct is_kind<T, Kind> : std::true_type {};
+template <class T> using is_axis = is_kind<T, kinds::axis>;
+template <class T> using is_mesh = is_kind<T, kinds::mesh>;
+template <class T> using is_cut = is_kind<T, kinds::cut>;
+/// A spec of one dim: a cut alone, or Dim<cut, options...>.
+template <class T>
+struct is_dim_spec : std::bool_constant<is_cut<T>::value || is_kind<T, kinds::dim>::value> {};
+template <class T> using is_shard_spec = is_kind<T, kinds::shard_spec>;
+template <class T> using is_shape = is_kind<T, kinds::shape>;
+template <class T> using is_tensor = is_kind<T, kinds::tensor>;
 }  // namespace detail
 
 // One function per misuse: its name and template arguments say where, the
 // message says what. Only the branch that found the fault instantiates it.
 namespace diagnostic {
-template <std::int64_t size>
-constexpr void mesh_axis_needs_a_name() {
-  static_assert(detail::always_false<size>, "a mesh axis needs a non-empty name");
-}
-
-template <axis_name axis, std::int64_t size>
-constexpr void mesh_axis_size_must_be_positive() {
-  static_assert(detail::always_false<axis, size>,
-                "a mesh axis has size >= 1, or reshard::st::dynamic when its size is given at runtime");
-}
-
-template <class... T>
-constexpr void mesh_needs_an_axis() {
-  static_assert(detail::always_false_type<T...>, "a mesh needs at least one axis");
-}
-
-template <class... T>
-constexpr void mesh_takes_axes_only() {
-  static_assert(detail::always_false_type<T...>,
-                "MeshOf<...> takes mesh axes only: Axis<\"name\", size> or Axis<\"name\", dynamic>");
-}
-
-template <axis_name axis>
-constexpr void mesh_axis_named_twice() {
-  static_assert(detail::always_false<axis>, "two axes of one mesh have the same name");
-}
-
-template <int dynamic_axes, int sizes_given>
-constexpr void mesh_needs_one_size_per_dynamic_axis() {
-  static_assert(detail::always_false<dynamic_axes, sizes_given>,
-                "give the mesh one runtime size per dynamic axis, in mesh order");
-}
-
-template <axis_name axis>
-constexpr void mesh_has_no_axis_named() {
-  static_assert(detail::always_false<axis>, "the mesh has no axis of this name");
-}
-
-template <class... T>
-constexpr void shard_needs_an_axis() {
-  static_assert(detail::always_false_type<T...>,
-                "Shard<...> needs at least one mesh axis; write Replicate for a dim that is not cut");
-}
-
-template <axis_ref ref>
-constexpr void axis_reference_needs_a_name() {
-  static_assert(detail::always_false<ref>, "a Shard<...> axis needs a non-empty name");
-}
-
-template <axis_ref ref>
-constexpr void sub_axis_needs_positive_stride_and_size() {
-  static_assert(detail::always_false<ref>, "a sub-axis needs stride >= 1 and size >= 1");
-}
-
-template <axis_name axis>
-constexpr void shard_names_an_axis_twice() {
-  static_assert(detail::always_false<axis>,
-                "a Shard<...> names one mesh axis twice (or two overlapping sub-axes of it)");
-}
-
-template <class... T>
-constexpr void dim_takes_at_most_one_cut() {
-  static_assert(detail::always_false_type<T...>,
-                "Dim<...> takes at most one cut: Replicate or Shard<axes...>");
-}
-
-template <class... T>
-constexpr void dim_takes_cut_split_rule_and_padding() {
-  static_assert(detail::always_false_type<T...>,
-                "Dim<...> takes a cut (Replicate or Shard<axes...>), one split rule (Even, Chunk, Balanced, "
-                "Sizes<...> or Cyclic<B>) and one padding (Padded<P>, RoundUp<M> or RoundUpPerPart<M>); this "
-                "argument is none of them");
-}
-
-template <class... T>
-constexpr void dim_takes_one_split_rule() {
-  static_assert(detail::always_false_type<T...>,
-                "a dim takes one split rule: Even, Chunk, Balanced, Sizes<...> or Cyclic<B>");
-}
-
-template <class... T>
-constexpr void dim_takes_one_padding() {
-  static_assert(detail::always_false_type<T...>,
-                "a dim takes at most one padding: Padded<P>, RoundUp<M> or RoundUpPerPart<M>");
-}
-
-template <class... T>
-constexpr void split_rule_needs_a_shard() {
-  static_assert(detail::always_false_type<T...>,
-                "a split rule only applies to a dim cut by Shard<axes...>; a Replicate dim is not split");
-}
-
-template <std::int64_t block>
-constexpr void cyclic_block_must_be_positive() {
-  static_assert(detail::always_false<block>, "Cyclic<B> needs a block size B >= 1");
-}
-
-template <std::int64_t extent>
-constexpr void padded_extent_must_be_positive() {
-  static_assert(detail::always_false<extent>, "Padded<P> needs P >= 1 and RoundUp<M> needs M >= 1");
-}
-
-template <class... T>
-constexpr void sizes_must_be_non_negative() {
-  static_assert(detail::always_false_type<T...>, "Sizes<...> lists at least one part size, all >= 0");
-}
-
-template <int dim>
-constexpr void shard_spec_takes_dim_specs() {
-  static_assert(detail::always_false<dim>,
-                "ShardSpec<...> takes one dim spec per tensor dim: Replicate, Shard<axes...> or Dim<...>");
-}
-
-template <int rank>
-constexpr void tensor_has_1_to_8_dims() {
-  static_assert(detail::always_false<rank>, "a tensor has 1 to 8 dims");
-}
-
-template <class... T>
-constexpr void shard_dims_takes_on_entries() {
-  static_assert(
-      detail::always_false_type<T...>,
-      "ShardDims<...> takes On<dim, spec> entries whose spec is Replicate, Shard<axes...> or Dim<...>");
-}
-
-template <int dim>
-constexpr void dim_index_must_be_non_negative() {
-  static_assert(detail::always_false<dim>, "a dim index is >= 0");
-}
-
-template <int dim>
-constexpr void dim_cut_twice() {
-  static_assert(detail::always_false<dim>, "two On<dim, ...> entries name the same dim");
-}
-
-template <axis_name axis, int first_dim, int second_dim>
-constexpr void axis_cuts_two_dims() {
-  static_assert(detail::always_false<axis, first_dim, second_dim>,
-                "this mesh axis cuts two dims of one tensor; each mesh axis may cut at most one dim");
-}
-
-template <class... T>
-constexpr void tensor_takes_a_shard_spec() {
-  static_assert(detail::always_false_type<T...>,
-                "Tensor<Spec, ...> takes a shard spec: Replicated, ShardSpec<...>, ShardDims<...>, "
-                "ShardOn<dim, ...>, ColumnParallel<axes...> or RowParallel<axes...>");
-}
-
-template <class... T>
-constexpr void tensor_takes_a_shape() {
-  static_assert(detail::always_false_type<T...>, "Tensor<Spec, Shape> takes Shape<extents...> or AnyShape");
-}
-
-template <int dim, std::int64_t extent>
-constexpr void shape_extent_must_be_positive() {
-  static_assert(detail::always_false<dim, extent>, "a static extent is >= 1, or reshard::st::dynamic");
-}
-
-template <int spec_dims, int shape_dims>
-constexpr void shard_spec_and_shape_differ_in_rank() {
-  static_assert(detail::always_false<spec_dims, shape_dims>,
-                "the shard spec and the shape have different numbers of dims");
-}
-
-template <int dim, int rank>
-constexpr void shard_spec_cuts_a_dim_beyond_the_rank() {
-  static_assert(detail::always_false<dim, rank>, "the shard spec cuts a dim beyond the tensor's rank");
-}
-
-template <axis_name axis>
-constexpr void stage_axis_named_twice() {
-  static_assert(detail::always_false<axis>, "a tensor names one stage axis twice");
-}
-
-template <axis_name axis>
-constexpr void stage_axis_also_cuts_a_dim() {
-  static_assert(detail::always_false<axis>, "a tensor's stage axis may not also cut one of its dims");
-}
-
-template <axis_name axis>
-constexpr void unknown_axis() {
-  static_assert(detail::always_false<axis>, "the shard spec names an axis that is not in the mesh");
-}
-
-template <axis_name axis>
-constexpr void unknown_stage_axis() {
-  static_assert(detail::always_false<axis>, "the stage names an axis that is not in the mesh");
-}
-
-template <axis_ref ref, std::int64_t axis_size>
-constexpr void sub_axis_does_not_divide_its_axis() {
-  static_assert(detail::always_false<ref, axis_size>, "a sub-axis's stride * size must divide its axis size");
-}
-
-template <int dim, std::int64_t extent, std::int64_t parts>
-constexpr void even_split_does_not_divide() {
-  static_assert(
-      detail::always_false<dim, extent, parts>,
-      "an even split must divide the dim's extent; use Chunk or Balanced for uneven dims, or pad it");
-}
-
-template <int dim, std::int64_t padded, std::int64_t extent>
-constexpr void padded_extent_below_the_extent() {
-  static_assert(detail::always_false<dim, padded, extent>, "Padded<P> must be at least the dim's extent");
-}
-
-template <int dim, std::int64_t sizes, std::int64_t parts>
-constexpr void sizes_count_differs_from_parts() {
-  static_assert(detail::always_false<dim, sizes, parts>,
-                "Sizes<...> lists one size per part (the product of the dim's axis sizes)");
-}
-
-template <int dim, std::int64_t sum, std::int64_t extent>
-constexpr void sizes_sum_differs_from_extent() {
-  static_assert(detail::always_false<dim, sum, extent>,
-                "Sizes<...> must sum to the dim's extent (its padded extent when padded)");
-}
-
-template <class... T>
-constexpr void layout_takes_a_mesh() {
-  static_assert(detail::always_false_type<T...>, "LayoutOf<Mesh> takes a MeshOf<Axis<...>...> type");
-}
-
-template <class... T>
-constexpr void add_takes_a_tensor() {
-  static_assert(detail::always_false_type<T...>, "LayoutOf::add takes a Tensor<Spec, ...>");
-}
-
-template <class E>
-constexpr void add_takes_an_element_type() {
-  static_assert(detail::always_false_type<E>,
-                "LayoutOf::add<E> takes the tensor's element type: float, double, std::int64_t, std::int32_t, std::uint32_t, "
-                "std::int8_t, std::uint8_t, reshard::bf16_t, f16_t, fp8e4m3_t or fp8e5m2_t");
-}
-
-template <class... T>
-constexpr void buffer_parts_are_tensor_handles() {
-  static_assert(detail::always_false_type<T...>,
-                "a buffer's parts are the handles LayoutOf::add returned, at least one");
-}
-
-template <int dim, int rank>
-constexpr void concat_dim_beyond_the_rank_of_a_part() {
-  static_assert(detail::always_false<dim, rank>, "the concat dim is beyond the rank of a part");
-}
-
-template <class... T>
-constexpr void buffer_parts_differ_in_stage_axes() {
-  static_assert(detail::always_false_type<T...>, "all parts of a buffer must live on the same stage axes");
-}
-
-template <class... T>
-constexpr void flat_takes_a_dim_spec() {
-  static_assert(detail::always_false_type<T...>,
-                "flat<Cut> takes a dim spec: Shard<axes...> or Dim<Shard<axes...>, ...>");
-}
-
-template <class... T>
-constexpr void flat_buffer_cannot_be_cyclic() {
-  static_assert(detail::always_false_type<T...>,
-                "a flat buffer holds a contiguous range: Cyclic is not allowed");
-}
-
-template <class... T>
-constexpr void flat_buffer_cannot_round_up() {
-  static_assert(detail::always_false_type<T...>,
-                "a flat buffer's length differs between ranks: pad it with Padded<P>, not RoundUp<M> or "
-                "RoundUpPerPart<M>");
-}
-
-template <axis_name axis>
-constexpr void flat_axis_also_cuts_a_part() {
-  static_assert(detail::always_false<axis>, "a flat buffer's axes may not cut or stage its parts");
-}
+// Dependent false: the assertion fires only when the function is instantiated.
+template <auto...>
+inline constexpr bool never = false;
+template <class...>
+inline constexpr bool never_type = false;
+template <std::int64_t size> constexpr void mesh_axis_needs_a_name() { static_assert(never<size>, "a mesh axis needs a non-empty name"); }
+template <axis_name axis, std::int64_t size> constexpr void mesh_axis_size_must_be_positive() { static_assert(never<axis, size>, "a mesh axis has size >= 1, or reshard::st::dynamic when its size is given at runtime"); }
+template <class... T> constexpr void mesh_needs_an_axis() { static_assert(never_type<T...>, "a mesh needs at least one axis"); }
+template <class... T> constexpr void mesh_takes_axes_only() { static_assert(never_type<T...>, "MeshOf<...> takes mesh axes only: Axis<\"name\", size> or Axis<\"name\", dynamic>"); }
+template <axis_name axis> constexpr void mesh_axis_named_twice() { static_assert(never<axis>, "two axes of one mesh have the same name"); }
+template <int dynamic_axes, int sizes_given> constexpr void mesh_needs_one_size_per_dynamic_axis() { static_assert(never<dynamic_axes, sizes_given>, "give the mesh one runtime size per dynamic axis, in mesh order"); }
+template <axis_name axis> constexpr void mesh_has_no_axis_named() { static_assert(never<axis>, "the mesh has no axis of this name"); }
+template <class... T> constexpr void shard_needs_an_axis() { static_assert(never_type<T...>, "Shard<...> needs at least one mesh axis; write Replicate for a dim that is not cut"); }
+template <axis_ref ref> constexpr void axis_reference_needs_a_name() { static_assert(never<ref>, "a Shard<...> axis needs a non-empty name"); }
+template <axis_ref ref> constexpr void sub_axis_needs_positive_stride_and_size() { static_assert(never<ref>, "a sub-axis needs stride >= 1 and size >= 1"); }
+template <axis_name axis> constexpr void shard_names_an_axis_twice() { static_assert(never<axis>, "a Shard<...> names one mesh axis twice (or two overlapping sub-axes of it)"); }
+template <class... T> constexpr void dim_takes_at_most_one_cut() { static_assert(never_type<T...>, "Dim<...> takes at most one cut: Replicate or Shard<axes...>"); }
+template <class... T> constexpr void dim_takes_cut_split_rule_and_padding() { static_assert(never_type<T...>, "Dim<...> takes a cut (Replicate or Shard<axes...>), one split rule (Even, Chunk, Balanced, Sizes<...> or Cyclic<B>) and one padding (Padded<P>, RoundUp<M> or RoundUpPerPart<M>); this argument is none of them"); }
+template <class... T> constexpr void dim_takes_one_split_rule() { static_assert(never_type<T...>, "a dim takes one split rule: Even, Chunk, Balanced, Sizes<...> or Cyclic<B>"); }
+template <class... T> constexpr void dim_takes_one_padding() { static_assert(never_type<T...>, "a dim takes at most one padding: Padded<P>, RoundUp<M> or RoundUpPerPart<M>"); }
+template <class... T> constexpr void split_rule_needs_a_shard() { static_assert(never_type<T...>, "a split rule only applies to a dim cut by Shard<axes...>; a Replicate dim is not split"); }
+template <std::int64_t block> constexpr void cyclic_block_must_be_positive() { static_assert(never<block>, "Cyclic<B> needs a block size B >= 1"); }
+template <std::int64_t extent> constexpr void padded_extent_must_be_positive() { static_assert(never<extent>, "Padded<P> needs P >= 1 and RoundUp<M> needs M >= 1"); }
+template <class... T> constexpr void sizes_must_be_non_negative() { static_assert(never_type<T...>, "Sizes<...> lists at least one part size, all >= 0"); }
+template <int dim> constexpr void shard_spec_takes_dim_specs() { static_assert(never<dim>, "ShardSpec<...> takes one dim spec per tensor dim: Replicate, Shard<axes...> or Dim<...>"); }
+template <int rank> constexpr void tensor_has_1_to_8_dims() { static_assert(never<rank>, "a tensor has 1 to 8 dims"); }
+template <class... T> constexpr void shard_dims_takes_on_entries() { static_assert(never_type<T...>, "ShardDims<...> takes On<dim, spec> entries whose spec is Replicate, Shard<axes...> or Dim<...>"); }
+template <int dim> constexpr void dim_index_must_be_non_negative() { static_assert(never<dim>, "a dim index is >= 0"); }
+template <int dim> constexpr void dim_cut_twice() { static_assert(never<dim>, "two On<dim, ...> entries name the same dim"); }
+template <axis_name axis, int first_dim, int second_dim> constexpr void axis_cuts_two_dims() { static_assert(never<axis, first_dim, second_dim>, "this mesh axis cuts two dims of one tensor; each mesh axis may cut at most one dim"); }
+template <class... T> constexpr void tensor_takes_a_shard_spec() { static_assert(never_type<T...>, "Tensor<Spec, ...> takes a shard spec: Replicated, ShardSpec<...>, ShardDims<...>, ShardOn<dim, ...>, ColumnParallel<axes...> or RowParallel<axes...>"); }
+template <class... T> constexpr void tensor_takes_a_shape() { static_assert(never_type<T...>, "Tensor<Spec, Shape> takes Shape<extents...> or AnyShape"); }
+template <int dim, std::int64_t extent> constexpr void shape_extent_must_be_positive() { static_assert(never<dim, extent>, "a static extent is >= 1, or reshard::st::dynamic"); }
+template <int spec_dims, int shape_dims> constexpr void shard_spec_and_shape_differ_in_rank() { static_assert(never<spec_dims, shape_dims>, "the shard spec and the shape have different numbers of dims"); }
+template <int dim, int rank> constexpr void shard_spec_cuts_a_dim_beyond_the_rank() { static_assert(never<dim, rank>, "the shard spec cuts a dim beyond the tensor's rank"); }
+template <axis_name axis> constexpr void stage_axis_named_twice() { static_assert(never<axis>, "a tensor names one stage axis twice"); }
+template <axis_name axis> constexpr void stage_axis_also_cuts_a_dim() { static_assert(never<axis>, "a tensor's stage axis may not also cut one of its dims"); }
+template <axis_name axis> constexpr void unknown_axis() { static_assert(never<axis>, "the shard spec names an axis that is not in the mesh"); }
+template <axis_name axis> constexpr void unknown_stage_axis() { static_assert(never<axis>, "the stage names an axis that is not in the mesh"); }
+template <axis_ref ref, std::int64_t axis_size> constexpr void sub_axis_does_not_divide_its_axis() { static_assert(never<ref, axis_size>, "a sub-axis's stride * size must divide its axis size"); }
+template <int dim, std::int64_t extent, std::int64_t parts> constexpr void even_split_does_not_divide() { static_assert(never<dim, extent, parts>, "an even split must divide the dim's extent; use Chunk or Balanced for uneven dims, or pad it"); }
+template <int dim, std::int64_t padded, std::int64_t extent> constexpr void padded_extent_below_the_extent() { static_assert(never<dim, padded, extent>, "Padded<P> must be at least the dim's extent"); }
+template <int dim, std::int64_t sizes, std::int64_t parts> constexpr void sizes_count_differs_from_parts() { static_assert(never<dim, sizes, parts>, "Sizes<...> lists one size per part (the product of the dim's axis sizes)"); }
+template <int dim, std::int64_t sum, std::int64_t extent> constexpr void sizes_sum_differs_from_extent() { static_assert(never<dim, sum, extent>, "Sizes<...> must sum to the dim's extent (its padded extent when padded)"); }
+template <class... T> constexpr void layout_takes_a_mesh() { static_assert(never_type<T...>, "LayoutOf<Mesh> takes a MeshOf<Axis<...>...> type"); }
+template <class... T> constexpr void add_takes_a_tensor() { static_assert(never_type<T...>, "LayoutOf::add takes a Tensor<Spec, ...>"); }
+template <class E> constexpr void add_takes_an_element_type() { static_assert(never_type<E>, "LayoutOf::add<E> takes the tensor's element type: float, double, std::int64_t, std::int32_t, std::uint32_t, std::int8_t, std::uint8_t, reshard::bf16_t, f16_t, fp8e4m3_t or fp8e5m2_t"); }
+template <class... T> constexpr void buffer_parts_are_tensor_handles() { static_assert(never_type<T...>, "a buffer's parts are the handles LayoutOf::add returned, at least one"); }
+template <int dim, int rank> constexpr void concat_dim_beyond_the_rank_of_a_part() { static_assert(never<dim, rank>, "the concat dim is beyond the rank of a part"); }
+template <class... T> constexpr void buffer_parts_differ_in_stage_axes() { static_assert(never_type<T...>, "all parts of a buffer must live on the same stage axes"); }
+template <class... T> constexpr void flat_takes_a_dim_spec() { static_assert(never_type<T...>, "flat<Cut> takes a dim spec: Shard<axes...> or Dim<Shard<axes...>, ...>"); }
+template <class... T> constexpr void flat_buffer_cannot_be_cyclic() { static_assert(never_type<T...>, "a flat buffer holds a contiguous range: Cyclic is not allowed"); }
+template <class... T> constexpr void flat_buffer_cannot_round_up() { static_assert(never_type<T...>, "a flat buffer's length differs between ranks: pad it with Padded<P>, not RoundUp<M> or RoundUpPerPart<M>"); }
+template <axis_name axis> constexpr void flat_axis_also_cuts_a_part() { static_assert(never<axis>, "a flat buffer's axes may not cut or stage its parts"); }
 }  // namespace diagnostic
 
 // ---------------------------------------------------------------- mesh axes
@@ -378,6 +181,7 @@ constexpr void flat_axis_also_cuts_a_part() {
 /// (size given to the mesh at runtime).
 template <axis_name Name, std::int64_t Size = dynamic>
 struct Axis {
+  using static_layout_kind = detail::kinds::axis;
   static constexpr axis_name name = Name;
   static constexpr std::int64_t size = Size;
   static constexpr bool is_static = Size != dynamic;
@@ -390,9 +194,8 @@ struct Axis {
     } else if constexpr (Size != dynamic && Size < 1) {
       diagnostic::mesh_axis_size_must_be_positive<Name, Size>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
 
  public:
@@ -401,22 +204,18 @@ struct Axis {
 };
 
 namespace detail {
-template <class T>
-struct is_axis : std::false_type {};
-template <axis_name N, std::int64_t S>
-struct is_axis<Axis<N, S>> : std::true_type {};
-
 template <std::size_t N>
 constexpr int find_name(const std::array<axis_name, N>& names, const axis_name& n) {
   for (std::size_t i = 0; i < N; ++i)
     if (names[i] == n) return static_cast<int>(i);
   return -1;
 }
-template <std::size_t N>
-constexpr int first_repeated_name(const std::array<axis_name, N>& names) {
+/// Index of the first element equal to an earlier one, -1 if none.
+template <class T, std::size_t N>
+constexpr int first_repeated(const std::array<T, N>& v) {
   for (std::size_t i = 0; i < N; ++i)
     for (std::size_t j = 0; j < i; ++j)
-      if (names[i] == names[j]) return static_cast<int>(i);
+      if (v[i] == v[j]) return static_cast<int>(i);
   return -1;
 }
 }  // namespace detail
@@ -427,6 +226,10 @@ constexpr int first_repeated_name(const std::array<axis_name, N>& names) {
 /// dynamic axis, as std::extents takes its dynamic extents.
 template <class... A>
 class MeshOf {
+ public:
+  using static_layout_kind = detail::kinds::mesh;
+
+ private:
   static constexpr bool check() {
     if constexpr (sizeof...(A) == 0) {
       diagnostic::mesh_needs_an_axis<MeshOf>();
@@ -437,14 +240,13 @@ class MeshOf {
     } else if constexpr (!(A::valid && ...)) {
       return false;  // the axis said why
     } else if constexpr (constexpr int i =
-                             detail::first_repeated_name(std::array<axis_name, sizeof...(A)>{A::name...});
+                             detail::first_repeated(std::array<axis_name, sizeof...(A)>{A::name...});
                          i >= 0) {
       diagnostic::mesh_axis_named_twice<std::array<axis_name, sizeof...(A)>{
           A::name...}[static_cast<std::size_t>(i)]>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
   template <class X>
   static constexpr axis_name name_of() {
@@ -542,13 +344,6 @@ class MeshOf {
   std::array<std::int64_t, sizeof...(A)> sizes_{};
 };
 
-namespace detail {
-template <class T>
-struct is_mesh : std::false_type {};
-template <class... A>
-struct is_mesh<MeshOf<A...>> : std::true_type {};
-}  // namespace detail
-
 // ------------------------------------------------------------ one dim's cut
 
 /// A dim that is not cut (every rank holds all of it).
@@ -589,6 +384,19 @@ struct Dim;
 enum class PadKind : std::uint8_t { none, absolute, multiple, multiple_per_part };
 
 namespace detail {
+/// An option's amount (Cyclic's block, a padding's extent or multiple) is >= 1.
+template <std::int64_t amount, Split of = Split::even>
+constexpr bool check_amount() {
+  if constexpr (amount < 1) {
+    if constexpr (of == Split::cyclic)
+      diagnostic::cyclic_block_must_be_positive<amount>();
+    else
+      diagnostic::padded_extent_must_be_positive<amount>();
+    return false;
+  }
+  return true;
+}
+
 template <class T>
 struct split_rule : std::false_type {};
 template <>
@@ -611,15 +419,7 @@ struct split_rule<Cyclic<B>> : std::true_type {
   static constexpr Split split = Split::cyclic;
   static constexpr std::int64_t block = B;
   static constexpr std::array<std::int64_t, 0> sizes{};
-  static constexpr bool check() {
-    if constexpr (B < 1) {
-      diagnostic::cyclic_block_must_be_positive<B>();
-      return false;
-    } else {
-      return true;
-    }
-  }
-  static constexpr bool valid = check();
+  static constexpr bool valid = check_amount<B, Split::cyclic>();
 };
 template <std::int64_t... S>
 struct split_rule<Sizes<S...>> : std::true_type {
@@ -630,9 +430,8 @@ struct split_rule<Sizes<S...>> : std::true_type {
     if constexpr (sizeof...(S) == 0 || !((S >= 0) && ...)) {
       diagnostic::sizes_must_be_non_negative<Sizes<S...>>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
   static constexpr bool valid = check();
 };
@@ -649,15 +448,7 @@ template <PadKind K, std::int64_t V>
 struct padding_of : std::true_type {
   static constexpr PadKind kind = K;
   static constexpr std::int64_t amount = V;
-  static constexpr bool check() {
-    if constexpr (V < 1) {
-      diagnostic::padded_extent_must_be_positive<V>();
-      return false;
-    } else {
-      return true;
-    }
-  }
-  static constexpr bool valid = check();
+  static constexpr bool valid = check_amount<V>();
 };
 template <std::int64_t P>
 struct padding<Padded<P>> : padding_of<PadKind::absolute, P> {};
@@ -666,25 +457,10 @@ struct padding<RoundUp<M>> : padding_of<PadKind::multiple, M> {};
 template <std::int64_t M>
 struct padding<RoundUpPerPart<M>> : padding_of<PadKind::multiple_per_part, M> {};
 
-template <class T>
-struct is_cut : std::false_type {};
-template <>
-struct is_cut<Replicate> : std::true_type {};
-template <axis_ref... A>
-struct is_cut<Shard<A...>> : std::true_type {};
-
-template <class T>
-struct is_dim_spec : is_cut<T> {};
-template <class... A>
-struct is_dim_spec<Dim<A...>> : std::true_type {};
-
 /// Do two references share a digit of one axis? Unknown sizes count as the
 /// rest of the axis.
 constexpr bool refs_overlap(const axis_ref& a, const axis_ref& b) {
-  if (!(a.axis == b.axis)) return false;
-  const bool a_reaches = b.size == dynamic || a.stride < b.stride * b.size;
-  const bool b_reaches = a.size == dynamic || b.stride < a.stride * a.size;
-  return a_reaches && b_reaches;
+  return a.axis == b.axis && sub_axes_overlap(a.stride, a.size, b.stride, b.size);
 }
 template <std::size_t N>
 constexpr int first_overlapping_ref(const std::array<axis_ref, N>& r) {
@@ -713,6 +489,7 @@ struct first_of<Trait, Default, T0, T...> {
 }  // namespace detail
 
 struct Replicate {
+  using static_layout_kind = detail::kinds::cut;
   static constexpr std::array<axis_ref, 0> refs{};
   static constexpr Split split = Split::even;
   static constexpr std::int64_t block = 0;
@@ -724,6 +501,7 @@ struct Replicate {
 
 template <axis_ref... A>
 struct Shard {
+  using static_layout_kind = detail::kinds::cut;
   static constexpr std::array<axis_ref, sizeof...(A)> refs{A...};
   static constexpr Split split = Split::even;
   static constexpr std::int64_t block = 0;
@@ -745,9 +523,8 @@ struct Shard {
     } else if constexpr (constexpr int j = detail::first_overlapping_ref(refs); j >= 0) {
       diagnostic::shard_names_an_axis_twice<refs[static_cast<std::size_t>(j)].axis>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
 
  public:
@@ -757,6 +534,8 @@ struct Shard {
 
 template <class... Args>
 struct Dim {
+  using static_layout_kind = detail::kinds::dim;
+
  private:
   static constexpr int cuts = ((detail::is_cut<Args>::value ? 1 : 0) + ... + 0);
   static constexpr int rules = ((detail::split_rule<Args>::value ? 1 : 0) + ... + 0);
@@ -794,9 +573,8 @@ struct Dim {
     } else if constexpr (std::is_same_v<cut_type, Replicate> && !std::is_same_v<rule_type, Even>) {
       diagnostic::split_rule_needs_a_shard<Dim>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
   using cut = std::conditional_t<cuts <= 1, cut_type, Replicate>;
   using rule = detail::split_rule<std::conditional_t<rules <= 1, rule_type, Even>>;
@@ -840,15 +618,6 @@ using RowParallel = ShardOn<1, Shard<A...>>;
 
 namespace detail {
 template <class T>
-struct is_shard_spec : std::false_type {};
-template <>
-struct is_shard_spec<Replicated> : std::true_type {};
-template <class... D>
-struct is_shard_spec<ShardSpec<D...>> : std::true_type {};
-template <class... E>
-struct is_shard_spec<ShardDims<E...>> : std::true_type {};
-
-template <class T>
 struct is_on : std::false_type {};
 template <int D, class S>
 struct is_on<On<D, S>> : std::bool_constant<is_dim_spec<S>::value> {};
@@ -882,6 +651,12 @@ struct entry_refs<On<D, S>, E...> {
     return out;
   }();
 };
+
+/// Every axis a shard spec references, with the dim it cuts.
+template <class Spec>
+constexpr auto spec_refs() {
+  return []<class... E>(type_list<E...>) { return entry_refs<E...>::value; }(typename Spec::entries{});
+}
 
 /// First ref (index i, the later one) that overlaps an earlier ref of another
 /// dim, and that earlier one (j).
@@ -928,17 +703,14 @@ constexpr bool check_entries() {
                                    r[static_cast<std::size_t>(ov.second)].dim,
                                    r[static_cast<std::size_t>(ov.first)].dim>();
     return false;
-  } else {
-    return true;
   }
+  return true;
 }
 
-template <std::size_t N>
-constexpr int first_repeated_int(const std::array<int, N>& v) {
-  for (std::size_t i = 0; i < N; ++i)
-    for (std::size_t j = 0; j < i; ++j)
-      if (v[i] == v[j]) return static_cast<int>(i);
-  return -1;
+/// The dims of On<dim, spec> entries, in order.
+template <class... E>
+constexpr std::array<int, sizeof...(E)> dims_of() {
+  return {on_traits<E>::dim...};
 }
 template <std::size_t N>
 constexpr int first_negative_int(const std::array<int, N>& v) {
@@ -955,6 +727,7 @@ constexpr int first_non_dim_spec() {
 }  // namespace detail
 
 struct Replicated {
+  using static_layout_kind = detail::kinds::shard_spec;
   static constexpr int static_rank = -1;  ///< any rank
   static constexpr int min_rank = 1;
   using entries = detail::type_list<>;
@@ -963,6 +736,8 @@ struct Replicated {
 
 template <class... D>
 struct ShardSpec {
+  using static_layout_kind = detail::kinds::shard_spec;
+
  private:
   static constexpr int rank = static_cast<int>(sizeof...(D));
   using raw_entries = typename detail::indexed_entries<std::index_sequence_for<D...>, D...>::type;
@@ -994,22 +769,18 @@ struct ShardSpec {
 
 template <class... E>
 struct ShardDims {
+  using static_layout_kind = detail::kinds::shard_spec;
+
  private:
   static constexpr bool check() {
     if constexpr (sizeof...(E) == 0 || !(detail::is_on<E>::value && ...)) {
       diagnostic::shard_dims_takes_on_entries<E...>();
       return false;
-    } else if constexpr (constexpr int i = detail::first_negative_int(
-                             std::array<int, sizeof...(E)>{detail::on_traits<E>::dim...});
-                         i >= 0) {
-      diagnostic::dim_index_must_be_non_negative<std::array<int, sizeof...(E)>{
-          detail::on_traits<E>::dim...}[static_cast<std::size_t>(i)]>();
+    } else if constexpr (constexpr int i = detail::first_negative_int(detail::dims_of<E...>()); i >= 0) {
+      diagnostic::dim_index_must_be_non_negative<detail::dims_of<E...>()[static_cast<std::size_t>(i)]>();
       return false;
-    } else if constexpr (constexpr int j = detail::first_repeated_int(
-                             std::array<int, sizeof...(E)>{detail::on_traits<E>::dim...});
-                         j >= 0) {
-      diagnostic::dim_cut_twice<std::array<int, sizeof...(E)>{
-          detail::on_traits<E>::dim...}[static_cast<std::size_t>(j)]>();
+    } else if constexpr (constexpr int j = detail::first_repeated(detail::dims_of<E...>()); j >= 0) {
+      diagnostic::dim_cut_twice<detail::dims_of<E...>()[static_cast<std::size_t>(j)]>();
       return false;
     } else if constexpr (detail::max_dim<detail::on_traits<E>...>() >= kMaxTensorRank) {
       diagnostic::shard_spec_cuts_a_dim_beyond_the_rank<detail::max_dim<detail::on_traits<E>...>(),
@@ -1038,6 +809,7 @@ struct ShardDims {
 /// A shape with static and dynamic extents: Shape<dynamic, 4096>.
 template <std::int64_t... E>
 struct Shape {
+  using static_layout_kind = detail::kinds::shape;
   static constexpr int rank = static_cast<int>(sizeof...(E));
   static constexpr std::array<std::int64_t, sizeof...(E)> static_extents{E...};
   static constexpr int dynamic_count = ((E == dynamic ? 1 : 0) + ... + 0);
@@ -1065,9 +837,8 @@ struct Shape {
     } else if constexpr (constexpr int i = first_bad(); i >= 0) {
       diagnostic::shape_extent_must_be_positive<i, static_extents[static_cast<std::size_t>(i)]>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
 
  public:
@@ -1077,6 +848,7 @@ struct Shape {
 
 /// A shape whose rank and extents are all given at runtime.
 struct AnyShape {
+  using static_layout_kind = detail::kinds::shape;
   static constexpr int rank = -1;
   static constexpr bool valid = true;
   using runtime_extents = std::vector<std::int64_t>;
@@ -1084,18 +856,9 @@ struct AnyShape {
 };
 
 namespace detail {
-template <class T>
-struct is_shape : std::false_type {};
-template <std::int64_t... E>
-struct is_shape<Shape<E...>> : std::true_type {};
-template <>
-struct is_shape<AnyShape> : std::true_type {};
-
 template <class Spec, axis_name... Stage>
 constexpr int first_stage_axis_cutting_a_dim() {
-  constexpr auto refs = []<class... E>(type_list<E...>) {
-    return entry_refs<E...>::value;
-  }(typename Spec::entries{});
+  constexpr auto refs = spec_refs<Spec>();
   constexpr std::array<axis_name, sizeof...(Stage)> stage{Stage...};
   for (std::size_t s = 0; s < stage.size(); ++s)
     for (const auto& r : refs)
@@ -1120,15 +883,14 @@ constexpr bool check_tensor() {
   } else if constexpr (Sh::rank >= 0 && Spec::min_rank > Sh::rank) {
     diagnostic::shard_spec_cuts_a_dim_beyond_the_rank<Spec::min_rank - 1, Sh::rank>();
     return false;
-  } else if constexpr (constexpr int i = first_repeated_name(stage); i >= 0) {
+  } else if constexpr (constexpr int i = first_repeated(stage); i >= 0) {
     diagnostic::stage_axis_named_twice<stage[static_cast<std::size_t>(i)]>();
     return false;
   } else if constexpr (constexpr int j = first_stage_axis_cutting_a_dim<Spec, Stage...>(); j >= 0) {
     diagnostic::stage_axis_also_cuts_a_dim<stage[static_cast<std::size_t>(j)]>();
     return false;
-  } else {
-    return true;
   }
+  return true;
 }
 }  // namespace detail
 
@@ -1139,6 +901,7 @@ constexpr bool check_tensor() {
 ///   Tensor<ShardSpec<Shard<"tp">, Replicate>, Shape<dynamic, 4096>>("q", {hidden}, DType::bf16)
 template <class Spec, class Sh = AnyShape, axis_name... Stage>
 struct Tensor {
+  using static_layout_kind = detail::kinds::tensor;
   static constexpr bool valid = detail::check_tensor<Spec, Sh, Stage...>();
   static_assert(valid || !valid);
 
@@ -1173,13 +936,6 @@ struct Tensor {
   Tensor(std::string name_, std::vector<std::int64_t> shape_, DType dtype_, full_shape)
       : name(std::move(name_)), shape(std::move(shape_)), dtype(dtype_) {}
 };
-
-namespace detail {
-template <class T>
-struct is_tensor : std::false_type {};
-template <class S, class Sh, axis_name... St>
-struct is_tensor<Tensor<S, Sh, St...>> : std::true_type {};
-}  // namespace detail
 
 /// What LayoutOf::add returns: names the tensor in buffers, keeps its type
 /// for the static checks of concat and flat. From add<E>(), `E` is the
@@ -1232,9 +988,7 @@ template <class M, std::size_t N>
 constexpr int first_non_dividing_ref(const std::array<axis_ref, N>& refs) {
   for (std::size_t i = 0; i < N; ++i) {
     const auto n = M::static_sizes[static_cast<std::size_t>(find_name(M::names, refs[i].axis))];
-    if (n == dynamic) continue;
-    const auto span = refs[i].stride * (refs[i].size == dynamic ? 1 : refs[i].size);
-    if (n % span != 0) return static_cast<int>(i);
+    if (n != dynamic && !sub_axis_divides(n, refs[i].stride, refs[i].size)) return static_cast<int>(i);
   }
   return -1;
 }
@@ -1254,28 +1008,19 @@ constexpr bool check_dim_in_mesh() {
         S::refs[static_cast<std::size_t>(j)], M::static_sizes[static_cast<std::size_t>(find_name(
                                                   M::names, S::refs[static_cast<std::size_t>(j)].axis))]>();
     return false;
-  } else if constexpr (S::pad == PadKind::absolute && Extent != dynamic && S::pad_value < Extent) {
-    diagnostic::padded_extent_below_the_extent<D, S::pad_value, Extent>();
+  } else if constexpr (constexpr CutFault fault = cut_fault(S::split, Extent, padded, k, S::sizes); fault != CutFault::none) {
+    // The validated Layout's cut rules (dim_spec.hpp), on what the types know.
+    if constexpr (fault == CutFault::padded_below_extent)
+      diagnostic::padded_extent_below_the_extent<D, S::pad_value, Extent>();
+    else if constexpr (fault == CutFault::even_split_does_not_divide)
+      diagnostic::even_split_does_not_divide<D, padded, k>();
+    else if constexpr (fault == CutFault::sizes_count)
+      diagnostic::sizes_count_differs_from_parts<D, static_cast<std::int64_t>(S::sizes.size()), k>();
+    else  // Sizes<...> holds no negative size (Dim checked)
+      diagnostic::sizes_sum_differs_from_extent<D, std::accumulate(S::sizes.begin(), S::sizes.end(), std::int64_t{0}), padded>();
     return false;
-  } else if constexpr (S::split == Split::even && k != dynamic && padded != dynamic && padded % k != 0) {
-    diagnostic::even_split_does_not_divide<D, padded, k>();
-    return false;
-  } else if constexpr (S::split == Split::sizes && k != dynamic &&
-                       static_cast<std::int64_t>(S::sizes.size()) != k) {
-    diagnostic::sizes_count_differs_from_parts<D, static_cast<std::int64_t>(S::sizes.size()), k>();
-    return false;
-  } else if constexpr (constexpr std::int64_t sum =
-                           [] {
-                             std::int64_t s = 0;
-                             for (auto z : S::sizes) s += z;
-                             return s;
-                           }();
-                       S::split == Split::sizes && padded != dynamic && sum != padded) {
-    diagnostic::sizes_sum_differs_from_extent<D, sum, padded>();
-    return false;
-  } else {
-    return true;
   }
+  return true;
 }
 
 template <class Sh, int D>
@@ -1500,9 +1245,8 @@ class LayoutOf {
     } else if constexpr (!same_stage_axes<T...>()) {
       diagnostic::buffer_parts_differ_in_stage_axes<T...>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
   template <class T0, class... T>
   static constexpr bool same_stage_axes() {
@@ -1530,9 +1274,8 @@ class LayoutOf {
     if constexpr (Dim < 0 || (rank >= 0 && Dim >= rank)) {
       diagnostic::concat_dim_beyond_the_rank_of_a_part<Dim, rank>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
   template <class Cut, class... T>
   static constexpr bool check_flat() {
@@ -1554,9 +1297,7 @@ class LayoutOf {
                                int found = -1;
                                (
                                    [&] {
-                                     constexpr auto refs = []<class... E>(detail::type_list<E...>) {
-                                       return detail::entry_refs<E...>::value;
-                                     }(typename T::spec::entries{});
+                                     constexpr auto refs = detail::spec_refs<typename T::spec>();
                                      for (std::size_t c = 0; c < Cut::refs.size(); ++c) {
                                        for (const auto& r : refs)
                                          if (found < 0 && detail::refs_overlap(r.ref, Cut::refs[c]))
@@ -1571,9 +1312,8 @@ class LayoutOf {
                          i >= 0) {
       diagnostic::flat_axis_also_cuts_a_part<Cut::refs[static_cast<std::size_t>(i)].axis>();
       return false;
-    } else {
-      return true;
     }
+    return true;
   }
 
   std::vector<TensorSpec> tensors_;

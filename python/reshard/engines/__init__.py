@@ -59,7 +59,10 @@ def bind_parameters(named: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], 
         out[name] = t.detach() if getattr(t, "requires_grad", False) else t
     if problems:
         extra = sorted(set(params) - known)
-        hint = f"; {engine} has parameters the layout does not name: {', '.join(extra[:6])}" + (" ..." if len(extra) > 6 else "") if extra and any("missing" in p for p in problems) else ""
+        hint = ""
+        if extra and any("missing" in p for p in problems):
+            hint = (f"; {engine} has parameters the layout does not name: {', '.join(extra[:6])}"
+                    + (" ..." if len(extra) > 6 else ""))
         raise Error(f"rank {rank}: {engine} does not match {layout.origin}: " + "; ".join(problems[:8])
                     + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "") + hint)
     return out

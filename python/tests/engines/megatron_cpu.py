@@ -55,10 +55,10 @@ def build(cfg: dict, spec: str):
         moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
                    moe_router_topk=cfg.get("num_experts_per_tok", 2), moe_grouped_gemm=False,
                    moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                   # HF Qwen3-MoE: layer l has experts unless in mlp_only_layers or (l+1) % step != 0.
-                   moe_layer_freq=[0 if (l in cfg.get("mlp_only_layers", []) or
-                                         (l + 1) % cfg.get("decoder_sparse_step", 1)) else 1
-                                   for l in range(cfg["num_hidden_layers"])])
+                   # HF Qwen3-MoE: a layer has experts unless in mlp_only_layers or (layer+1) % step != 0.
+                   moe_layer_freq=[0 if (layer in cfg.get("mlp_only_layers", []) or
+                                         (layer + 1) % cfg.get("decoder_sparse_step", 1)) else 1
+                                   for layer in range(cfg["num_hidden_layers"])])
     tc = TransformerConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=H, num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads", heads), kv_channels=cfg.get("head_dim", H // heads),
