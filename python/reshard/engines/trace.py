@@ -89,6 +89,10 @@ class RankTrace:
 # --- a parameter from its recorded writes -----------------------------------------
 
 
+def _extents(lo: Sequence[int], hi: Sequence[int]) -> List[int]:
+    return [h - a for a, h in zip(lo, hi)]
+
+
 def _row_major(shape: Sequence[int]) -> List[int]:
     c = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
@@ -107,9 +111,9 @@ def box_of(view: rec.View, shape: Sequence[int]) -> Optional[Tuple[List[int], Li
         return None
     lo = [int(x) for x in np.unravel_index(view.offset, shape)] if shape else []
     hi = [int(x) + 1 for x in np.unravel_index(last, shape)] if shape else []
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(e <= 0 for e in _extents(lo, hi)):
         return None
-    box = rec.View(view.offset, tuple(h - l for l, h in zip(lo, hi)), tuple(c))
+    box = rec.View(view.offset, tuple(_extents(lo, hi)), tuple(c))
     if box.numel != view.numel or box.coalesced() != view.coalesced():
         return None
     return lo, hi
@@ -226,17 +230,17 @@ def _param_from_segments(name: str, segs, numel: int, dtype: str, names, shapes)
         for i, k in enumerate(order):
             mine = occ[i::len(order)]
             lo, hi = mine[0].lo, [mine[-1].hi[0]] + mine[0].hi[1:]
-            pieces.append(Piece(names[k], lo, hi, [h - l for l, h in zip(lo, hi)]))
+            pieces.append(Piece(names[k], lo, hi, _extents(lo, hi)))
     else:
         seen: Dict[int, int] = {}
         for o in occ:
-            inner = math.prod(h - l for l, h in zip(o.lo[1:], o.hi[1:]))
+            inner = math.prod(_extents(o.lo[1:], o.hi[1:]))
             if o.pad % inner:
                 return None, f"its piece of '{names[o.k]}' has padding that is not whole rows"
             j = seen.get(o.k, 0)
             seen[o.k] = j + 1
             pieces.append(Piece(names[o.k], o.lo, o.hi, [o.hi[0] - o.lo[0] + o.pad // inner]
-                                + [h - l for l, h in zip(o.lo[1:], o.hi[1:])], j))
+                                + _extents(o.lo[1:], o.hi[1:]), j))
         for o in occ:
             if seen[o.k] > 1 and any(p.lo[1:] != o.lo[1:] or p.hi[1:] != o.hi[1:] for p in occ if p.k == o.k):
                 return None, f"its pieces of '{names[o.k]}' are row ranges of different columns"
@@ -254,7 +258,7 @@ def _runs_of_segments(segs, shapes, numel: int):
             rows.append(np.array([[at, n, -1, -1]], dtype=np.int64))
         else:
             shape = list(shapes[k])
-            box = [h - l for l, h in zip(lo, hi)]
+            box = _extents(lo, hi)
             j = len(shape) - 1
             while j > 0 and box[j] == shape[j]:
                 j -= 1
@@ -365,7 +369,7 @@ def read_slots(name: str, ids: np.ndarray, idx: np.ndarray, dtype: str, names: S
         multi = np.unravel_index(g, shape)
         lo = [int(m.min()) for m in multi]
         hi = [int(m.max()) + 1 for m in multi]
-        box = [h - l for l, h in zip(lo, hi)]
+        box = _extents(lo, hi)
         view = rec.View(sum(a * b for a, b in zip(lo, _row_major(shape))), tuple(box), tuple(_row_major(shape)))
         if math.prod(box) != n_real or not np.array_equal(rec.view_indices(view), g):
             return None, f"its piece of '{names[t]}' is not a box of the tensor in row-major order (a transpose or a gather)"

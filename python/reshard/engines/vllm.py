@@ -22,14 +22,13 @@ Needs vLLM (tested with 0.33.0) and its distributed state initialised.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pickle
 import re
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .. import _TORCH_DTYPES, Error, Layout, layout_from_json
+from .. import _TORCH_DTYPES, Error, Layout
 from . import trace as tr
 
 log = logging.getLogger("reshard")

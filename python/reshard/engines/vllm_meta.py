@@ -25,7 +25,7 @@ import os
 import pathlib
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .. import Error, Layout
 from . import trace as tr

@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
