@@ -68,8 +68,19 @@ def plan_summary(src, dst) -> dict:
     return {k: s[k] for k in ("bytes", "local_bytes", "copies", "max_send_bytes", "max_recv_bytes")}
 
 
+def named_runs(layout, rank: int) -> dict:
+    """Each buffer's slot runs with the tensor as its name (two layouts may order their tensors apart)."""
+    import numpy as np
+
+    names = np.array(list(layout.tensors) + [""], dtype=object)
+    return {b: [tuple(r) for r in zip(runs[:, 0].tolist(), runs[:, 1].tolist(), names[runs[:, 2]].tolist(),
+                                       runs[:, 3].tolist())]
+            for b, runs in layout.slot_runs(rank, columns=True).items()}
+
+
 def compare(traced, preset, src) -> dict:
-    """Where the traced layout and the preset differ: buffers per rank, then the plan from ``src``."""
+    """Where the traced layout and the preset differ: buffers per rank, every slot of them, then the plan
+    from ``src``."""
     if traced.ranks != preset.ranks:
         return {"equal": False, "why": f"ranks {traced.ranks[:4]}... against {preset.ranks[:4]}..."}
     for r in preset.ranks:
@@ -77,8 +88,12 @@ def compare(traced, preset, src) -> dict:
         if a != b:
             names = {x["name"] for x in a} ^ {x["name"] for x in b}
             return {"equal": False, "why": f"rank {r}: buffers differ ({sorted(names)[:4]} or shapes/parts)"}
+        ra, rb = named_runs(traced, r), named_runs(preset, r)
+        bad = [n for n in rb if ra[n] != rb[n]]
+        if bad:
+            return {"equal": False, "why": f"rank {r}: slots differ in {len(bad)} buffers ({bad[:3]})"}
     pa, pb = plan_summary(src, traced), plan_summary(src, preset)
-    return {"equal": pa == pb, "plan": pa, **({} if pa == pb else {"preset_plan": pb})}
+    return {"equal": pa == pb, "plan": pa, **({} if pa == pb else {"why": "plans differ", "preset_plan": pb})}
 
 
 def replicate(layout_json: str, dp: int, first_rank: int) -> str:

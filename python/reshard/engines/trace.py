@@ -548,7 +548,13 @@ def assemble(traces: Sequence[RankTrace], axes: Sequence[Tuple[str, int]], shape
                 held.setdefault(pc.tensor, {})[p] = pc
                 if dtype_of.setdefault(pc.tensor, pt.dtype) != pt.dtype:
                     raise Error(f"{origin}: '{pc.tensor}' lands in parameters of dtype {dtype_of[pc.tensor]} and {pt.dtype}")
-    tensors = [_tensor_entry(t, list(shapes[t]), dtype_of[t], held[t], axes, positions) for t in sorted(held)]
+    # In the checkpoint's order (a fused tensor's row ranges where it stands): the planner balances
+    # replicated sends in the order of the destination's tensors.
+    order = {n: i for i, n in enumerate(shapes)}
+    for new, (base, a, _) in rows_of.items():
+        order[new] = order[base] + a / (1 + shapes[base][0] if base in shapes else 1)
+    tensors = [_tensor_entry(t, list(shapes[t]), dtype_of[t], held[t], axes, positions)
+               for t in sorted(held, key=lambda n: (order.get(n, len(order)), n))]
     for e in tensors:
         if e["name"] in rows_of:
             base, a, _ = rows_of[e["name"]]
