@@ -195,11 +195,19 @@ nb::list list_buffers(const Layout& L, std::int64_t rank) {
 }
 
 /// The slot runs of one buffer of a rank: (first slot, count, tensor index or
-/// -1 for padding, global row-major index of the first element).
+/// -1 for padding, global row-major index of the first element), each run
+/// that continues the one before it (the next slots and the same tensor's
+/// next elements, or padding after padding) merged into it: a whole tensor
+/// is one run, not one per row.
 std::vector<std::int64_t> runs_of(const Layout& L, const RankBuffer& b) {
   std::vector<std::int64_t> runs;
   nb::gil_scoped_release nogil;
   for_each_slot_run(L, b, [&](std::int64_t at, std::int64_t n, int t, std::int64_t g) {
+    const std::size_t k = runs.size();
+    if (k >= 4 && runs[k - 4] + runs[k - 3] == at && runs[k - 2] == t && (t < 0 || runs[k - 1] + runs[k - 3] == g)) {
+      runs[k - 3] += n;
+      return;
+    }
     runs.insert(runs.end(), {at, n, std::int64_t{t}, g});
   });
   return runs;

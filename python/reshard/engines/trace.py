@@ -590,6 +590,19 @@ def checkpoint_coordinates(layout: Layout, index: Mapping[str, int]):
     return ids, shift
 
 
+def verify_rank(layout: Layout, rank: int, params: Sequence[ParamTrace], coordinates) -> Optional[str]:
+    """:func:`verify` for all of a rank's traced parameters (the layout's runs asked once): the first
+    parameter that differs, with what differs, or None."""
+    runs = layout.slot_runs(rank, columns=True)
+    for pt in params:
+        if pt.name not in runs:
+            return f"parameter '{pt.name}': the layout gives rank {rank} no buffer of that name"
+        why = verify(layout, rank, pt, coordinates, runs[pt.name])
+        if why:
+            return f"parameter '{pt.name}': {why}"
+    return None
+
+
 def verify(layout: Layout, rank: int, param: ParamTrace, coordinates, runs=None) -> Optional[str]:
     """None when ``layout`` puts on ``rank`` exactly what the loader wrote into ``param`` (every slot: the
     same checkpoint element, or padding where the loader wrote 0 or nothing), else what differs. Compared

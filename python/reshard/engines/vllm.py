@@ -131,22 +131,26 @@ _EXPERT = re.compile(r"^(.*)\.(\d+)\.[^.]+(?:\.[^.]+)*$")
 def remote_expert(model: Any) -> Callable[[str], bool]:
     """Whether a checkpoint tensor belongs to an expert that vLLM's own expert map places on no slot of
     this rank (``PREFIX.E.*`` under a MoE layer whose ``layer_name`` is PREFIX): its loader would skip it,
-    so the trace does not feed it (an expert-parallel rank then costs its own experts' tensors, not all)."""
-    local: Dict[str, Callable[[int], bool]] = {}
+    so the trace does not feed it (an expert-parallel rank then costs its own experts' tensors, not all).
+    The maps are read once, before the trace."""
+    local: Dict[str, Optional[set]] = {}
     for _, m in model.named_modules():
         manager = getattr(m, "expert_map_manager", None)
         prefix = getattr(m, "layer_name", None)
-        if manager is not None and isinstance(prefix, str) and hasattr(manager, "is_local_expert"):
-            local[prefix] = manager.is_local_expert
+        if manager is None or not isinstance(prefix, str):
+            continue
+        emap = getattr(manager, "expert_map", None)
+        local[prefix] = None if emap is None else {int(e) for e in (emap != -1).nonzero().flatten().tolist()}
     if not local:
         return lambda name: False
 
     def remote(name: str) -> bool:
         m = _EXPERT.match(name)
         while m is not None:
-            prefix, e = m.group(1), int(m.group(2))
+            prefix = m.group(1)
             if prefix in local:
-                return not bool(local[prefix](e))
+                mine = local[prefix]
+                return mine is not None and int(m.group(2)) not in mine
             m = _EXPERT.match(prefix)
         return False
     return remote
@@ -280,14 +284,9 @@ def _assemble_and_verify(traces, mine: tr.RankTrace, axes, checkpoint, first_ran
         _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
         coordinates = tr.checkpoint_coordinates(layout, index)
         untraced = set().union(*(t.untraced for t in traces))
-        runs = layout.slot_runs(rank, columns=True)
-        for pt in mine.params:
-            if pt.name in untraced:
-                continue
-            why = tr.verify(layout, rank, pt, coordinates, runs[pt.name])
-            if why:
-                return layout, (f"rank {rank}: the traced layout does not reproduce vLLM's loader on parameter "
-                                f"'{pt.name}': {why}")
+        why = tr.verify_rank(layout, rank, [pt for pt in mine.params if pt.name not in untraced], coordinates)
+        if why:
+            return layout, f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}"
         return layout, None
     except Error as e:
         return None, f"rank {rank}: {e}"

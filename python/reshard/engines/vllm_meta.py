@@ -232,14 +232,9 @@ def _verify_all(layout: Layout, traces, checkpoint, first_rank: int) -> None:
     tp = dict(layout.mesh)["tp"]
     for t in traces:
         rank = first_rank + t.coords["pp"] * tp + t.coords["tp"]
-        runs = layout.slot_runs(rank, columns=True)
-        for pt in t.params:
-            if pt.name in untraced:
-                continue
-            why = tr.verify(layout, rank, pt, coordinates, runs[pt.name])
-            if why:
-                raise Error(f"rank {rank}: the traced layout does not reproduce vLLM's loader on parameter "
-                            f"'{pt.name}': {why}")
+        why = tr.verify_rank(layout, rank, [pt for pt in t.params if pt.name not in untraced], coordinates)
+        if why:
+            raise Error(f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
