@@ -127,6 +127,41 @@ inline std::int64_t count_wrong(const Layout& L, const SideMemory& m, std::int64
   return wrong;
 }
 
+/// Checks a failed refit's DestinationWrites against this rank's memory,
+/// element by element: `written` buffers hold version `now` (the sources'
+/// salt) entirely, `untouched` ones version `before`, `partial` ones
+/// anything (one or the other, or bytes a corrupted message landed); every
+/// held buffer is named once. Returns the problems ("" when none).
+inline std::string check_writes(const Layout& L, const SideMemory& m, const DestinationWrites& w, std::uint64_t now, std::uint64_t before) {
+  std::map<std::string, std::string> kind;
+  std::string out;
+  for (const auto* names : {&w.written, &w.partial, &w.untouched})
+    for (const auto& n : *names)
+      if (!kind.emplace(n, names == &w.written ? "written" : names == &w.partial ? "partial" : "untouched").second)
+        out += fmt::format("'{}' is named twice; ", n);
+  std::vector<std::int64_t> fresh(m.slots.size(), 0), old(m.slots.size(), 0), other(m.slots.size(), 0);
+  for_each_held_slot(m, [&](std::size_t b, std::size_t, const oracle::Slot& s, const std::byte* p, std::size_t E) {
+    if (s.padding()) return;
+    const auto h = name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name);
+    const std::uint64_t a = tag(h, s.index, now), z = tag(h, s.index, before);
+    ++(std::memcmp(p, &a, E) == 0 ? fresh[b] : std::memcmp(p, &z, E) == 0 ? old[b] : other[b]);
+  });
+  for (std::size_t b = 0; b < m.slots.size(); ++b) {
+    if (!m.present[b]) continue;
+    const std::string& name = L.local_buffers()[b].name;
+    const auto it = kind.find(name);
+    if (it == kind.end()) {
+      out += fmt::format("'{}' is not named; ", name);
+      continue;
+    }
+    const bool ok = it->second == "partial" || (other[b] == 0 && (it->second == "written" ? old[b] == 0 : fresh[b] == 0));
+    if (!ok)
+      out += fmt::format("'{}' is named {} but holds {} elements of version {}, {} of version {}, {} of neither; ", name, it->second, fresh[b], now,
+                         old[b], before, other[b]);
+  }
+  return out;
+}
+
 /// Bytes endpoint `t` has registered outside the given sides' buffers: the
 /// executors' staging, as the transport sees it (independent of the
 /// executor's own staging figures).

@@ -401,7 +401,7 @@ TEST_CASE("a failed staged refit is not committed: the destination is stale and 
     CHECK_FALSE(plan.injected().empty());
     for (const auto& r : out) {
       CAPTURE(r.rank);
-      check_second_refit_failed(r, "refit version 2 not committed, destination not updated (stale)");
+      check_second_refit_failed(r, "refit version 2 not committed: ");
       CHECK(r.state == RefitState::stale);
       CHECK(r.failure->version == 2);
       CHECK(r.failure->destination_touched);
