@@ -424,7 +424,9 @@ class Loop:
         return out
 
     def full_state(self):
-        return next(f for f in ray.get([t.full_state.remote() for t in self.trainers]) if f is not None)
+        ref = next(f for f in ray.get([t.full_state.remote() for t in self.trainers]) if f is not None)
+        # Owned by the driver when a trainer may die: a restarted trainer starts from it.
+        return [ray.put(ray.get(ref[0]))] if self.a.recover else ref
 
     def check(self, version):
         """Every rollout parameter bit for bit against vLLM's loader of the trainer's full state."""

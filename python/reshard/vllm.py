@@ -254,9 +254,9 @@ def await_engines(store: Any, prefix: str, *, first_beat: float, silence: float,
         n = int(store.get(f"{prefix}/engines")) if store.check([f"{prefix}/engines"]) else 0
         for r in range(n):
             beats = int(store.add(f"{prefix}/beat/{r}", 0))
-            if seen.get(r, (0, 0))[0] != beats:
+            if r not in seen or seen[r][0] != beats:  # silence counts from a rank's last beat, or its first sight
                 seen[r] = (beats, now)
-        silent = [r for r in range(n) if now - seen.get(r, (0, t0))[1] > silence]
+        silent = [r for r in range(n) if now - seen[r][1] > silence]
         if silent or (n == 0 and now - t0 > first_beat):
             who = (f"vLLM rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped beating for over "
                    f"{silence:.0f} s (dead, or stuck without progress)" if silent else

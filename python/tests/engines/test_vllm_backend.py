@@ -169,3 +169,72 @@ def test_the_docs_rollout_example_runs_as_written(tmp_path, models):
     assert out["update"]["version"] == 1 and out["update"]["mode"] == "dense" and out["update"]["bytes"] > 0, out
     assert len(out["update"]["rank_bytes"]) == 4, out  # two trainer ranks, two vLLM ranks
     assert out["repair"]["version"] == 2 and out["repair"]["mode"] == "dense", out
+
+
+class DictStore:
+    """The store calls await_engines makes (check, get, set, add) over a dict, thread-safe."""
+
+    def __init__(self):
+        import threading
+        self.d, self.lock = {}, threading.Lock()
+
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.d for k in keys)
+
+    def get(self, key):
+        with self.lock:
+            return self.d[key]
+
+    def set(self, key, value):
+        with self.lock:
+            self.d[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def add(self, key, n):
+        with self.lock:
+            v = int(self.d.get(key, b"0")) + n
+            self.d[key] = str(v).encode()
+            return v
+
+
+def test_the_trainer_waits_while_engines_beat_and_names_a_silent_one():
+    """A setup slower than the silence bound passes while the engines beat; a rank that stops beating is
+    named after the bound; a published setup error is raised as it was published."""
+    import threading
+    import time
+
+    import reshard
+    from reshard.vllm import await_engines, publish_error
+
+    store = DictStore()
+    store.set("p/engines", "2")
+
+    def slow_setup(stop_beating_rank=None, publish=True):
+        for _ in range(8):  # 1.6 s of setup, beating every 0.2 s
+            for r in range(2):
+                if r != stop_beating_rank:
+                    store.add(f"p/beat/{r}", 1)
+            time.sleep(0.2)
+        if publish:
+            store.set("p/dst_layout", "{layout}")
+
+    t = threading.Thread(target=slow_setup)
+    t.start()
+    t0 = time.monotonic()
+    assert await_engines(store, "p", first_beat=5, silence=0.6) == "{layout}"
+    assert time.monotonic() - t0 > 1.2  # it waited past the silence bound: slow is not silent
+    t.join()
+
+    store = DictStore()
+    store.set("p/engines", "2")
+    t = threading.Thread(target=slow_setup, kwargs={"stop_beating_rank": 1, "publish": False})
+    t.start()
+    with pytest.raises(reshard.Error, match=r"vLLM rank 1 stopped beating for over 1 s"):
+        await_engines(store, "p", first_beat=5, silence=0.6)
+    t.join()
+
+    store = DictStore()
+    publish_error(store, "p/setup_error", "vLLM rank 0: the trainer's checkpoint does not fit this engine's model")
+    publish_error(store, "p/setup_error", "a later error")  # the first one stays
+    with pytest.raises(reshard.Error, match=r"^vLLM rank 0: the trainer's checkpoint does not fit"):
+        await_engines(store, "p", first_beat=5, silence=0.6)
