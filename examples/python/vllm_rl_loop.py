@@ -29,7 +29,7 @@ from the last published weights) whose ``trainer_init`` sets up the same engines
 into the same engines; each repair's update is dense and checked bit for bit. ``--skip-finish S``: the
 client skips step S's ``finish_weight_update``, and step S+1 must be refused for it.
 
-The last line with ``--json`` is the summary ../shared/CONTRACT.md section 5 fixes: ``validated``,
+The last line with ``--json`` is the summary: ``validated``,
 ``steps``, ``seconds`` (median update time through the backend) and ``peer_seconds`` (median of the
 broadcast + ``load_weights`` path), with bytes, per-step times and any failure.
 """

@@ -314,6 +314,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
         self.info, self.version, self.round, self.resharder, self.last_report = info, 0, 0, None, None
         self.attempts = 0  # start_weight_update calls, refused ones included (each its own store key)
+        self.failed = False  # an update failed since the last setup
         timeout = datetime.timedelta(seconds=info.timeout)
         if self.is_sender:
             self.store = torch.distributed.TCPStore(info.store_host, info.store_port, None, True, timeout=timeout,
@@ -373,7 +374,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         Returns that update's report. (A trainer rank that died: the restarted trainer's ``trainer_init``
         repairs the surviving engines the same way, its first ``send_weights`` being dense.)"""
         _drop(self.resharder)
-        self.resharder = None
+        self.resharder, self.failed = None, False
         if client is not None:
             self.client = client
         self.round += 1
@@ -427,6 +428,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         # The engines' answers are joined either way; the refit's error is the one that names the rank.
         engines = rpc.join_error() if rpc else None
         if failed is not None:
+            self.failed = True
             raise _with_legend(failed, self.legend + (f"; the vLLM engines said: {engines}" if engines else "")) \
                 from failed
         if engines is not None:
@@ -441,8 +443,10 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
 
     def shutdown(self) -> None:
         r = getattr(self, "resharder", None)
-        if r is not None:
-            self.resharder = None
+        self.resharder = None
+        if getattr(self, "failed", False):
+            _drop(r)  # its peers may be gone: no collective close
+        elif r is not None:
             r.close()
 
 
@@ -638,9 +642,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.failure, self.repaired = None, False  # a repair's update committed: every element written
 
     def shutdown(self) -> None:
-        if self.resharder is not None:
-            self.resharder.close()
-            self.resharder = None
+        r, self.resharder = self.resharder, None
+        if self.failure is not None and not self.repaired:
+            _drop(r)  # its peers may be gone: no collective close
+        elif r is not None:
+            r.close()
 
 
 def failure_report(e: Error, version: Optional[int], published: Optional[int], params: List[str]) -> dict:
