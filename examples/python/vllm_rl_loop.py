@@ -27,7 +27,9 @@ parameter, element by element. ``--stall rollout:K@S`` makes that actor miss ste
 rollout actor anew) set up by ``repair(client)``; a dead trainer rank, a restarted trainer (every rank,
 from the last published weights) whose ``trainer_init`` sets up the same engines; a stall, ``repair()``
 into the same engines; each repair's update is dense and checked bit for bit. ``--skip-finish S``: the
-client skips step S's ``finish_weight_update``, and step S+1 must be refused for it.
+client skips step S's ``finish_weight_update``, and step S+1 must be refused for it. ``--transactional``:
+the engines' updates land in a staging copy of their parameters, copied in when published, so a failed
+update leaves the live parameters at the last published version.
 
 The last line with ``--json`` is the summary: ``validated``,
 ``steps``, ``seconds`` (median update time through the backend) and ``peer_seconds`` (median of the
@@ -117,7 +119,7 @@ class Trainer:
     def listen_port(self):
         return free_port()
 
-    def init_transfer(self, store_port, rollouts, delta):
+    def init_transfer(self, store_port, rollouts, delta, transactional=False):
         import reshard.vllm as rv
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -128,7 +130,7 @@ class Trainer:
         try:
             self.engine = WeightTransferTrainerFactory.trainer_init(
                 rv.ReshardTrainerInitInfo(rank=self.rank, world_size=self.world, store_port=store_port, delta=delta,
-                                          stall_timeout=STALL_TIMEOUT),
+                                          stall_timeout=STALL_TIMEOUT, transactional=transactional),
                 client=self.client, source=ModuleSource(self.model))
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
@@ -357,7 +359,8 @@ class Loop:
     def init_transfer(self):
         """Every trainer rank's trainer_init: the longest one's seconds, or every rank's error."""
         store_port = ray.get(self.trainers[0].listen_port.remote())  # trainer rank 0 hosts the backend's store
-        res = ray.get([t.init_transfer.remote(store_port, self.rollouts, self.a.delta) for t in self.trainers])
+        res = ray.get([t.init_transfer.remote(store_port, self.rollouts, self.a.delta, self.a.transactional)
+                       for t in self.trainers])
         if any("error" in r for r in res):
             return {f"trainer {i}": r for i, r in enumerate(res)}
         return max(r["seconds"] for r in res)
@@ -532,6 +535,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stall", type=kill_spec, metavar="rollout:RANK@STEP",
                     help="a rollout actor misses a step's update for a while (a transient fault), e.g. rollout:1@2")
     ap.add_argument("--recover", action="store_true", help="after a failed update, repair and go on")
+    ap.add_argument("--transactional", action="store_true",
+                    help="the engines' updates land in a staging copy, copied into the live parameters when published")
     ap.add_argument("--skip-finish", type=int, default=0, metavar="STEP",
                     help="the client skips that step's finish_weight_update (the next update must be refused)")
     ap.add_argument("--rollout-model", help="another config.json for the rollouts (a mismatch: setup must fail "

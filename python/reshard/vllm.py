@@ -297,6 +297,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     timeout: float = 300.0
     stall_timeout: float = 10.0
     delta: bool = False
+    transactional: bool = False
 
 
 class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
@@ -346,7 +347,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         error_key = f"{self.prefix}/setup_error"
         worker_info = {"store_host": info.store_host, "store_port": self.store.port, "trainer_world": info.world_size,
                        "src_layout": self.src.to_json(), "prefix": self.prefix, "transport": info.transport,
-                       "timeout": info.timeout, "stall_timeout": info.stall_timeout, "delta": info.delta}
+                       "timeout": info.timeout, "stall_timeout": info.stall_timeout, "delta": info.delta,
+                       "transactional": info.transactional}
         rpc = _Background(lambda: self.client.init_weight_transfer_engine(worker_info)) if self.is_sender else None
         try:
             dst = layout_from_json(await_engines(self.store, self.prefix, first_beat=info.timeout,
@@ -509,6 +511,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     timeout: float = 300.0
     stall_timeout: float = 10.0
     delta: bool = False
+    transactional: bool = False
 
 
 @dataclass
@@ -589,7 +592,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             store.set(f"{info.prefix}/dst_layout", live.to_json())
         self.live = live
         self.legend = rank_legend(info.trainer_world, len(live.layout.ranks))
-        self.resharder = Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport=info.transport,
+        buffers, self.staging = live.buffers, None
+        if info.transactional:
+            # Updates land in a copy of this rank's parameters, copied into the live ones at
+            # finish_weight_update: a failed update leaves them untouched. Memory: one more copy of what
+            # this rank holds, nothing of the others'.
+            self.staging = {n: t.clone() for n, t in live.buffers.items()}
+            buffers = self.staging
+            log.info("reshard: vLLM rank %d: transactional updates: %.1f MB of staging", live.rank - info.trainer_world,
+                     sum(t.numel() * t.element_size() for t in buffers.values()) / 1e6)
+        self.resharder = Resharder(src, live.layout, rank=live.rank, buffers=buffers, transport=info.transport,
                                    store=_SetupStore(store, error_key), prefix=info.prefix, timeout=info.timeout,
                                    stall_timeout=info.stall_timeout, delta=info.delta, cast=True)
         self.store, self.prefix = store, info.prefix
@@ -617,7 +629,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         try:
             rep = self.resharder.refit()
         except Error as e:
-            self.failure = failure_report(e, update_info.version, self.version, sorted(self.live.buffers))
+            self.failure = failure_report(e, update_info.version, self.version, sorted(self.live.buffers),
+                                          transactional=self.staging is not None)
             self.failure["text"] += f" [{self.legend}]"
             self.repaired = False
             raise _with_legend(e, self.legend) from e
@@ -638,6 +651,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             raise e
         if self.pending is None:
             raise Error("reshard backend: finish_weight_update without a received update")
+        if self.staging is not None:  # the committed version into the live parameters
+            t0 = time.monotonic()
+            with torch.no_grad():
+                for n, t in self.live.buffers.items():
+                    t.copy_(self.staging[n])
+            self.last_report["swap_seconds"] = time.monotonic() - t0
         self.version, self.pending, self.started = self.pending, None, False
         self.failure, self.repaired = None, False  # a repair's update committed: every element written
 
@@ -649,18 +668,22 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             r.close()
 
 
-def failure_report(e: Error, version: Optional[int], published: Optional[int], params: List[str]) -> dict:
+def failure_report(e: Error, version: Optional[int], published: Optional[int], params: List[str], *,
+                   transactional: bool = False) -> dict:
     """What a failed update left in this rank's parameters, from the refit's error (CONTRACT.md §5)."""
-    known = all(hasattr(e, k) for k in ("written", "partial", "untouched"))
-    written = list(getattr(e, "written", ())) if known else []
-    partial = list(getattr(e, "partial", ())) if known else list(params)  # an error that does not say: any
-    untouched = list(getattr(e, "untouched", ())) if known else []
+    if transactional:  # the refit wrote a staging copy: the live parameters hold the published version
+        written, partial, untouched = [], [], list(params)
+    elif all(hasattr(e, k) for k in ("written", "partial", "untouched")):
+        written, partial, untouched = list(e.written), list(e.partial), list(e.untouched)
+    else:  # an error that does not say: any parameter may have been written
+        written, partial, untouched = [], list(params), []
     before = f"version {published}" if published is not None else "the weights before the first update"
     text = (f"the update to version {version} failed: {e}. This rank's {len(params)} parameters: "
             f"{len(written)} hold version {version} entirely, {len(partial)} were written in part (a mix of "
-            f"version {version} and {before}), {len(untouched)} hold {before}. Repair: set up again "
-            "(ReshardTrainerEngine.repair(), or a restarted trainer's trainer_init), then an update that commits "
-            "rewrites every parameter")
+            f"version {version} and {before}), {len(untouched)} hold {before}"
+            + (" (transactional: the update went to a staging copy)" if transactional else "")
+            + ". Repair: set up again (ReshardTrainerEngine.repair(), or a restarted trainer's trainer_init), then "
+            "an update that commits rewrites every parameter")
     return {"version": version, "published": published, "error": str(e), "written": written, "partial": partial,
             "untouched": untouched, "text": text}
 

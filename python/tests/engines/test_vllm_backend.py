@@ -117,6 +117,18 @@ def test_transient_fault_repaired_in_place_and_a_skipped_finish_refused(tmp_path
         assert "finish_weight_update" in e and "not finished" in e, (who, e)
 
 
+def test_transactional_engines_keep_the_last_version_through_a_killed_rank(tmp_path, models):
+    """With transactional=True each update lands in a staging copy, copied into the live parameters when it
+    is published: a rank killed in step 2's update leaves the survivor's parameters all at version 1."""
+    code, out = rl_loop(tmp_path, "--model", models / "tiny-llama.json", "--steps", 2, "--kill", "rollout:1@2",
+                        "--no-peer", "--transactional")
+    f = out["failure"]
+    assert code == 0 and out["steps"] == 1 and f["step"] == 2, out  # step 1 was checked bit for bit
+    held = f["held"]["rollout 0"]
+    assert held["misnamed"] == [] and held["untouched"] == held["parameters"] > 0, held
+    assert "transactional" in f["errors"]["rollout 0"], f["errors"]["rollout 0"]
+
+
 def test_config_mismatch_fails_every_trainer_rank_at_once_naming_it(tmp_path, models):
     """Rollouts built from a config with one more layer than the trainer's: every trainer rank raises the
     engines' own words within seconds (published on the store), not a store timeout."""
