@@ -127,6 +127,52 @@ inline std::int64_t count_wrong(const Layout& L, const SideMemory& m, std::int64
   return wrong;
 }
 
+/// Checks a failed refit's DestinationWrites against this rank's memory,
+/// element by element: `written` buffers hold version `now` (the sources'
+/// salt) entirely, `untouched` ones version `before`, `partial` ones
+/// anything (one or the other, or bytes a corrupted message landed); every
+/// held buffer is named once. Returns the problems ("" when none).
+/// `value(name hash, index, version)`: an element's value at a version
+/// (refit_test::tag with the version as salt unless given).
+template <class Value>
+std::string check_writes(const Layout& L, const SideMemory& m, const DestinationWrites& w, std::uint64_t now, std::uint64_t before,
+                         Value&& value) {
+  std::map<std::string, std::string> kind;
+  std::string out;
+  for (const auto* names : {&w.written, &w.partial, &w.untouched})
+    for (const auto& n : *names)
+      if (!kind.emplace(n, names == &w.written ? "written" : names == &w.partial ? "partial" : "untouched").second)
+        out += fmt::format("'{}' is named twice; ", n);
+  // Per buffer: elements only the new version has, only the old one, neither (an element both versions
+  // agree on says nothing).
+  std::vector<std::int64_t> fresh(m.slots.size(), 0), old(m.slots.size(), 0), other(m.slots.size(), 0);
+  for_each_held_slot(m, [&](std::size_t b, std::size_t, const oracle::Slot& s, const std::byte* p, std::size_t E) {
+    if (s.padding()) return;
+    const auto h = name_hash(L.tensors[static_cast<std::size_t>(s.tensor)].name);
+    const std::uint64_t a = value(h, s.index, now), z = value(h, s.index, before);
+    const bool is_new = std::memcmp(p, &a, E) == 0, is_old = std::memcmp(p, &z, E) == 0;
+    if (!is_new || !is_old) ++(is_new ? fresh[b] : is_old ? old[b] : other[b]);
+  });
+  for (std::size_t b = 0; b < m.slots.size(); ++b) {
+    if (!m.present[b]) continue;
+    const std::string& name = L.local_buffers()[b].name;
+    const auto it = kind.find(name);
+    if (it == kind.end()) {
+      out += fmt::format("'{}' is not named; ", name);
+      continue;
+    }
+    const bool ok = it->second == "partial" || (other[b] == 0 && (it->second == "written" ? old[b] == 0 : fresh[b] == 0));
+    if (!ok)
+      out += fmt::format("'{}' is named {} but holds {} elements of version {}, {} of version {}, {} of neither; ", name, it->second, fresh[b], now,
+                         old[b], before, other[b]);
+  }
+  return out;
+}
+
+inline std::string check_writes(const Layout& L, const SideMemory& m, const DestinationWrites& w, std::uint64_t now, std::uint64_t before) {
+  return check_writes(L, m, w, now, before, [](std::uint64_t h, std::int64_t i, std::uint64_t v) { return tag(h, i, v); });
+}
+
 /// Bytes endpoint `t` has registered outside the given sides' buffers: the
 /// executors' staging, as the transport sees it (independent of the
 /// executor's own staging figures).

@@ -156,7 +156,17 @@ Result run_versions(const Layout& src, const Layout& dst, const Densities& d, Re
         RefitReport rep;
         try {
           rep = rs[i]->refit(u);
-        } catch (const RefitNotCommitted&) {
+        } catch (const RefitNotCommitted& e) {
+          if (!opt.double_buffered && rs[i]->last_good_version() > 0) {
+            // What the failure says each buffer holds is what it holds: the payloads scattered so far,
+            // and a dense refit's pieces over them.
+            if (strided) dview[i]->load(dmem[i]);
+            auto value = [&](std::uint64_t h, std::int64_t k, std::uint64_t ver) { return refit_test::tag(h, k, last_change(h, k, ver, d)); };
+            const auto bad = refit_test::check_writes(dst, dmem[i], e.writes(), u, rs[i]->last_good_version(), value);
+            std::lock_guard lk(mu);
+            if (!bad.empty() && res.first_wrong.empty()) res.first_wrong = fmt::format("version {} failed: rank {}: {}", u, ranks[i], bad);
+            res.wrong += bad.empty() ? 0 : 1;
+          }
           std::lock_guard lk(mu);
           if (i == 0) ++res.failures;
           next = u + 1;  // versions only increase: go on with the next one

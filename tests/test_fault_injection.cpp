@@ -132,7 +132,7 @@ TEST_CASE("integrity: every corruption is detected and named; no rank reports su
       // 3, so a byte flipped in it while in flight may reach rank 2 as well.
       const bool shared_source = kind == FaultKind::corrupt_sent && v == Victim::zero_copy;
       check_failed_everywhere(o, 1, tensor_of(v), shared_source);
-      const auto own = [&](std::int64_t r) { return has(o.at(r).errors[1], fmt::format("(stale): rank {}: refit version 2: ", r)); };
+      const auto own = [&](std::int64_t r) { return has(o.at(r).errors[1], fmt::format("not committed: rank {}: refit version 2: ", r)); };
       const std::int64_t detector = shared_source && own(2) ? 2 : 3;
       CHECK(own(detector));
       const auto& victim = o.at(detector);

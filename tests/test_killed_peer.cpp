@@ -1,7 +1,7 @@
 // A peer that dies in the middle of a refit, on the in-process transports
 // (LocalTransport, and FaultInjectingTransport over it), with the default
 // refit timeout (300 s): every surviving rank's refit() fails well within
-// 30 s, names the dead rank, and reports the destination not updated.
+// 30 s, names the dead rank, and reports what each destination holds.
 //
 // A rank thread cannot be killed; it dies the way a thread can: it stops in
 // the middle (right after posting its first send) and its function throws,

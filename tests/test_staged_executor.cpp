@@ -210,6 +210,7 @@ struct StagedRank {
   std::vector<std::string> stale;
   std::optional<StaleReport> failure;
   std::set<std::string> wrong_tensors;  ///< after a failure: tensors of the written set not at the failed version
+  std::string writes_wrong;             ///< after a failure: where its DestinationWrites misname the written set
   std::int64_t served_wrong = 0;        ///< at the end: served set elements not at last_good
   std::int64_t compiles = 0, stages = 0;
 };
@@ -268,6 +269,11 @@ std::vector<StagedRank> staged_refits(const Layout& src, const Layout& dst, cons
       } catch (const RefitNotCommitted& e) {
         me.errors.emplace_back(e.what());
         me.wrong_tensors = wrong_tensors(dst, set(target), salt);
+        // The set being written held its poison (write_side above) before this refit.
+        auto value = [salt](std::uint64_t h, std::int64_t x, std::uint64_t v) {
+          return v == salt ? refit_test::tag(h, x, salt) : ~refit_test::tag(h, x, salt);
+        };
+        me.writes_wrong = refit_test::check_writes(dst, set(target), e.writes(), salt, salt + 1, value);
         break;
       }
     }
@@ -335,6 +341,7 @@ void check_second_refit_failed(const StagedRank& r, const std::string& what) {
   CHECK(r.errors[1].find(what) != std::string::npos);
   CHECK(r.last_good == 1);
   REQUIRE(r.failure.has_value());
+  CHECK_MESSAGE(r.writes_wrong.empty(), r.writes_wrong);  // what the failure says each buffer holds, it holds
 }
 
 }  // namespace
@@ -401,7 +408,7 @@ TEST_CASE("a failed staged refit is not committed: the destination is stale and 
     CHECK_FALSE(plan.injected().empty());
     for (const auto& r : out) {
       CAPTURE(r.rank);
-      check_second_refit_failed(r, "refit version 2 not committed, destination not updated (stale)");
+      check_second_refit_failed(r, "refit version 2 not committed: ");
       CHECK(r.state == RefitState::stale);
       CHECK(r.failure->version == 2);
       CHECK(r.failure->destination_touched);

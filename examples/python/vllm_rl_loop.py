@@ -20,9 +20,18 @@ NCCL: trainer rank 0 broadcasts each full tensor to every rollout rank, which ca
 ``--master-f32`` keeps the trainer's parameters in f32 (FSDP2's MixedPrecisionPolicy computing in bf16,
 as veRL runs it), which the backend casts to vLLM's bf16 in flight.
 ``--kill rollout:K@S`` (or ``trainer:K@S``) kills that actor inside step S's update: the step must fail
-on every other actor, naming it, and no engine may publish the version.
+on every other actor, naming it, and no engine may publish the version; each surviving engine's report
+of what its parameters hold (written, partly written, untouched) is checked against them, parameter by
+parameter, element by element. ``--stall rollout:K@S`` makes that actor miss step S's update for a while
+(a transient fault). ``--recover`` then repairs and goes on: a dead rollout rank, a new engine (every
+rollout actor anew) set up by ``repair(client)``; a dead trainer rank, a restarted trainer (every rank,
+from the last published weights) whose ``trainer_init`` sets up the same engines; a stall, ``repair()``
+into the same engines; each repair's update is dense and checked bit for bit. ``--skip-finish S``: the
+client skips step S's ``finish_weight_update``, and step S+1 must be refused for it. ``--transactional``:
+the engines' updates land in a staging copy of their parameters, copied in when published, so a failed
+update leaves the live parameters at the last published version.
 
-The last line with ``--json`` is the summary ../shared/CONTRACT.md section 5 fixes: ``validated``,
+The last line with ``--json`` is the summary: ``validated``,
 ``steps``, ``seconds`` (median update time through the backend) and ``peer_seconds`` (median of the
 broadcast + ``load_weights`` path), with bytes, per-step times and any failure.
 """
@@ -57,6 +66,7 @@ class RolloutClient:
 
     def __init__(self, rollouts):
         self.rollouts = rollouts
+        self.skip_finish = 0  # a client that forgets finish_weight_update of this version (a test)
 
     def call(self, method, *args):
         refs = [getattr(a, method).remote(*args) for a in self.rollouts]
@@ -82,20 +92,22 @@ class RolloutClient:
         self.call("update_weights", update_info)
 
     def finish_weight_update(self, weight_version=None):
+        if weight_version is not None and int(weight_version) == self.skip_finish:
+            return
         self.call("finish_weight_update")
 
 
 class Trainer:
     """One rank of an FSDP2 trainer (gloo) and its end of the weight transfer."""
 
-    def __init__(self, rank, world, cfg, master_port, seed, lr, optimizer, kill_at, master_f32):
+    def __init__(self, rank, world, cfg, master_port, seed, lr, optimizer, kill_at, master_f32, weights=None):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
         import torch
 
         from reshard.engines.cpu import fsdp_model
         self.torch, self.rank, self.world, self.cfg = torch, rank, world, cfg
-        self.model = fsdp_model(cfg, seed=seed, master_f32=master_f32)
+        self.model = fsdp_model(cfg, ray.get(weights[0]) if weights else None, seed=seed, master_f32=master_f32)
         opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
         self.opt = opt(self.model.parameters(), lr=lr)
         self.gen = torch.Generator().manual_seed(1000 + rank)
@@ -107,7 +119,7 @@ class Trainer:
     def listen_port(self):
         return free_port()
 
-    def init_transfer(self, store_port, rollouts, delta):
+    def init_transfer(self, store_port, rollouts, delta, transactional=False):
         import reshard.vllm as rv
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -115,10 +127,32 @@ class Trainer:
         t0 = time.monotonic()
         self.client = RolloutClient(rollouts)
         self.rollouts = rollouts
-        self.engine = WeightTransferTrainerFactory.trainer_init(
-            rv.ReshardTrainerInitInfo(rank=self.rank, world_size=self.world, store_port=store_port, delta=delta),
-            client=self.client, source=ModuleSource(self.model))
-        return time.monotonic() - t0
+        try:
+            self.engine = WeightTransferTrainerFactory.trainer_init(
+                rv.ReshardTrainerInitInfo(rank=self.rank, world_size=self.world, store_port=store_port, delta=delta,
+                                          stall_timeout=STALL_TIMEOUT, transactional=transactional),
+                client=self.client, source=ModuleSource(self.model))
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+        return {"seconds": time.monotonic() - t0}
+
+    def skip_next_finish(self):
+        """The client forgets the next update's finish_weight_update (a test of the phases)."""
+        self.client.skip_finish = self.engine.version + 1
+
+    def repair(self, rollouts=None):
+        """After a failed update: the transfer set up again (with new rollout actors, when given) and the
+        current weights sent dense. (seconds, the update's report) or the error."""
+        t0 = time.monotonic()
+        client = None
+        if rollouts is not None:
+            client = RolloutClient(rollouts)
+            self.rollouts = rollouts
+        try:
+            rep = self.engine.repair(client)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+        return {"seconds": time.monotonic() - t0, "mode": rep["mode"], "version": rep["version"]}
 
     def train_step(self):
         ids = self.torch.randint(0, self.cfg["vocab_size"], (2, 16), generator=self.gen)
@@ -139,10 +173,11 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash at the start of an update
         t0 = time.monotonic()
         try:
-            self.engine.send_weights()
+            rep = self.engine.send_weights()
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
-        return {"seconds": time.monotonic() - t0, "bytes": self.engine.last_report["bytes_sent"]}
+        return {"seconds": time.monotonic() - t0, "bytes": rep["bytes_sent"], "mode": rep["mode"],
+                "version": rep["version"], "rank_bytes": rep.get("rank_bytes")}
 
     def peer_init(self, port, rollouts):
         self.rollouts = rollouts
@@ -172,6 +207,11 @@ class Trainer:
             self.engine.shutdown()
 
 
+#: Seconds without progress before a refit's wait gives up (the backend's stall_timeout): short, so that a
+#: stalled rank fails the update in seconds.
+STALL_TIMEOUT = 4.0
+
+
 def peer_group(port, rank, size, host=False):
     import torch
     store = torch.distributed.TCPStore("127.0.0.1", port, size, host, timeout=datetime.timedelta(seconds=120))
@@ -181,7 +221,7 @@ def peer_group(port, rank, size, host=False):
 class Rollout:
     """One rank of a vLLM engine (CPU recipe) and the engine the "reshard" backend gives it."""
 
-    def __init__(self, rank, tp, cfg, master_port, work, expert_parallel, kill_at):
+    def __init__(self, rank, tp, cfg, master_port, work, expert_parallel, kill_at, stall_at=0):
         from reshard.engines import cpu
         work = pathlib.Path(work)
         os.environ.update(cpu.vllm_env(work / f"rollout{rank}"), MASTER_ADDR="127.0.0.1",
@@ -191,7 +231,7 @@ class Rollout:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
         import reshard.vllm  # noqa: F401  registers the backend (so does vLLM's plugin loader)
-        self.torch, self.cpu, self.rank, self.kill_at = torch, cpu, rank, kill_at
+        self.torch, self.cpu, self.rank, self.kill_at, self.stall_at = torch, cpu, rank, kill_at, stall_at
         self.model, vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work / "model-dir" / str(rank)), tp,
                                           expert_parallel=expert_parallel)
         self.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vcfg,
@@ -210,6 +250,8 @@ class Rollout:
     def update_weights(self, update_info):
         if self.kill_at and update_info.get("version") == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of an update
+        if self.stall_at and update_info.get("version") == self.stall_at:
+            time.sleep(STALL_TIMEOUT + 2)  # a transient fault: the peers give up on this rank, which lives on
         self.engine.update_weights(update_info)
 
     def finish_weight_update(self):
@@ -228,6 +270,20 @@ class Rollout:
 
     def state(self):
         return {"version": self.engine.version, "failed": self.engine.failed}
+
+    def failure_check(self, new_ref, old_ref):
+        """The engine's report of a failed update against this rank's memory: each parameter compared, element
+        by element, with what vLLM's loader makes of the failed version (`new_ref`) and of the last published
+        one (`old_ref`). Returns the report's counts and every parameter the report misnames."""
+        f = self.engine.failure
+        held = self.cpu.what_parameters_hold(self.model, ray.get(new_ref[0]).items(), ray.get(old_ref[0]).items())
+        named = {n: k for k in ("written", "partial", "untouched") for n in f[k]}
+        # A parameter named partial may hold either version whole (a receive posted, not landed or landed
+        # entirely); one whose two versions agree ("same") may be named anything.
+        wrong = [f"{n}: named {named.get(n)}, holds {h}" for n, h in held.items() if named.get(n) != h
+                 and h != "same" and not (named.get(n) == "partial" and h in ("written", "untouched"))]
+        return {k: len(f[k]) for k in ("written", "partial", "untouched")} | {"misnamed": wrong,
+                                                                            "parameters": len(held)}
 
     def trace_seconds(self):
         """How long init_transfer_engine's trace of vLLM's loader took here."""
@@ -264,60 +320,163 @@ def run(a) -> dict:
            "expert_parallel": a.expert_parallel, "delta": a.delta, "master_f32": a.master_f32,
            "optimizer": a.optimizer, "lr": a.lr}
     try:
-        t0 = time.monotonic()
-        TrainerActor = ray.remote(num_cpus=0)(Trainer)
-        RolloutActor = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
-        tport, vport = free_port(), free_port()
-        kill = {a.kill[:2]: a.kill[2]} if a.kill else {}
-        trainers = [TrainerActor.remote(r, a.trainers, cfg, tport, a.seed, a.lr, a.optimizer,
-                                        kill.get(("trainer", r), 0), a.master_f32) for r in range(a.trainers)]
-        rollouts = [RolloutActor.remote(r, a.rollout_tp, cfg, vport, str(work), a.expert_parallel,
-                                        kill.get(("rollout", r), 0)) for r in range(a.rollout_tp)]
-        ray.get([r.ready.remote() for r in rollouts + trainers])  # every model built
-        out["build_seconds"] = time.monotonic() - t0
-        store_port = ray.get(trainers[0].listen_port.remote())  # trainer rank 0 hosts the backend's store
-        inits = ray.get([t.init_transfer.remote(store_port, rollouts, a.delta) for t in trainers])
-        out["init_seconds"] = max(inits)
-        out["trace_seconds"] = ray.get([r.trace_seconds.remote() for r in rollouts])
-        if a.peer:
-            peer_port = ray.get(trainers[0].listen_port.remote())
-            ray.get([t.peer_init.remote(peer_port, rollouts) for t in trainers])
-        validated, times, peer_times, sent, peer_bytes, losses = True, [], [], [], [], []
-        for step in range(1, a.steps + 1):
-            losses.append(ray.get([t.train_step.remote() for t in trainers])[0])
-            t_step = time.monotonic()
-            res = [outcome(ref) for ref in [t.send.remote() for t in trainers]]
-            errors = {f"trainer {i}": r["error"] for i, r in enumerate(res) if "error" in r}
-            if errors:
-                out["failure"] = failure(step, errors, rollouts, time.monotonic() - t_step)
-                validated = False
-                break
-            times.append(res[0]["seconds"])
-            sent.append(sum(r["bytes"] for r in res))
-            full = next(f for f in ray.get([t.full_state.remote() for t in trainers]) if f is not None)
-            checks = ray.get([r.check.remote(full, step) for r in rollouts])
-            out.setdefault("received", []).append([c["received"] for c in checks])
-            out["held"] = [c["held"] for c in checks]
-            del full
-            if a.peer:
-                pres = ray.get([t.peer_send.remote() for t in trainers])[0]
-                peer_times.append(pres["seconds"])
-                peer_bytes.append(pres["bytes"])
-        if "failure" not in out:
-            ray.get([t.close.remote() for t in trainers] + [r.close.remote() for r in rollouts])
-        out.update(validated=validated and len(times) == a.steps, steps=len(times), update_seconds=times,
-                   peer_update_seconds=peer_times, bytes=sent, peer_bytes=peer_bytes, losses=losses,
-                   seconds=statistics.median(times) if times else None,
-                   peer_seconds=statistics.median(peer_times) if peer_times else None)
-        if times and peer_times:
-            out["speedup"] = out["peer_seconds"] / out["seconds"]
-            out["bytes_ratio"] = statistics.median(peer_bytes) / statistics.median(sent)
-        return out
+        return Loop(a, cfg, work, out).run()
     finally:
         ray.shutdown()
         shutil.rmtree(ray_dir, ignore_errors=True)
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
+
+
+class Loop:
+    """The driver: builds the actors, runs the steps, and after a failure checks what the engines say
+    they hold and (``--recover``) repairs."""
+
+    def __init__(self, a, cfg, work, out):
+        self.a, self.cfg, self.work, self.out = a, cfg, work, out
+        self.kill = {a.kill[:2]: a.kill[2]} if a.kill else {}
+        self.stall = {a.stall[:2]: a.stall[2]} if a.stall else {}
+        self.last_full = None  # the last published version's full state (a Ray ref), for a failure's check
+
+    def trainers_new(self, weights=None):
+        a = self.a
+        tport = free_port()
+        actor = ray.remote(num_cpus=0)(Trainer)
+        return [actor.remote(r, a.trainers, self.cfg, tport, a.seed, a.lr, a.optimizer,
+                             0 if weights else self.kill.get(("trainer", r), 0), a.master_f32, weights)
+                for r in range(a.trainers)]
+
+    def rollouts_new(self, generation=0):
+        a = self.a
+        vport = free_port()
+        actor = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
+        first = generation == 0
+        cfg = json.loads(pathlib.Path(a.rollout_model).read_text()) if a.rollout_model else self.cfg
+        return [actor.remote(r, a.rollout_tp, cfg, vport, str(self.work), a.expert_parallel,
+                             self.kill.get(("rollout", r), 0) if first else 0,
+                             self.stall.get(("rollout", r), 0) if first else 0) for r in range(a.rollout_tp)]
+
+    def init_transfer(self):
+        """Every trainer rank's trainer_init: the longest one's seconds, or every rank's error."""
+        store_port = ray.get(self.trainers[0].listen_port.remote())  # trainer rank 0 hosts the backend's store
+        res = ray.get([t.init_transfer.remote(store_port, self.rollouts, self.a.delta, self.a.transactional)
+                       for t in self.trainers])
+        if any("error" in r for r in res):
+            return {f"trainer {i}": r for i, r in enumerate(res)}
+        return max(r["seconds"] for r in res)
+
+    def run(self) -> dict:
+        a, out = self.a, self.out
+        t0 = time.monotonic()
+        self.trainers, self.rollouts = self.trainers_new(), self.rollouts_new()
+        ray.get([r.ready.remote() for r in self.rollouts + self.trainers])  # every model built
+        out["build_seconds"] = time.monotonic() - t0
+        init = self.init_transfer()
+        if isinstance(init, dict):
+            out.update(validated=False, setup_failure=init, steps=0)
+            return out
+        out["init_seconds"] = init
+        out["trace_seconds"] = ray.get([r.trace_seconds.remote() for r in self.rollouts])
+        if a.peer:
+            peer_port = ray.get(self.trainers[0].listen_port.remote())
+            ray.get([t.peer_init.remote(peer_port, self.rollouts) for t in self.trainers])
+        self.validated, self.times, self.peer_times, self.sent, self.peer_bytes, self.losses = True, [], [], [], [], []
+        for step in range(1, a.steps + 1):
+            self.losses.append(ray.get([t.train_step.remote() for t in self.trainers])[0])
+            t_step = time.monotonic()
+            if step == a.skip_finish:
+                ray.get(self.trainers[0].skip_next_finish.remote())
+            res = [outcome(ref) for ref in [t.send.remote() for t in self.trainers]]
+            errors = {f"trainer {i}": r["error"] for i, r in enumerate(res) if "error" in r}
+            if step == a.skip_finish and not errors:
+                # finish_weight_update was skipped: the next update must be refused on every trainer rank
+                # (naming it); the engines then publish on finish_weight_update, and the step goes on.
+                again = [outcome(ref) for ref in [t.send.remote() for t in self.trainers]]
+                out["refused"] = {f"trainer {i}": r.get("error", "accepted") for i, r in enumerate(again)}
+                ray.get([r.finish_weight_update.remote() for r in self.rollouts])
+            if errors:
+                out["failure"] = self.failure(step, errors, time.monotonic() - t_step)
+                self.validated = False
+                if not a.recover:
+                    break
+                out["recovery"] = self.recover(out["failure"])
+                if not out["recovery"].get("validated"):
+                    break
+                continue
+            self.times.append(res[0]["seconds"])
+            self.sent.append(sum(r["bytes"] for r in res))
+            out.setdefault("modes", []).append(res[0]["mode"])
+            out["rank_bytes"] = res[0]["rank_bytes"]
+            checks = self.check(res[0]["version"])
+            out.setdefault("received", []).append([c["received"] for c in checks])
+            out["held"] = [c["held"] for c in checks]
+            if a.peer:
+                pres = ray.get([t.peer_send.remote() for t in self.trainers])[0]
+                self.peer_times.append(pres["seconds"])
+                self.peer_bytes.append(pres["bytes"])
+        if "failure" not in out or out.get("recovery", {}).get("validated"):
+            ray.get([t.close.remote() for t in self.trainers] + [r.close.remote() for r in self.rollouts])
+        times, peer_times = self.times, self.peer_times
+        out.update(validated=self.validated and len(times) == a.steps, steps=len(times), update_seconds=times,
+                   peer_update_seconds=peer_times, bytes=self.sent, peer_bytes=self.peer_bytes, losses=self.losses,
+                   seconds=statistics.median(times) if times else None,
+                   peer_seconds=statistics.median(peer_times) if peer_times else None)
+        if times and peer_times:
+            out["speedup"] = out["peer_seconds"] / out["seconds"]
+            out["bytes_ratio"] = statistics.median(self.peer_bytes) / statistics.median(self.sent)
+        return out
+
+    def full_state(self):
+        ref = next(f for f in ray.get([t.full_state.remote() for t in self.trainers]) if f is not None)
+        # Owned by the driver when a trainer may die: a restarted trainer starts from it.
+        return [ray.put(ray.get(ref[0]))] if self.a.recover else ref
+
+    def check(self, version):
+        """Every rollout parameter bit for bit against vLLM's loader of the trainer's full state."""
+        self.last_full = self.full_state()
+        return ray.get([r.check.remote(self.last_full, version) for r in self.rollouts])
+
+    def failure(self, step, errors, seconds):
+        """What every actor says after a failed step: the trainers' errors, each surviving engine's state,
+        its report checked against its memory (while every trainer lives: their full state is the failed
+        version), and its answer to a finish_weight_update of the failed version (which must not publish it)."""
+        f = failure(step, errors, self.rollouts, seconds)
+        alive = [i for i in range(len(self.rollouts)) if errors.get(f"rollout {i}") != "dead"]
+        if self.last_full is not None and not any(v == "dead" for k, v in errors.items() if k.startswith("trainer")):
+            new = self.full_state()
+            f["held"] = {f"rollout {i}": ray.get(self.rollouts[i].failure_check.remote(new, self.last_full))
+                         for i in alive if self.rollouts[i] is not None}
+        return f
+
+    def recover(self, failure) -> dict:
+        """The repair for what failed, then every engine checked bit for bit against the trainer."""
+        t0 = time.monotonic()
+        errors = failure["errors"]
+        if any(v == "dead" for k, v in errors.items() if k.startswith("rollout")):
+            kind = "rollout died: a new engine, repair(client)"
+            for r in self.rollouts:
+                ray.kill(r)  # the engine's other ranks go with it: vLLM restarts an engine whole
+            self.rollouts = self.rollouts_new(generation=1)
+            ray.get([r.ready.remote() for r in self.rollouts])
+            res = ray.get([t.repair.remote(self.rollouts) for t in self.trainers])
+        elif any(v == "dead" for k, v in errors.items() if k.startswith("trainer")):
+            kind = "trainer died: a restarted trainer's trainer_init"
+            for t in self.trainers:
+                ray.kill(t)
+            self.trainers = self.trainers_new(weights=[self.last_full[0]])
+            ray.get([t.ready.remote() for t in self.trainers])
+            self.init_transfer()
+            res = ray.get([t.send.remote() for t in self.trainers])
+        else:
+            kind = "transient: repair() into the same engines"
+            res = ray.get([t.repair.remote() for t in self.trainers])
+        out = {"kind": kind, "seconds": time.monotonic() - t0, "results": res}
+        if any("error" in r for r in res):
+            return out
+        out["mode"] = res[0]["mode"]
+        self.check(res[0]["version"])
+        out["validated"] = True
+        return out
 
 
 def outcome(ref) -> dict:
@@ -329,8 +488,8 @@ def outcome(ref) -> dict:
 
 
 def failure(step, errors, rollouts, seconds):
-    """What every actor says after a failed step: the trainers' errors, each surviving engine's state and
-    its answer to a finish_weight_update of the failed version (which must not publish it)."""
+    """The trainers' errors, each surviving engine's state and its answer to a finish_weight_update of the
+    failed version (which must not publish it)."""
     published, finish = {}, {}
     for i, r in enumerate(rollouts):
         st = outcome(r.state.remote())
@@ -373,6 +532,15 @@ def main(argv=None) -> int:
     ap.add_argument("--master-f32", action="store_true",
                     help="f32 trainer parameters computed in bf16 (FSDP2 MixedPrecisionPolicy): cast in flight")
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip the broadcast + load_weights peer")
+    ap.add_argument("--stall", type=kill_spec, metavar="rollout:RANK@STEP",
+                    help="a rollout actor misses a step's update for a while (a transient fault), e.g. rollout:1@2")
+    ap.add_argument("--recover", action="store_true", help="after a failed update, repair and go on")
+    ap.add_argument("--transactional", action="store_true",
+                    help="the engines' updates land in a staging copy, copied into the live parameters when published")
+    ap.add_argument("--skip-finish", type=int, default=0, metavar="STEP",
+                    help="the client skips that step's finish_weight_update (the next update must be refused)")
+    ap.add_argument("--rollout-model", help="another config.json for the rollouts (a mismatch: setup must fail "
+                    "everywhere at once, naming it)")
     ap.add_argument("--kill", type=kill_spec, metavar="ROLE:RANK@STEP",
                     help="kill an actor in a step's update, e.g. rollout:1@2 or trainer:1@2")
     ap.add_argument("--work", help="a folder for vLLM's files, with a short path: vLLM binds sockets in it (default: a temporary one under /tmp, removed); Ray's go to a temporary folder of their own")
@@ -390,7 +558,8 @@ def main(argv=None) -> int:
     else:
         for k, v in out.items():
             print(f"{k}: {v}")
-    return 0 if out.get("validated") or (a.kill and "failure" in out) else 1
+    return 0 if out.get("validated") or ((a.kill or a.stall) and "failure" in out) or \
+        (a.rollout_model and "setup_failure" in out) else 1
 
 
 if __name__ == "__main__":

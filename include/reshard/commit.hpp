@@ -34,10 +34,10 @@ void agree_refit(T& t, const std::string& local_error, Deadline deadline) {
   // The Resharder's own verdict exchange, without a version to compare.
   const auto v = resharder_detail::exchange_verdicts(t, local_error, 0, deadline);
   if (!v.error.empty())
-    throw RefitNotCommitted(fmt::format("rank {}: refit not committed, destination not updated: {}{}", t.rank(),
+    throw RefitNotCommitted(fmt::format("rank {}: refit not committed: {}{}", t.rank(),
                                         local_error.empty() ? "" : local_error + "; then ", v.error));
   if (!v.failed.empty())
-    throw RefitNotCommitted(fmt::format("rank {}: refit not committed, destination not updated: {}", t.rank(), v.first));
+    throw RefitNotCommitted(fmt::format("rank {}: refit not committed: {}", t.rank(), v.first));
 }
 
 }  // namespace reshard

@@ -22,9 +22,9 @@
 // transfer of that refit has ended and the buffers are the caller's until the
 // next refit(). When it throws, the transport is aborted, but a peer that has
 // not yet seen the failure may still put into a destination registered for
-// one-sided puts (the put protocol) until that transport is destroyed: treat
-// the destination as stale (stale_tensors()) and the memory as lent until
-// then. The caller must not write the sources during a refit.
+// one-sided puts (the put protocol) until that transport is destroyed:
+// only into buffers the failure names as written in part (a put needs a
+// receive posted before the failure), and the memory is lent until then. The caller must not write the sources during a refit.
 //
 // Misuse is a reshard::Error naming the rank and the buffer: a missing or
 // unknown buffer, one too small for its layout, a wrong element size, a view
@@ -40,8 +40,11 @@
 // (rank, ok, version, error), so success is decided here, in one place, and a
 // rank that exchanged nothing with a failed peer does not report success.
 // Otherwise refit() throws RefitNotCommitted and records a StaleReport
-// (last_failure(): the version, the first error, the ranks that failed, and
-// per peer which messages and tensors did not arrive checked on this rank).
+// (last_failure(): the version, the first error, the ranks that failed, per
+// peer which messages and tensors did not arrive checked on this rank, and
+// DestinationWrites: which of this rank's destination buffers the failed
+// refit wrote entirely, in part, or not at all, true of their memory; the
+// error carries the same, and its message says so, buffer by buffer).
 //   state() == RefitState::current  the destination holds last_good_version(), complete
 //   state() == RefitState::stale    single-buffered: a refit wrote part of the
 //                                   destination and failed; stale_tensors() says which
@@ -157,13 +160,27 @@ struct ResharderOptions {
   DeltaOptions delta{};
 };
 
+/// A failed refit's writes into this rank's destination buffers, by name,
+/// true of the memory when the failure is reported (BufferWrite): `written`
+/// hold the failed version entirely, `partial` may hold it in part (a mix
+/// with what they held before), `untouched` hold what they held before.
+/// Double-buffered: of the set the refit was writing (the served set is
+/// untouched). Empty on a rank without destination buffers.
+struct DestinationWrites {
+  std::vector<std::string> written, partial, untouched;
+};
+
 /// A refit that did not complete on every rank. Single-buffered: this
-/// rank's destination must be treated as not updated (some pieces may hold
-/// the new version, others the old one). Double-buffered: the served set is
-/// untouched.
+/// rank's destination holds what writes() says, buffer by buffer.
+/// Double-buffered: the served set is untouched.
 class RefitNotCommitted : public TransportError {
  public:
-  explicit RefitNotCommitted(const std::string& what) : TransportError(what) {}
+  explicit RefitNotCommitted(const std::string& what, DestinationWrites writes = {})
+      : TransportError(what), writes_(std::move(writes)) {}
+  const DestinationWrites& writes() const { return writes_; }
+
+ private:
+  DestinationWrites writes_;
 };
 
 enum class RefitState : std::uint8_t {
@@ -185,7 +202,28 @@ struct StaleReport {
   std::vector<std::int64_t> failed_ranks;  ///< ranks whose verdict was a failure (when the verdicts could be exchanged)
   std::vector<MissingPieces> missing;      ///< per peer: what did not arrive checked on this rank
   std::vector<std::string> stale_tensors;  ///< destination tensors lacking pieces of `version` on this rank
+  DestinationWrites writes;                ///< this rank's destination buffers: written, partial, untouched
 };
+
+namespace resharder_detail {
+/// "a, b, c and 5 more": a message stays short on a rank with thousands of buffers.
+inline std::string some_names(const std::vector<std::string>& names, std::size_t most = 8) {
+  if (names.size() <= most) return fmt::format("{}", fmt::join(names, ", "));
+  return fmt::format("{} and {} more", fmt::join(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(most), ", "), names.size() - most);
+}
+/// What a failed refit's message says of this rank's destination.
+inline std::string describe_writes(const DestinationWrites& w, std::uint64_t version, std::uint64_t before) {
+  const std::size_t n = w.written.size() + w.partial.size() + w.untouched.size();
+  if (n == 0) return "";
+  const std::string old = before ? fmt::format("version {}", before) : std::string("what they held before");
+  std::vector<std::string> parts;
+  if (!w.written.empty()) parts.push_back(fmt::format("{} hold version {} entirely ({})", w.written.size(), version, some_names(w.written)));
+  if (!w.partial.empty())
+    parts.push_back(fmt::format("{} were written in part, a mix of version {} and {} ({})", w.partial.size(), version, old, some_names(w.partial)));
+  if (!w.untouched.empty()) parts.push_back(fmt::format("{} are untouched, {} ({})", w.untouched.size(), old, some_names(w.untouched)));
+  return fmt::format("{} destination buffer{} on this rank: {}", n, n == 1 ? "" : "s", fmt::join(parts, "; "));
+}
+}  // namespace resharder_detail
 
 /// What one refit did on this rank.
 struct RefitReport {
@@ -623,12 +661,12 @@ class Resharder {
       std::set<std::string> stale;
       for (const auto& m : rep.missing) stale.insert(m.tensors.begin(), m.tensors.end());
       rep.stale_tensors.assign(stale.begin(), stale.end());
+      rep.writes = destination_writes(ex.buffer_writes());
       if (!opt_.double_buffered) state_ = RefitState::stale;
       std::string text = opt_.double_buffered
                              ? fmt::format("rank {}: refit version {} not committed; the served destination keeps version {}: {}", me_, version,
                                            version_, rep.error)
-                             : fmt::format("rank {}: refit version {} not committed, destination not updated (stale): {}", me_, version,
-                                           rep.error);
+                             : fmt::format("rank {}: refit version {} not committed: {}", me_, version, rep.error);
       if (!local_error.empty() && !v.first.empty()) text += "; then " + v.first;
       // (The exchange failing with this rank's own abort adds nothing.)
       if (!v.error.empty() && (!local_error.empty() || !v.first.empty()) && v.error.find(rep.error) == std::string::npos)
@@ -638,8 +676,10 @@ class Resharder {
         miss.push_back(fmt::format("{} {} ({} messages, {} bytes: {})", m.peer == me_ ? "local copies on" : "from", m.peer == me_ ? "this rank" : fmt::format("rank {}", m.peer),
                                    m.messages, m.bytes, fmt::join(m.tensors, ", ")));
       if (!miss.empty()) text += fmt::format(". Missing here: {}", fmt::join(miss, "; "));
+      const std::string held = resharder_detail::describe_writes(rep.writes, version, version_);
+      if (!held.empty()) text += fmt::format(". {}{}", opt_.double_buffered ? "In the set being written, " : "", held);
       last_failure_ = std::move(rep);
-      throw RefitNotCommitted(text);
+      throw RefitNotCommitted(text, last_failure_->writes);
     }
     version_ = version;
     state_ = RefitState::current;
@@ -654,6 +694,21 @@ class Resharder {
     return r;
   }
 
+
+  /// This rank's destination buffers by what a run did to them (BufferWrite,
+  /// by buffer id), as names.
+  DestinationWrites destination_writes(const BufferWrites& w) const {
+    DestinationWrites out;
+    const auto& lbs = dst_.local_buffers();
+    for (std::size_t b = 0; b < lbs.size() && b < dst_bound_.size(); ++b) {
+      if (!dst_bound_[b].data) continue;  // not on this rank
+      // Quantized: the run writes shadows and staging, converted into the
+      // destination after it; their ids are not the destination's.
+      const BufferWrite x = quant_ ? BufferWrite::partial : b < w.size() ? w[b] : BufferWrite::none;
+      (x == BufferWrite::written ? out.written : x == BufferWrite::partial ? out.partial : out.untouched).push_back(lbs[b].name);
+    }
+    return out;
+  }
 
   /// A staged schedule must be of these two layouts: the same buffer lists,
   /// and every copy's ids and ranks inside them (a schedule of other layouts

@@ -74,11 +74,31 @@ PyObject* g_layout_error = nullptr;   // reshard.LayoutError(Error)
 PyObject* g_transport_error = nullptr;  // reshard.TransportError(Error)
 PyObject* g_not_committed = nullptr;  // reshard.RefitNotCommitted(TransportError)
 
+/// RefitNotCommitted with its .written, .partial and .untouched (lists of
+/// this rank's destination buffer names; CONTRACT.md §5).
+void raise_not_committed(const RefitNotCommitted& e) {
+  PyObject* exc = PyObject_CallFunction(g_not_committed, "s", e.what());
+  if (!exc) return;  // (the call's own error is set)
+  auto names = [](const std::vector<std::string>& v) {
+    PyObject* l = PyList_New(static_cast<Py_ssize_t>(v.size()));
+    for (std::size_t i = 0; l && i < v.size(); ++i) PyList_SET_ITEM(l, static_cast<Py_ssize_t>(i), PyUnicode_FromString(v[i].c_str()));
+    return l;
+  };
+  const DestinationWrites& w = e.writes();
+  for (auto [attr, v] : {std::pair{"written", &w.written}, std::pair{"partial", &w.partial}, std::pair{"untouched", &w.untouched}}) {
+    PyObject* l = names(*v);
+    if (l) PyObject_SetAttrString(exc, attr, l);
+    Py_XDECREF(l);
+  }
+  PyErr_SetObject(g_not_committed, exc);
+  Py_DECREF(exc);
+}
+
 void translate(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
   } catch (const RefitNotCommitted& e) {
-    PyErr_SetString(g_not_committed, e.what());
+    raise_not_committed(e);
   } catch (const TransportError& e) {
     PyErr_SetString(g_transport_error, e.what());
   } catch (const LayoutError& e) {
@@ -953,7 +973,12 @@ NB_MODULE(_core, m) {
   g_error = PyErr_NewException("reshard.Error", PyExc_RuntimeError, nullptr);
   g_layout_error = PyErr_NewException("reshard.LayoutError", g_error, nullptr);
   g_transport_error = PyErr_NewException("reshard.TransportError", g_error, nullptr);
-  g_not_committed = PyErr_NewException("reshard.RefitNotCommitted", g_transport_error, nullptr);
+  {
+    // Class defaults: an instance raised from Python (not from a refit) names no buffers.
+    nb::dict attrs;
+    for (const char* k : {"written", "partial", "untouched"}) attrs[k] = nb::tuple();
+    g_not_committed = PyErr_NewException("reshard.RefitNotCommitted", g_transport_error, attrs.ptr());
+  }
   m.attr("Error") = nb::handle(g_error);
   m.attr("LayoutError") = nb::handle(g_layout_error);
   m.attr("TransportError") = nb::handle(g_transport_error);

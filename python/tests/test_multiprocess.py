@@ -4,6 +4,7 @@ import datetime
 import functools
 import json
 import os
+import pathlib
 import queue
 import socket
 import time
@@ -228,7 +229,7 @@ def delta_worker(rank, port, models, q, double=False, strided=False):
         outcome.ok(reports, checked)
 
 
-def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, target=None):
+def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, target=None, models_arg=None):
     """Runs `ranks` as spawned processes. The TCPStore lives in this process (as torchrun's agent
     or a Ray driver would host it), or on rank 0 with rank0_hosts."""
     for k, v in UCX_ENV.items():
@@ -245,7 +246,7 @@ def run_job(models, ranks, mode, timeout=90, port=None, rank0_hosts=False, targe
     if target is None:
         procs = {r: ctx.Process(target=worker, args=(r, port, models, mode, q)) for r in ranks}
     else:
-        procs = {r: ctx.Process(target=target, args=(r, port, models, q)) for r in ranks}
+        procs = {r: ctx.Process(target=target, args=(r, port, models_arg or models, q)) for r in ranks}
     for p in procs.values():
         p.start()
     results = {}
@@ -389,3 +390,97 @@ def test_delta_options_are_checked(models):
         reshard.Resharder(src, dst, rank=0, buffers={}, store=DictStore({}), dense_above=0.1)
     with pytest.raises(reshard.Error, match=r"dense_above must be a fraction in \[0, 1\]; got 2"):
         reshard.Resharder(src, dst, rank=0, buffers={}, store=DictStore({}), delta=True, dense_above=2)
+
+
+# A destination killed in the middle of a refit (issue 53): the surviving destination's RefitNotCommitted
+# says, buffer by buffer, what its memory holds (CONTRACT.md §5). A model big enough (about 60 MB) that
+# the refit is still moving when the timer fires.
+MID_REFIT_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+                    "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+                    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8000, "tie_word_embeddings": False,
+                    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-06}
+
+
+def killed_mid_refit_worker(rank, port, cfg_path, q, delay):
+    """Ranks 0-1 Megatron tp=2, 2-3 vLLM tp=2; version 1 commits; rank 3 kills itself `delay` s into version
+    2's refit. The survivors report their error and, on rank 2, what each buffer holds against both versions."""
+    t0 = time.monotonic()
+    try:
+        import threading
+
+        store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
+        src = reshard.megatron_layout(cfg_path, "tp=2")
+        dst = reshard.vllm_layout(cfg_path, "tp=2", first_rank=2)
+        cfg = json.loads(pathlib.Path(cfg_path).read_text())
+        full1, full2 = oracle.full_tensors(src, seed=31), oracle.full_tensors(src, seed=32)
+        bufs = ({n: v.clone() for n, (v, _) in oracle.contract_buffers(src, full1, rank).items()} if rank < 2
+                else reshard.allocate(dst, rank, fill=POISON))
+        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, transport="ucx", store=store, stall_timeout=10)
+        r.refit()
+        if rank < 2:
+            for n, (v, _) in oracle.contract_buffers(src, full2, rank).items():
+                bufs[n].copy_(v)
+        if rank == 3:
+            threading.Timer(delay, lambda: os.kill(os.getpid(), 9)).start()
+        t0 = time.monotonic()
+        try:
+            r.refit()
+        except reshard.RefitNotCommitted as e:
+            held = None
+            if rank == 2:
+                held = what_each_buffer_holds(bufs, oracle.vllm_llama_buffers(cfg, full1, 2, 2, rank),
+                                              oracle.vllm_llama_buffers(cfg, full2, 2, 2, rank))
+            q.put((rank, "not committed", str(e), (list(e.written), list(e.partial), list(e.untouched)), held,
+                   time.monotonic() - t0))
+            return
+        q.put((rank, "committed", None, None, None, time.monotonic() - t0))
+    except reshard.Error as e:
+        q.put((rank, "error", f"{type(e).__name__}: {e}", None, None, time.monotonic() - t0))
+    except BaseException:
+        q.put((rank, "crash", traceback.format_exc(), None, None, None))
+
+
+def what_each_buffer_holds(got, v1, v2):
+    """Per buffer, from its memory alone: "written" (every element of version 2), "untouched" (every element
+    of version 1) or "partial" (each element of one of them, some of each); anything else is named."""
+    out = {}
+    for name, (a, m) in v1.items():
+        b, _ = v2[name]
+        g = got[name].reshape(a.shape)[m]
+        a, b = a[m], b[m]
+        new, old = (g == b), (g == a)
+        if not (new | old).all():
+            out[name] = f"{int((~(new | old)).sum())} elements of neither version"
+        else:
+            out[name] = "written" if new.all() else "untouched" if old.all() else "partial"
+    return out
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["at-once", "50ms-in"])
+def test_destination_killed_mid_refit_survivor_names_what_it_holds(tmp_path, delay):
+    cfg = tmp_path / "llama-60mb.json"
+    cfg.write_text(json.dumps(MID_REFIT_CONFIG))
+    results, codes = run_job(None, [0, 1, 2, 3], None, target=functools.partial(killed_mid_refit_worker, delay=delay),
+                             models_arg=str(cfg), timeout=120)
+    assert codes[3] == -9, codes
+    assert set(results) == {0, 1, 2}, (results, codes)
+    for rank, res in results.items():
+        assert res[1] == "not committed", res
+        assert "rank 3" in res[2] and res[5] < 30, res
+        for wrong in ("stale", "not updated"):
+            assert wrong not in res[2], res[2]
+    written, partial, untouched = results[2][3]
+    assert written or partial, "the refit was not under way when the destination died"
+    held = results[2][4]
+    # Every buffer named once, and named as its memory says, element by element (a buffer named partial
+    # may hold either version throughout: a posted receive may or may not have landed).
+    assert sorted(written + partial + untouched) == sorted(held), (written, partial, untouched, held)
+    for n in written:
+        assert held[n] == "written", (n, held[n])
+    for n in untouched:
+        assert held[n] == "untouched", (n, held[n])
+    for n in partial:
+        assert held[n] in ("written", "untouched", "partial"), (n, held[n])
+    assert all(n in results[2][2] for n in (written + partial)[:3]), results[2][2]
+    # The source ranks have no destination buffers.
+    assert results[0][3] == ([], [], []) and results[1][3] == ([], [], [])

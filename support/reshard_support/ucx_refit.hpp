@@ -14,7 +14,8 @@
 //   if (t.rank() == 0) std::cout << reshard::to_json(r).dump() << "\n";
 //
 // Every rank returns the same result. A failure on any rank throws on every
-// rank (the transport is aborted); the destination is then not updated.
+// rank (the transport is aborted); each destination buffer then holds what the
+// error says (RefitNotCommitted::writes(): written, partial, untouched).
 #include <unistd.h>
 
 #include <algorithm>

@@ -761,6 +761,10 @@ class DeltaExecutor {
   std::int64_t planned_bytes_received() const { return full_.planned_bytes_received(); }
   std::int64_t planned_local_bytes() const { return full_.planned_local_bytes(); }
   std::vector<MissingPieces> missing() const;
+  /// What the last run did to each destination buffer (BufferWrite): the
+  /// dense rest and the payloads write disjoint pieces; a dense refit after
+  /// the payloads rewrites every piece with the same version.
+  BufferWrites buffer_writes() const;
 
  private:
   struct Pair {
@@ -777,6 +781,8 @@ class DeltaExecutor {
     std::vector<TransferOp> ops;    ///< the capacity's blocks (prepared)
     std::int64_t next_block = 0;    ///< where this run's next slice starts
     bool overflow = false, done = false;
+    std::size_t decoded = 0;  ///< this run's slices scattered whole (receiver)
+    bool scattered = false;   ///< this run scattered into the destination (receiver)
   };
   /// A receive posted in a run: a slice's first block (`head`) or the rest of its blocks.
   struct Pending {
@@ -823,6 +829,8 @@ class DeltaExecutor {
   std::vector<std::byte> vals_;         ///< one chunk's changed values
   std::vector<std::string> names_;
   bool ready_ = false, broken_ = false, base_valid_ = false, used_full_ = true;
+  bool rest_ran_ = false, full_ran_ = false;  ///< this run (buffer_writes())
+  std::vector<const std::byte*> dst_data_;    ///< by destination buffer id (nullptr: not on this rank)
   bool invalidate_requested_ = false;  ///< by this rank, for the next refit
   bool samples_current_ = false;       ///< the shadows' sampled positions hold the last refit's sources
   bool world_invalidated_ = false;     ///< some rank's request, learnt in this refit's all-gather
@@ -860,6 +868,9 @@ void DeltaExecutor<T>::setup(const Schedule& schedule, std::vector<const BoundBu
   measured_ = -1;
   base_version_ = 0;
   pairs_.clear();
+  dst_data_.clear();
+  for (const BoundBuffer* b : dst) dst_data_.push_back(b ? b->data : nullptr);
+  rest_ran_ = full_ran_ = false;
   shadow_.clear();
   send_stage_.clear();
   recv_stage_.clear();
@@ -1285,6 +1296,7 @@ void DeltaExecutor<T>::decode(Pair& p, std::size_t slice, std::int64_t block, st
   const std::byte* body = table + 4 * sl.chunks;
   const std::byte* const end = start + h.bytes;
   std::size_t cursor = sl.seg;
+  p.scattered = true;  // from here on the destination holds some of this version
   for (std::int64_t c0 = sl.first; c0 < sl.first + sl.elements; c0 += kChunk) {
     const std::int64_t n = std::min(kChunk, s.elements - c0);
     std::uint32_t entry;
@@ -1314,6 +1326,7 @@ void DeltaExecutor<T>::decode(Pair& p, std::size_t slice, std::int64_t block, st
     }
     body += need;
   }
+  ++p.decoded;
   if (slice + 1 == p.slices.size()) p.done = true;
 }
 
@@ -1361,6 +1374,11 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   if (broken_) fail("rank {}: DeltaExecutor::run: an earlier run failed; set up again", me_);
   last_ = DeltaStats{};
   world_invalidated_ = false;
+  rest_ran_ = full_ran_ = false;
+  for (Pair& p : pairs_) {
+    p.decoded = 0;
+    p.scattered = false;
+  }
   const auto t0 = Clock::now();
   const Deadline deadline = t0 + opt_.timeout;
   // Prime::full: the sources are also packed into the shadows, on a helper
@@ -1389,6 +1407,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
         }
       });
     ExecutorStats st;
+    full_ran_ = true;
     try {
       st = full_.run(version);
     } catch (...) {
@@ -1456,6 +1475,7 @@ ExecutorStats DeltaExecutor<T>::run(std::uint64_t version) {
   // shadow), then each slice diffed and posted at once while the receivers
   // scatter the slices that arrived; the world's decision comes after.
   ExecutorStats st;
+  rest_ran_ = true;
   try {
     st = rest_.run(version);
   } catch (...) {
@@ -1615,6 +1635,27 @@ std::vector<MissingPieces> DeltaExecutor<T>::missing() const {
     m.tensors.assign(names.begin(), names.end());
     out.push_back(std::move(m));
   }
+  return out;
+}
+
+template <class T>
+BufferWrites DeltaExecutor<T>::buffer_writes() const {
+  BufferWrites payloads(dst_data_.size(), BufferWrite::none);
+  for (const Pair& p : pairs_) {
+    if (p.send) continue;
+    const BufferWrite w = p.decoded == p.slices.size() ? BufferWrite::written : p.scattered ? BufferWrite::partial : BufferWrite::untouched;
+    std::set<std::size_t> bufs;
+    for (const auto& s : p.streams)
+      for (const auto& g : s.segs) {
+        const auto it = std::find(dst_data_.begin(), dst_data_.end(), g.base);
+        if (it != dst_data_.end()) bufs.insert(static_cast<std::size_t>(it - dst_data_.begin()));
+      }
+    for (auto b : bufs) payloads[b] = merge_disjoint(payloads[b], w);
+  }
+  BufferWrites out = rest_ran_ ? rest_.buffer_writes() : not_started(rest_.buffer_writes());
+  // Payloads only move in a run that got past the dense rest.
+  merge_into(out, rest_ran_ ? payloads : not_started(payloads), merge_disjoint);
+  if (full_ran_) merge_into(out, full_.buffer_writes(), merge_overwrite);
   return out;
 }
 

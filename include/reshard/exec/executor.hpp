@@ -125,6 +125,49 @@ struct MissingPieces {
   std::vector<std::string> tensors;  ///< destination tensors with a piece among them
 };
 
+/// What a run did to one destination buffer of this rank, true of its
+/// memory: nothing to write there (`none`), not a byte written yet
+/// (`untouched`: it holds what it held before), some pieces possibly
+/// written (`partial`: a mix of the old and the new version), or every piece
+/// arrived and checked (`written`: the new version entirely). A receive
+/// posted straight into the buffer (zero-copy) counts as a write from the
+/// moment it is posted: the transport may land bytes there at any time.
+enum class BufferWrite : std::uint8_t { none, untouched, partial, written };
+/// By destination buffer id (the schedule's dst_buffer).
+using BufferWrites = std::vector<BufferWrite>;
+
+inline const char* to_string(BufferWrite w) {
+  return w == BufferWrite::none ? "none" : w == BufferWrite::untouched ? "untouched" : w == BufferWrite::partial ? "partial" : "written";
+}
+
+/// Two runs (or parts of one) that write disjoint pieces of a buffer: written
+/// only if each part that writes it wrote all of its pieces.
+inline BufferWrite merge_disjoint(BufferWrite a, BufferWrite b) {
+  if (a == BufferWrite::none) return b;
+  if (b == BufferWrite::none || a == b) return a;
+  return BufferWrite::partial;
+}
+/// Two passes that each write every piece of the buffer with the same
+/// version (a delta's payloads, then the dense refit over them): written
+/// when either wrote it all, untouched only when neither wrote a byte.
+inline BufferWrite merge_overwrite(BufferWrite a, BufferWrite b) {
+  if (a == BufferWrite::none) return b;
+  if (b == BufferWrite::none) return a;
+  if (a == BufferWrite::written || b == BufferWrite::written) return BufferWrite::written;
+  if (a == BufferWrite::untouched && b == BufferWrite::untouched) return BufferWrite::untouched;
+  return BufferWrite::partial;
+}
+/// `w` for a run that has not started: every buffer it writes is untouched.
+inline BufferWrites not_started(BufferWrites w) {
+  for (auto& x : w)
+    if (x != BufferWrite::none) x = BufferWrite::untouched;
+  return w;
+}
+inline void merge_into(BufferWrites& into, const BufferWrites& w, BufferWrite (*merge)(BufferWrite, BufferWrite)) {
+  if (into.size() < w.size()) into.resize(w.size(), BufferWrite::none);
+  for (std::size_t b = 0; b < w.size(); ++b) into[b] = merge(into[b], w[b]);
+}
+
 /// A local buffer bound to memory, as the executor sees it: `shape` is the
 /// dense row-major shape the layout gives it (the schedule's offsets are in
 /// that shape); `strides`, when not empty, say where each element really is
@@ -453,6 +496,9 @@ class Executor {
   /// rank's local copies under its own rank): what missing() names when
   /// nothing arrived (a staged run's stages after the failed one).
   std::vector<MissingPieces> incoming() const { return pieces(false); }
+  /// What the last run (or the one in progress, or that failed) did to each
+  /// destination buffer of this rank (BufferWrite), by buffer id.
+  BufferWrites buffer_writes() const;
   bool broken() const { return broken_; }
 
   bool ready() const { return ready_; }
@@ -646,7 +692,8 @@ class Executor {
   RegisteredRegion<T> integrity_region_;
   mutable std::vector<std::uint32_t> crc_;  ///< per message, this run (sender)
   std::vector<char> arrived_;               ///< per message, this run (receiver): arrived and checked
-  bool local_done_ = false;
+  std::vector<char> posted_;                ///< per message, this run (receiver): its receive was posted
+  bool local_started_ = false, local_done_ = false;
   std::uint64_t version_ = 0;
 };
 
@@ -714,6 +761,7 @@ void Executor<T>::setup(const Schedule& schedule, std::vector<const BoundBuffer*
   integrity_.reset();
   integrity_size_ = 0;
   arrived_.clear();
+  posted_.clear();
   crc_.clear();
   plan_sent_ = plan_recv_ = plan_local_ = 0;
   pair_index_.clear();
@@ -1253,6 +1301,7 @@ void Executor<T>::compile_waves(bool reuse, std::int64_t slot_capacity) {
   }
   crc_.assign(messages_.size(), 0);
   arrived_.assign(messages_.size(), 0);
+  posted_.assign(messages_.size(), 0);
   if (device_) upload_device_batches();
   if (!opt_.checksum) return;
   // One control message per peer pair and wave, after the pair's data
@@ -1416,6 +1465,7 @@ void Executor<T>::start_wave(std::size_t w, ExecutorStats& st, std::vector<reque
   Wave& wv = waves_[w];
   if (device_) device_pack(w, st);
   for (std::size_t g = 0; g < wv.recvs.size(); ++g) {
+    for (std::size_t k : wv.recvs[g].all) posted_[k] = 1;  // before the post: a direct receive may land at once
     recvs.push_back(t_->post(wv.recvs[g].ops));
     recv_groups.push_back(g);
   }
@@ -1628,6 +1678,41 @@ std::vector<MissingPieces> Executor<T>::pieces(bool only_missing) const {
 }
 
 template <class T>
+BufferWrites Executor<T>::buffer_writes() const {
+  // Per buffer: pieces this rank writes, those complete, and whether any
+  // byte may have landed (a staged message lands only when unpacked, after
+  // it arrived checked; a direct one from the moment it is posted).
+  const std::size_t n = dst_.size();
+  std::vector<std::int64_t> pieces(n, 0), complete(n, 0);
+  std::vector<char> touched(n, 0);
+  auto count = [&](std::size_t b, bool done, bool maybe) {
+    if (b >= n) return;
+    ++pieces[b];
+    complete[b] += done ? 1 : 0;
+    touched[b] = static_cast<char>(touched[b] || maybe);
+  };
+  for (std::size_t k = 0; k < messages_.size(); ++k) {
+    const Message& m = messages_[k];
+    const Pair& p = pairs_[m.pair];
+    if (p.send) continue;
+    const bool done = k < arrived_.size() && arrived_[k];
+    const bool maybe = m.staged && !device_ ? done : (k < posted_.size() && posted_[k]);  // (device unpacks may be enqueued)
+    std::set<std::int32_t> bufs;
+    for (const Segment& seg : p.messages[m.msg].segs) bufs.insert(p.copies[seg.copy].buffer);
+    for (auto b : bufs) count(static_cast<std::size_t>(b), done, maybe);
+  }
+  for (const LocalCopy& lc : local_) {
+    const auto it = std::find(dst_.begin(), dst_.end(), lc.dst);
+    count(static_cast<std::size_t>(it - dst_.begin()), local_done_, local_started_);
+  }
+  BufferWrites out(n, BufferWrite::none);
+  for (std::size_t b = 0; b < n; ++b)
+    if (pieces[b] > 0)
+      out[b] = complete[b] == pieces[b] ? BufferWrite::written : touched[b] ? BufferWrite::partial : BufferWrite::untouched;
+  return out;
+}
+
+template <class T>
 void Executor<T>::finish_wave(std::size_t w, ExecutorStats& st, std::vector<request>& sends, std::vector<request>& recvs,
                               std::vector<std::size_t>& recv_groups, Deadline deadline) {
   Wave& wv = waves_[w];
@@ -1690,7 +1775,8 @@ void Executor<T>::enqueue(std::uint64_t version, const StreamOrder& order) {
   run_.order = order;
   version_ = st.version = version;
   std::fill(arrived_.begin(), arrived_.end(), char{0});
-  local_done_ = false;
+  std::fill(posted_.begin(), posted_.end(), char{0});
+  local_started_ = local_done_ = false;
   st.waves = static_cast<int>(waves_.size());
   st.staging_bytes = static_cast<std::int64_t>(staging_size_);
   const auto t0 = run_.t0 = Clock::now();
@@ -1746,6 +1832,7 @@ void Executor<T>::enqueue(std::uint64_t version, const StreamOrder& order) {
       finish_wave(w, st, f.sends, f.recvs, f.recv_groups, deadline);
     };
     auto local = [&] {
+      local_started_ = true;
       if (eng) {
         if (local_batch_ >= 0) eng->enqueue(static_cast<std::size_t>(local_batch_));
         st.local_bytes += local_bytes_;

@@ -168,6 +168,16 @@ class StagedExecutor {
     }
     return out;
   }
+  /// What the last run did to each destination buffer (BufferWrite): the
+  /// stages write disjoint pieces; those after a failed stage never ran.
+  BufferWrites buffer_writes() const {
+    BufferWrites out;
+    for (std::size_t k = 0; k < stages_.size(); ++k) {
+      const bool ran = failed_stage_ < 0 || static_cast<int>(k) <= failed_stage_;
+      merge_into(out, ran ? stages_[k]->buffer_writes() : not_started(stages_[k]->buffer_writes()), merge_disjoint);
+    }
+    return out;
+  }
   bool broken() const { return failed_stage_ >= 0; }
   /// Compiles of every stage (each stage compiles once per setup).
   std::int64_t compiles() const { return sum(&Executor<T>::compiles); }

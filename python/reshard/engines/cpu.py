@@ -1,4 +1,4 @@
-"""Live engines on a CPU, one process per rank, as ../shared/ENGINES.md measured them: what the engine
+"""Live engines on a CPU, one process per rank (docs/vllm.md, "Running vLLM on a CPU"): what the engine
 tests, ``examples/python/vllm_rl_loop.py`` and a user unit-testing a refit on a laptop build.
 
 * vLLM 0.33 (its own venv): :func:`vllm_env`, then :func:`vllm_model` builds the real model class of a
@@ -134,3 +134,39 @@ def differing_parameters(model, reference: Iterable[Tuple[str, torch.Tensor]]) -
 
     return [f"{n}: {int((got[n] != p.detach()).sum())} of {p.numel()} elements differ"
             for n, p in params.items() if not torch.equal(bits(got[n]), bits(p.detach()))]
+
+
+def what_parameters_hold(model, new: Iterable[Tuple[str, torch.Tensor]], old: Iterable[Tuple[str, torch.Tensor]]
+                         ) -> "dict[str, str]":
+    """Per parameter of a live vLLM ``model``, from its memory, element by element, against what vLLM's own
+    loader makes of two full state dicts: ``written`` (every element as ``new`` loads it), ``untouched``
+    (as ``old`` does), ``partial`` (each element one or the other, some of each), ``same`` (the two
+    versions agree on every element: either), or how many elements match neither. The model is left as
+    it was."""
+    params = dict(model.named_parameters())
+    now = {n: p.detach().clone() for n, p in params.items()}
+
+    def loaded(tensors):
+        vllm_load(model, tensors)
+        return {n: p.detach().clone() for n, p in params.items()}
+
+    want_new, want_old = loaded(new), loaded(old)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(now[n])
+    out = {}
+    for n in params:
+        a, b, g = want_new[n], want_old[n], now[n]
+        is_new, is_old = _bits(g) == _bits(a), _bits(g) == _bits(b)
+        if torch.equal(_bits(a), _bits(b)):
+            out[n] = "same" if is_new.all() else f"{int((~is_new).sum())} elements of neither version"
+        elif not (is_new | is_old).all():
+            out[n] = f"{int((~(is_new | is_old)).sum())} elements of neither version"
+        else:
+            out[n] = "written" if is_new.all() else "untouched" if is_old.all() else "partial"
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns to compare (a NaN equals itself; -0 differs from 0)."""
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
