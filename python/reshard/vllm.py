@@ -76,6 +76,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from . import Error, Layout, RefitNotCommitted, Resharder, layout_from_json
 from .engines.dtensor import placement_layout
+from .engines.rows import split_rows
 from .engines.vllm import live_layout, reshard_dtype
 
 BACKEND = "reshard"
@@ -356,7 +357,9 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                                    "the vLLM engine's traced layout")
             t0 = _phase(f"trainer rank {info.rank}: the engines traced their layout", t0)
             self.legend = rank_legend(info.world_size, len(dst.ranks))
-            self.resharder = Resharder(self.src, dst, rank=info.rank, buffers=self.buffers, transport=info.transport,
+            # Rows of fused checkpoint tensors that the engine holds apart: ranges of their own on both sides.
+            self.resharder = Resharder(split_rows(self.src, dst), dst, rank=info.rank, buffers=self.buffers,
+                                       transport=info.transport,
                                        store=_SetupStore(self.store, error_key), prefix=self.prefix,
                                        timeout=info.timeout, stall_timeout=info.stall_timeout, delta=info.delta,
                                        cast=True)
@@ -584,7 +587,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         differences = config_differences(ckpt, self.model_config.hf_config)
         if differences:
             raise Error(untraced_error([], [n for n, _ in ckpt], differences))
-        live = live_layout(self.model, ckpt, first_rank=info.trainer_world)
+        dtypes = [(t["name"], t["shape"], t["dtype"]) for t in json.loads(info.src_layout)["tensors"]]
+        live = live_layout(self.model, dtypes, first_rank=info.trainer_world)
         if live.untraced:
             raise Error(untraced_error(list(live.untraced), [n for n, _ in ckpt], []))
         t0 = _phase(f"vLLM rank {live.rank - info.trainer_world}: layout traced through vLLM's loader", t0)
@@ -601,7 +605,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             buffers = self.staging
             log.info("reshard: vLLM rank %d: transactional updates: %.1f MB of staging", live.rank - info.trainer_world,
                      sum(t.numel() * t.element_size() for t in buffers.values()) / 1e6)
-        self.resharder = Resharder(src, live.layout, rank=live.rank, buffers=buffers, transport=info.transport,
+        self.resharder = Resharder(split_rows(src, live.layout), live.layout, rank=live.rank, buffers=buffers,
+                                   transport=info.transport,
                                    store=_SetupStore(store, error_key), prefix=info.prefix, timeout=info.timeout,
                                    stall_timeout=info.stall_timeout, delta=info.delta, cast=True)
         self.store, self.prefix = store, info.prefix

@@ -147,6 +147,12 @@ def _rank_model(cfg, sizes: Dict[str, int], rank: int, device: str):
         return get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
 
 
+def _peak_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
 def _teardown() -> None:
     from vllm.distributed import parallel_state as ps
 
@@ -206,7 +212,8 @@ def _trace_engine(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], f
                 build_s += tt - tb
                 trace_s += time.perf_counter() - tt
                 del model
-            log.info("traced rank %d of %d (%s) in %.2f s", rank, world, spec, time.perf_counter() - tb)
+            log.info("traced rank %d of %d (%s) in %.2f s (peak memory so far %.2f GB)", rank, world, spec,
+                     time.perf_counter() - tb, _peak_gb())
     origin = f"vllm traced layout ({config_path.name}, {spec})"
     shapes = {n: list(s) for n, s, _ in checkpoint}
     ta = time.perf_counter()
