@@ -182,13 +182,32 @@ def _trace_engine(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], f
 
     # vLLM inspects each architecture in a subprocess once and caches what it learnt: in a cache that
     # outlives the call (about 10 s saved on every later trace of that architecture).
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(pathlib.Path(os.environ.get("XDG_CACHE_HOME") or
-                                                              pathlib.Path.home() / ".cache") / "reshard" / "vllm"))
-    for k, v in cpu.vllm_env(work).items():  # before vLLM is imported: its platform is chosen then
-        os.environ.setdefault(k, v)
+    env = {"VLLM_CACHE_ROOT": str(pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+                                  / "reshard" / "vllm"), **cpu.vllm_env(work)}
+    with _environ(env):  # before vLLM is imported: its platform is chosen then
+        return _trace_ranks(config_path, spec, sizes, first_rank, work, t0, device, tracer)
+
+
+@contextlib.contextmanager
+def _environ(env: Dict[str, str]):
+    """``env`` where the caller's environment does not say otherwise, for the call only: the caller's
+    process (a test runner, a trainer) keeps its own TMPDIR and caches afterwards."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], first_rank: int,
+                 work: pathlib.Path, t0: float, device: str, tracer) -> TracedLayout:
     from vllm.config import set_current_vllm_config
 
+    from . import cpu
     from .vllm import trace_rank
+
     cfg_json = json.loads(config_path.read_text())
     model_dir = cpu.vllm_model_dir(cfg_json, work)
     checkpoint = checkpoint_tensors(config_path)
