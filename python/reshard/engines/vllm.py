@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _TORCH_DTYPES, Error, Layout
+from . import assemble as asm
 from . import trace as tr
 
 log = logging.getLogger("reshard")
@@ -281,10 +282,10 @@ def _assemble_and_verify(traces, mine: tr.RankTrace, axes, checkpoint, first_ran
     shapes = {e[0]: list(e[1]) for e in checkpoint}
     index = {e[0]: k for k, e in enumerate(checkpoint)}
     try:
-        _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
-        coordinates = tr.checkpoint_coordinates(layout, index)
+        _, layout = asm.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
+        coordinates = asm.checkpoint_coordinates(layout, index)
         untraced = set().union(*(t.untraced for t in traces))
-        why = tr.verify_rank(layout, rank, [pt for pt in mine.params if pt.name not in untraced], coordinates)
+        why = asm.verify_rank(layout, rank, [pt for pt in mine.params if pt.name not in untraced], coordinates)
         if why:
             return layout, f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}"
         return layout, None

@@ -28,7 +28,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from .. import Error, Layout
-from . import trace as tr
+from . import assemble as asm
 
 log = logging.getLogger("reshard")
 
@@ -236,7 +236,7 @@ def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], fi
     origin = f"vllm traced layout ({config_path.name}, {spec})"
     shapes = {n: list(s) for n, s, _ in checkpoint}
     ta = time.perf_counter()
-    _, layout = tr.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
+    _, layout = asm.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
     tv = time.perf_counter()
     _verify_all(layout, traces, checkpoint, first_rank)
     log.info("assembled in %.1f s, checked against every rank's recorded writes in %.1f s", tv - ta,
@@ -253,12 +253,12 @@ def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], fi
 
 
 def _verify_all(layout: Layout, traces, checkpoint, first_rank: int) -> None:
-    coordinates = tr.checkpoint_coordinates(layout, {n: k for k, (n, _, _) in enumerate(checkpoint)})
+    coordinates = asm.checkpoint_coordinates(layout, {n: k for k, (n, _, _) in enumerate(checkpoint)})
     untraced = set().union(*(t.untraced for t in traces))
     tp = dict(layout.mesh)["tp"]
     for t in traces:
         rank = first_rank + t.coords["pp"] * tp + t.coords["tp"]
-        why = tr.verify_rank(layout, rank, [pt for pt in t.params if pt.name not in untraced], coordinates)
+        why = asm.verify_rank(layout, rank, [pt for pt in t.params if pt.name not in untraced], coordinates)
         if why:
             raise Error(f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}")
 
