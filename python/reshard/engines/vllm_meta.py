@@ -107,16 +107,21 @@ def _fake_world(world: int, rank: int):
             args = args[:2]
         return real_new_group(*args, **kwargs)
 
+    from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     dist.new_group = fake_new_group
-    # The tp group's shared-memory broadcaster waits for its other ranks' processes: none here.
+    # The tp group's shared-memory broadcaster waits for its other ranks' processes: none here. Every
+    # rank is this process, on this node (vLLM's own check would exchange over the fake group).
     real_mq = MessageQueue.__dict__["create_from_process_group"]
     MessageQueue.create_from_process_group = staticmethod(lambda *a, **k: None)
+    real_same_node = ps.in_the_same_node_as
+    ps.in_the_same_node_as = lambda pg, source_rank=0: [True] * dist.get_world_size(pg)
     try:
         yield
     finally:
+        ps.in_the_same_node_as = real_same_node
         MessageQueue.create_from_process_group = real_mq
         dist.new_group = real_new_group
         if dist.is_initialized():
