@@ -142,7 +142,7 @@ void check_survivors(const std::vector<Survivor>& out) {
     MESSAGE("rank " << s.rank << " failed after " << s.seconds << " s");
     CHECK(s.rank != 1);
     CHECK(s.seconds < 30);
-    CHECK(s.error.find("not updated") != std::string::npos);
+    CHECK(s.error.find("not committed") != std::string::npos);
     CHECK(s.error.find("rank 1 ") != std::string::npos);  // names the dead rank
   }
 }
