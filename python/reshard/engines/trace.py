@@ -175,7 +175,23 @@ class _Occurrence:
     pad: int = 0
 
 
-def _occurrences(segs, numel: int) -> "Tuple[Optional[List[_Occurrence]], str]":
+def _joined(a: _Occurrence, lo: Sequence[int], hi: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether box [lo, hi) continues ``a``'s box in row-major order into one box (then ``a`` is grown):
+    they agree on every dim but one, d, where ``a`` ends as the other begins, with one index on the dims
+    before d and the whole extent on the dims after it."""
+    if a.pad:
+        return False
+    for d in range(len(shape)):
+        if a.hi[d] != lo[d] or any(a.lo[e] != lo[e] or a.hi[e] != hi[e] for e in range(len(shape)) if e != d):
+            continue
+        if all(hi[e] - lo[e] == 1 for e in range(d)) and all(lo[e] == 0 and hi[e] == shape[e]
+                                                              for e in range(d + 1, len(shape))):
+            a.hi[d] = hi[d]
+            return True
+    return False
+
+
+def _occurrences(segs, numel: int, shapes) -> "Tuple[Optional[List[_Occurrence]], str]":
     occ: List[_Occurrence] = []
     pos = 0
     for at, n, k, lo, hi in segs:
@@ -184,12 +200,13 @@ def _occurrences(segs, numel: int) -> "Tuple[Optional[List[_Occurrence]], str]":
                 return None, "it starts with slots that no checkpoint element fills"
             occ[-1].pad += (at - pos) + (n if k < 0 else 0)
         if k >= 0:
-            last = occ[-1] if occ else None
-            if last is not None and last.k == k and last.pad == 0 and last.hi[0] == lo[0] \
-                    and last.lo[1:] == lo[1:] and last.hi[1:] == hi[1:]:
-                last.hi[0] = hi[0]
-            else:
+            if not (occ and occ[-1].k == k and _joined(occ[-1], lo, hi, shapes[k])):
                 occ.append(_Occurrence(k, list(lo), list(hi), at))
+            # A grown box may now continue the one before it (an expert's halves, then the expert).
+            while len(occ) > 1 and occ[-2].k == occ[-1].k and _joined(occ[-2], occ[-1].lo, occ[-1].hi,
+                                                                        shapes[occ[-1].k]):
+                last = occ.pop()
+                occ[-1].pad = last.pad
         pos = at + n
     if not occ:
         return None, "load_weights wrote none of its elements"
@@ -212,7 +229,7 @@ def _rounds(occ: List[_Occurrence]) -> int:
 
 
 def _param_from_segments(name: str, segs, numel: int, dtype: str, names, shapes) -> "Tuple[Optional[ParamTrace], str]":
-    occ, why = _occurrences(segs, numel)
+    occ, why = _occurrences(segs, numel, shapes)
     if occ is None:
         return None, why
     g = _rounds(occ)
