@@ -166,23 +166,25 @@ def _teardown() -> None:
 
 
 def traced_layout(config_path, spec: str, first_rank: int = 0, *, work: Optional[os.PathLike] = None,
-                  device: str = "meta", tracer=None) -> TracedLayout:
+                  device: str = "meta", tracer=None, checkpoint=None) -> TracedLayout:
     """The whole layout the targeted vLLM builds for ``config_path`` (a HuggingFace config.json) at
     ``spec`` (vllm_layout's syntax), traced through vLLM's own model classes and loaders in this process
     (CONTRACT.md section 5). Needs vLLM importable; allocates no weights and needs no GPU. ``device`` and
     ``tracer`` are for tests: ``device="cpu"`` builds the ranks' models with storage, which
-    ``tracer=reshard.engines.vllm.trace_rank_tags`` (the element-tag reference) needs."""
+    ``tracer=reshard.engines.vllm.trace_rank_tags`` (the element-tag reference) needs. ``checkpoint``:
+    the checkpoint's ``(name, shape, dtype)`` (default :func:`checkpoint_tensors`)."""
     t0 = time.perf_counter()
     sizes = parse_spec(spec)
     config_path = pathlib.Path(config_path)
     with contextlib.ExitStack() as stack:
         if work is None:
             work = stack.enter_context(tempfile.TemporaryDirectory(prefix="reshard-trace-"))
-        return _trace_engine(config_path, spec, sizes, first_rank, pathlib.Path(work), t0, device, tracer)
+        return _trace_engine(config_path, spec, sizes, first_rank, pathlib.Path(work), t0, device, tracer,
+                             checkpoint)
 
 
 def _trace_engine(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], first_rank: int,
-                  work: pathlib.Path, t0: float, device: str, tracer) -> TracedLayout:
+                  work: pathlib.Path, t0: float, device: str, tracer, checkpoint) -> TracedLayout:
     from . import cpu
 
     # vLLM inspects each architecture in a subprocess once and caches what it learnt: in a cache that
@@ -190,7 +192,7 @@ def _trace_engine(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], f
     env = {"VLLM_CACHE_ROOT": str(pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
                                   / "reshard" / "vllm"), **cpu.vllm_env(work)}
     with _environ(env):  # before vLLM is imported: its platform is chosen then
-        return _trace_ranks(config_path, spec, sizes, first_rank, work, t0, device, tracer)
+        return _trace_ranks(config_path, spec, sizes, first_rank, work, t0, device, tracer, checkpoint)
 
 
 @contextlib.contextmanager
@@ -207,7 +209,7 @@ def _environ(env: Dict[str, str]):
 
 
 def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], first_rank: int,
-                 work: pathlib.Path, t0: float, device: str, tracer) -> TracedLayout:
+                 work: pathlib.Path, t0: float, device: str, tracer, checkpoint) -> TracedLayout:
     from vllm.config import set_current_vllm_config
 
     from . import cpu
@@ -215,7 +217,7 @@ def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], fi
 
     cfg_json = json.loads(config_path.read_text())
     model_dir = cpu.vllm_model_dir(cfg_json, work)
-    checkpoint = checkpoint_tensors(config_path)
+    checkpoint = list(checkpoint) if checkpoint is not None else checkpoint_tensors(config_path)
     cfg = _engine_config(model_dir, sizes)
     log.info("vLLM imported and its engine config made in %.1f s (%d checkpoint tensors)", time.perf_counter() - t0,
              len(checkpoint))

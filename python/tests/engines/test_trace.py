@@ -97,3 +97,19 @@ def test_fused_checkpoint_tensors_become_row_ranges(tmp_path, models, config, fu
     tags = rv.traced_layout(models / config, "tp=2", work=tmp_path / "tags", device="cpu",
                             tracer=rv.trace_rank_tags)
     assert any("qkv_proj" in n or "gate_up_proj" in n for n in tags.untraced)
+
+
+def test_fused_expert_checkpoints_half_an_expert_at_a_time(tmp_path, models):
+    # transformers 5 keeps a MoE layer's experts fused ([E, 2I, H] gate_up_proj, as FSDP2 trainers hold
+    # them); vLLM loads each expert's gate and up halves apart. The halves join into one box per expert,
+    # then one per layer: nothing untraced, the same layout as the element-tag trace.
+    from reshard.engines.vllm_meta import _transformers_tensors
+
+    ckpt = _transformers_tensors(models / "tiny-qwen3-moe.json")
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _, _ in ckpt)
+    kw = dict(device="cpu", checkpoint=ckpt)
+    recorded = rv.traced_layout(models / "tiny-qwen3-moe.json", "tp=2,ep=2", work=tmp_path / "rec", **kw)
+    tags = rv.traced_layout(models / "tiny-qwen3-moe.json", "tp=2,ep=2", work=tmp_path / "tags",
+                            tracer=rv.trace_rank_tags, **kw)
+    assert recorded.untraced == tags.untraced == {}
+    assert layout_doc(recorded.layout) == layout_doc(tags.layout)
