@@ -27,7 +27,8 @@ def _positions(axes: Sequence[Tuple[str, int]]) -> List[Dict[str, int]]:
     return out
 
 
-def _pos_of(axes, coords) -> int:
+def position(axes: Sequence[Tuple[str, int]], coords: Mapping[str, int]) -> int:
+    """A mesh position (row-major over ``axes``, slowest first) from its coordinates."""
     p = 0
     for name, size in axes:
         p = p * size + coords[name]
@@ -81,7 +82,7 @@ def _tensor_entry(name: str, shape: List[int], dtype: str, held: Dict[int, Piece
 
             def value_of(c, a=a, base=base):
                 q = dict(base, **{a: c})
-                return value(_pos_of(axes, q))
+                return value(position(axes, q))
             sub = _sub_axis(a, size, value_of, f"{where} dim {d}")
             if sub is not None:
                 refs.append((a, size, sub[0], sub[1]))
@@ -133,7 +134,7 @@ def assemble(traces: Sequence[RankTrace], axes: Sequence[Tuple[str, int]], shape
     positions = _positions(axes)
     by_pos: Dict[int, RankTrace] = {}
     for tr in traces:
-        p = _pos_of(axes, tr.coords)
+        p = position(axes, tr.coords)
         if p in by_pos:
             raise Error(f"{origin}: two ranks at mesh coordinates {tr.coords}")
         by_pos[p] = tr

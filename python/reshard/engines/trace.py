@@ -325,8 +325,8 @@ def read_parameter(name: str, slots: np.ndarray, dtype: str, names: Sequence[str
     """One parameter's pieces from its tagged slots (float64, flat; the element-tag trace), or (None, why)."""
     v = np.ascontiguousarray(slots, dtype=np.float64).reshape(-1)
     real = v >= TAG_BASE
-    if (~(real | (v == 0) | (v == -1)) | (real & (np.floor(v) != v))).any():
-        odd = int((~(real | (v == 0) | (v == -1)) | (real & (np.floor(v) != v))).sum())
+    odd = int((~(real | (v == 0) | (v == -1)) | (real & (np.floor(v) != v))).sum())
+    if odd:
         return None, f"its loader computes values: {odd} of {v.size} elements are no copy of a checkpoint element"
     ids = np.where(real, (v // TAG_BASE) - 1, np.where(v == 0, -2, -1)).astype(np.int64)
     idx = np.where(real, v - (ids + 1) * TAG_BASE, 0).astype(np.int64)

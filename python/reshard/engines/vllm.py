@@ -243,7 +243,7 @@ def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, 
         gather = gather or _gather_torch(group)
     if gather is None:
         raise Error("live_layout: give gather= with axes= and coords=")
-    rank = first_rank + _position(axes, coords)
+    rank = first_rank + asm.position(axes, coords)
     try:
         mine = (tracer or trace_rank)(model, checkpoint, coords, load)
         part: Any = pickle.dumps(mine)
@@ -267,13 +267,6 @@ def live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], *, 
              "read element by element, %d untraced)", rank, t_trace - t0, live.seconds - (t_trace - t0),
              len(mine.params), len(mine.slow), len(mine.untraced))
     return live
-
-
-def _position(axes: Sequence[Tuple[str, int]], coords: Mapping[str, int]) -> int:
-    pos = 0
-    for a, s in axes:
-        pos = pos * s + coords[a]
-    return pos
 
 
 def _assemble_and_verify(traces, mine: tr.RankTrace, axes, checkpoint, first_rank: int, rank: int,

@@ -262,9 +262,8 @@ def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], fi
 def _verify_all(layout: Layout, traces, checkpoint, first_rank: int) -> None:
     coordinates = asm.checkpoint_coordinates(layout, {n: k for k, (n, _, _) in enumerate(checkpoint)})
     untraced = set().union(*(t.untraced for t in traces))
-    tp = dict(layout.mesh)["tp"]
     for t in traces:
-        rank = first_rank + t.coords["pp"] * tp + t.coords["tp"]
+        rank = first_rank + asm.position(layout.mesh, t.coords)
         why = asm.verify_rank(layout, rank, [pt for pt in t.params if pt.name not in untraced], coordinates)
         if why:
             raise Error(f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}")
