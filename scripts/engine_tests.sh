@@ -7,8 +7,8 @@
 # the CPU by vLLM's own loader, one process per rank, their layouts traced
 # through vLLM's load_weights, refit from live Megatron-Core GPTModels, from
 # FSDP2 models and from Megatron layouts over UCX, and compared bit for bit
-# with vLLM's own loader. Any failure, and a run that collects no tests
-# (pytest exit 5), fails the script.
+# with vLLM's own loader. Any failure, any skip, and a run that collects no
+# tests (pytest exit 5), fail the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venvs.sh vllm megatron
@@ -24,4 +24,5 @@ echo "engine_tests: installing reshard into the Megatron venv ($MPY; compiles th
 export RESHARD_MEGATRON_PYTHON="$MPY" RESHARD_REQUIRE_MEGATRON=1
 export UCX_TLS="${UCX_TLS:-tcp,self,sm}" UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" GLOO_SOCKET_IFNAME=lo
 cd python/tests
-"$PY" -m pytest -q -p no:cacheprovider engines
+# A skip is a failure here (python/tests/skips.py); -rs names each.
+RESHARD_SKIPS_FAIL=1 "$PY" -m pytest -q -rs -p no:cacheprovider engines

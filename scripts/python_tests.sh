@@ -25,4 +25,4 @@ fi
 # From python/tests, so that `import reshard` is the installed package, not python/reshard.
 cd python/tests
 # engines/ needs the engines' own venvs: scripts/engine_tests.sh runs it.
-"$PY" -m pytest -q -p no:cacheprovider --ignore=engines .
+"$PY" -m pytest -q -rs -p no:cacheprovider --ignore=engines .

@@ -12,8 +12,12 @@ client that calls the rollout actors over Ray (vLLM's weight-sync client protoco
 calls ``send_weights()`` of the engine ``WeightTransferTrainerFactory.trainer_init`` makes. Everything
 meets through Ray: ports are picked by the actors that listen on them.
 
-Every step: an optimizer step; an update through the backend (timed); every rollout parameter compared,
-bit for bit, with vLLM's own ``load_weights`` of the trainer's full state dict; then (unless
+Every step: an optimizer step; an update through the backend (timed), into rollout parameters whose
+checkpoint elements were first set to junk (so a write the refit misses shows, however little the value
+changed; not with ``--delta`` after the first update, nor with faults planted or ``--transactional``); every
+rollout parameter compared, bit for bit, with vLLM's own ``load_weights`` of the trainer's full state dict
+into a twin model, and the bytes each rollout rank received with those that load writes there
+(:class:`reshard.engines.cpu.LoadedTwin`); then (unless
 ``--no-peer``) the same version through the path vLLM's ``nccl`` backend takes, with gloo in place of
 NCCL: trainer rank 0 broadcasts each full tensor to every rollout rank, which calls ``load_weights``
 (timed the same way, same processes). ``--delta`` makes the backend's updates delta refits;
@@ -27,7 +31,10 @@ parameter, element by element. ``--stall rollout:K@S`` makes that actor miss ste
 rollout actor anew) set up by ``repair(client)``; a dead trainer rank, a restarted trainer (every rank,
 from the last published weights) whose ``trainer_init`` sets up the same engines; a stall, ``repair()``
 into the same engines; each repair's update is dense and checked bit for bit. ``--skip-finish S``: the
-client skips step S's ``finish_weight_update``, and step S+1 must be refused for it. ``--transactional``:
+client skips step S's ``finish_weight_update``, and step S+1 must be refused for it.
+``--plant-missed-write S`` (a planted fault): in step S, vLLM rank 0 puts back what one row of
+``embed_tokens`` held before the update, a row the step did not change; the check must fail naming it.
+``--transactional``:
 the engines' updates land in a staging copy of their parameters, copied in when published, so a failed
 update leaves the live parameters at the last published version.
 
@@ -232,10 +239,22 @@ class Rollout:
 
         import reshard.vllm  # noqa: F401  registers the backend (so does vLLM's plugin loader)
         self.torch, self.cpu, self.rank, self.kill_at, self.stall_at = torch, cpu, rank, kill_at, stall_at
-        self.model, vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work / "model-dir" / str(rank)), tp,
-                                          expert_parallel=expert_parallel)
-        self.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), vcfg,
+        self.model, self.vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work / "model-dir" / str(rank)), tp,
+                                               expert_parallel=expert_parallel)
+        self.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), self.vcfg,
                                                                 torch.device("cpu"), self.model)
+        self.twin, self.junk, self.missed_write = None, "never", None
+
+    def reference(self, full_ref, junk):
+        """The check's twin model (vLLM's loader's reference), and when the live parameters are set to junk
+        before an update: ``every`` update, the ``first`` one, or ``never``."""
+        self.twin = self.cpu.LoadedTwin(self.model, self.vcfg, ray.get(full_ref[0]))
+        self.junk = junk
+
+    def plant_missed_write(self, version, row):
+        """A planted fault: in that version's update, row ``row`` of this rank's embed_tokens keeps what it
+        held before (a write the refit missed)."""
+        self.missed_write = (version, row)
 
     def ready(self):
         return True
@@ -245,6 +264,9 @@ class Rollout:
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
 
     def start_weight_update(self):
+        if self.junk != "never":
+            self.twin.junk_fill()
+            self.junk = "never" if self.junk == "first" else self.junk
         self.engine.start_weight_update()
 
     def update_weights(self, update_info):
@@ -252,20 +274,27 @@ class Rollout:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of an update
         if self.stall_at and update_info.get("version") == self.stall_at:
             time.sleep(STALL_TIMEOUT + 2)  # a transient fault: the peers give up on this rank, which lives on
+        missed = self.missed_write and self.missed_write[0] == update_info.get("version")
+        if missed:
+            row = self.model.model.embed_tokens.weight.detach()[self.missed_write[1]]
+            before = row.clone()
         self.engine.update_weights(update_info)
+        if missed:
+            with self.torch.no_grad():
+                row.copy_(before)
 
     def finish_weight_update(self):
         self.engine.finish_weight_update()
 
     def check(self, full_ref, version):
-        """Every parameter against vLLM's own load_weights of the trainer's full state dict."""
+        """Every parameter against vLLM's own load_weights of the trainer's full state dict into the twin;
+        ``held``: the bytes that load writes from the checkpoint on this rank."""
         assert self.engine.version == version, f"published version {self.engine.version}, expected {version}"
-        full = ray.get(full_ref[0])
-        bad = self.cpu.differing_parameters(self.model, full.items())
+        bad = self.twin.differences(ray.get(full_ref[0]).items())
         if bad:
             raise AssertionError(f"vLLM rank {self.rank}, version {version}: {len(bad)} parameters differ from "
                                  f"vLLM's loader: {bad[:4]}")
-        return {"received": self.engine.last_report["bytes_received"], "held": self.engine.live.real_bytes,
+        return {"received": self.engine.last_report["bytes_received"], "held": self.twin.checkpoint_bytes(),
                 "parameters": len(list(self.model.parameters()))}
 
     def state(self):
@@ -370,6 +399,7 @@ class Loop:
         t0 = time.monotonic()
         self.trainers, self.rollouts = self.trainers_new(), self.rollouts_new()
         ray.get([r.ready.remote() for r in self.rollouts + self.trainers])  # every model built
+        self.references(self.rollouts)
         out["build_seconds"] = time.monotonic() - t0
         init = self.init_transfer()
         if isinstance(init, dict):
@@ -386,6 +416,8 @@ class Loop:
             t_step = time.monotonic()
             if step == a.skip_finish:
                 ray.get(self.trainers[0].skip_next_finish.remote())
+            if step == a.plant_missed_write:
+                ray.get(self.rollouts[0].plant_missed_write.remote(step, self.unchanged_row()))
             res = [outcome(ref) for ref in [t.send.remote() for t in self.trainers]]
             errors = {f"trainer {i}": r["error"] for i, r in enumerate(res) if "error" in r}
             if step == a.skip_finish and not errors:
@@ -426,6 +458,24 @@ class Loop:
             out["bytes_ratio"] = statistics.median(self.peer_bytes) / statistics.median(self.sent)
         return out
 
+    def references(self, rollouts):
+        """Each rollout's twin model for the checks, and when its parameters are set to junk before an
+        update: not where a planted fault's check reads what the memory held before (a failed update's
+        report) or where the update writes a staging copy; with delta refits only before the first."""
+        a = self.a
+        junk = "never" if (a.kill or a.stall or a.transactional) else "first" if a.delta else "every"
+        ref = self.full_state()
+        ray.get([r.reference.remote(ref, junk) for r in rollouts])
+
+    def unchanged_row(self) -> int:
+        """A row of embed_tokens held by vLLM rank 0 that this step's training left as it was."""
+        name = "model.embed_tokens.weight"
+        before, now = ray.get(self.last_full[0])[name], ray.get(self.full_state()[0])[name]
+        rows = (before == now).all(dim=1)[: before.shape[0] // self.a.rollout_tp].nonzero()
+        if not len(rows):
+            raise RuntimeError("--plant-missed-write: every embed_tokens row of vLLM rank 0 changed this step")
+        return int(rows[0])
+
     def full_state(self):
         ref = next(f for f in ray.get([t.full_state.remote() for t in self.trainers]) if f is not None)
         # Owned by the driver when a trainer may die: a restarted trainer starts from it.
@@ -458,6 +508,7 @@ class Loop:
                 ray.kill(r)  # the engine's other ranks go with it: vLLM restarts an engine whole
             self.rollouts = self.rollouts_new(generation=1)
             ray.get([r.ready.remote() for r in self.rollouts])
+            self.references(self.rollouts)
             res = ray.get([t.repair.remote(self.rollouts) for t in self.trainers])
         elif any(v == "dead" for k, v in errors.items() if k.startswith("trainer")):
             kind = "trainer died: a restarted trainer's trainer_init"
@@ -541,6 +592,8 @@ def main(argv=None) -> int:
                     help="the client skips that step's finish_weight_update (the next update must be refused)")
     ap.add_argument("--rollout-model", help="another config.json for the rollouts (a mismatch: setup must fail "
                     "everywhere at once, naming it)")
+    ap.add_argument("--plant-missed-write", type=int, default=0, metavar="STEP",
+                    help="a planted fault: in that step one unchanged embed_tokens row of vLLM rank 0 is not written")
     ap.add_argument("--kill", type=kill_spec, metavar="ROLE:RANK@STEP",
                     help="kill an actor in a step's update, e.g. rollout:1@2 or trainer:1@2")
     ap.add_argument("--work", help="a folder for vLLM's files, with a short path: vLLM binds sockets in it (default: a temporary one under /tmp, removed); Ray's go to a temporary folder of their own")

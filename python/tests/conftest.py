@@ -12,7 +12,9 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path.insert(0, str(HERE))  # oracle.py
+sys.path.insert(0, str(HERE))  # oracle.py, skips.py
+
+pytest_plugins = ["skips"]  # RESHARD_SKIPS_FAIL=1: a skip fails the run
 
 
 def models_dir() -> pathlib.Path:

@@ -98,8 +98,6 @@ def vllm_model(model_path: pathlib.Path, tp: int, *, expert_parallel: bool = Fal
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     args = EngineArgs(model=str(model_path), skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                       tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
@@ -110,9 +108,19 @@ def vllm_model(model_path: pathlib.Path, tp: int, *, expert_parallel: bool = Fal
     ctx.__enter__()  # kept for the life of the process: loaders read the current config
     init_distributed_environment(world, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)), backend="gloo")
     initialize_model_parallel(tensor_model_parallel_size=tp)
-    with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
-        model = get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
-    return model, cfg
+    return vllm_module(cfg), cfg
+
+
+def vllm_module(cfg, device: str = "cpu"):
+    """vLLM's model class of ``cfg`` (a VllmConfig whose parallel state is set up), built bare by vLLM's
+    own loader on ``device``. A process may build several: attention layers register their names in the
+    config's forward context, cleared first (no forward runs here)."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cfg.compilation_config.static_forward_context.clear()
+    with set_default_torch_dtype(torch.bfloat16), torch.device(device):
+        return get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
 
 
 def vllm_load(model, tensors: Iterable[Tuple[str, torch.Tensor]]):
@@ -170,3 +178,74 @@ def what_parameters_hold(model, new: Iterable[Tuple[str, torch.Tensor]], old: It
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns to compare (a NaN equals itself; -0 differs from 0)."""
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+#: Bit patterns a refit never writes: a quiet NaN with a payload no cast or copy of real weights makes.
+JUNK_BITS = {1: 0x7D, 2: 0x7FA5, 4: 0x7FC0A5A5, 8: 0x7FF8A5A5A5A5A5A5}
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _junk(t: torch.Tensor) -> int:
+    v = JUNK_BITS[t.element_size()]
+    return v - (1 << 8 * t.element_size()) if v >= 1 << (8 * t.element_size() - 1) else v
+
+
+class LoadedTwin:
+    """A second instance of a live vLLM rank's model, built by vLLM's loader from the same config and
+    loaded only by vLLM's own ``load_weights``: the reference a refit of the live model is checked against,
+    without ever writing the model under test.
+
+    At construction it finds, by vLLM's loader alone, which elements of each parameter a load writes from
+    the checkpoint (``from_checkpoint``): it loads a checkpoint and the same checkpoint negated, both from
+    junk, and keeps the elements that differ (a sign survives any cast or copy; -0 differs from 0). Elements the loader
+    leaves alone or fills with a constant (vocabulary padding) are not the checkpoint's: a refit need not
+    write them. Before a dense refit the live model's checkpoint elements are set to junk
+    (:meth:`junk_fill`), so a write the refit misses shows however little the value changed; the bytes
+    a rank must receive are counted from these elements (:meth:`checkpoint_bytes`), not from reshard."""
+
+    def __init__(self, model, vllm_config, checkpoint: Mapping[str, torch.Tensor]):
+        self.params = dict(model.named_parameters())
+        self.twin = vllm_module(vllm_config)
+        self.twin_params = dict(self.twin.named_parameters())
+        missing = sorted(set(self.params) ^ set(self.twin_params))
+        if missing:
+            raise ValueError(f"the twin model's parameters differ from the live model's: {missing[:4]}")
+        self._load_from_junk(checkpoint.items())
+        first = {n: _as_bits(p.detach()).clone() for n, p in self.twin_params.items()}
+        self._load_from_junk((n, torch.neg(t)) for n, t in checkpoint.items())
+        self.from_checkpoint = {n: first.pop(n) != _as_bits(p.detach()) for n, p in self.twin_params.items()}
+
+    def _load_from_junk(self, tensors) -> None:
+        with torch.no_grad():
+            for p in self.twin_params.values():
+                _as_bits(p.detach()).fill_(_junk(p))
+        vllm_load(self.twin, tensors)
+
+    def checkpoint_bytes(self) -> int:
+        """The bytes of this rank's parameters that a load writes from the checkpoint."""
+        return sum(int(m.sum()) * self.params[n].element_size() for n, m in self.from_checkpoint.items())
+
+    def junk_fill(self) -> None:
+        """The live model's checkpoint elements set to junk: what a refit must overwrite, every one."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                _as_bits(p.detach())[self.from_checkpoint[n]] = _junk(p)
+
+    def differences(self, reference: Iterable[Tuple[str, torch.Tensor]]) -> "list[str]":
+        """Each live parameter whose checkpoint elements differ, bit for bit, from what vLLM's
+        ``load_weights`` of ``reference`` (a full state dict) writes into the twin, with how many differ
+        and how many of those still hold junk (writes the refit missed)."""
+        vllm_load(self.twin, reference)
+        bad = []
+        for n, p in self.params.items():
+            m = self.from_checkpoint[n]
+            got, want = _as_bits(p.detach())[m], _as_bits(self.twin_params[n].detach())[m]
+            if not torch.equal(got, want):
+                junk = int((got == _junk(p)).sum())
+                bad.append(f"{n}: {int((got != want).sum())} of {int(m.sum())} elements differ"
+                           + (f", {junk} of them never written (junk)" if junk else ""))
+        return bad

@@ -140,16 +140,13 @@ def _engine_config(model_dir: pathlib.Path, sizes: Dict[str, int]):
 
 def _rank_model(cfg, sizes: Dict[str, int], rank: int, device: str):
     """vLLM's model of this rank (on the meta device: no storage), its parallel state set up for ``rank``."""
-    import torch
     from vllm.distributed import parallel_state as ps
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from .cpu import vllm_module
 
     ps.init_distributed_environment(sizes["tp"] * sizes["pp"], rank, "env://", rank, backend="gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=sizes["tp"], pipeline_model_parallel_size=sizes["pp"])
-    cfg.compilation_config.static_forward_context.clear()  # attention layers register their names there
-    with set_default_torch_dtype(torch.bfloat16), torch.device(device):
-        return get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
+    return vllm_module(cfg, device)
 
 
 def _peak_gb() -> float:

@@ -23,7 +23,8 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 LOOP = REPO / "examples" / "python" / "vllm_rl_loop.py"
 
 
-def rl_loop(tmp_path, *args, timeout=600):
+def rl_loop(tmp_path, *args, timeout=600, failing=False):
+    """The loop's exit code and JSON summary; unless ``failing``, a summary with an error fails the test."""
     env = dict(os.environ, UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, str(LOOP), "--json", *map(str, args)],
                        env=env, capture_output=True, text=True, timeout=timeout)
@@ -33,7 +34,7 @@ def rl_loop(tmp_path, *args, timeout=600):
         out = json.loads(lines[-1])
     except json.JSONDecodeError:
         raise AssertionError(f"the last line is not the JSON summary:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    assert "error" not in out, out["error"]
+    assert failing or "error" not in out, out["error"]
     return p.returncode, out
 
 
@@ -53,6 +54,18 @@ def test_rl_loop_through_vllm_weight_transfer_api(tmp_path, models, config, extr
     assert out["peer_seconds"] > 0 and len(set(out["peer_bytes"])) == 1
     want = 4 if "--master-f32" in extra else 2
     assert 0.95 * want < out["bytes_ratio"] <= want, out["bytes_ratio"]
+
+
+def test_a_write_missed_in_step_2_of_a_row_the_step_left_unchanged_fails_the_check(tmp_path, models):
+    # A planted fault: in step 2, vLLM rank 0 keeps what one embed_tokens row held before the update, a
+    # row that step 2's training did not change. Checked in the same model against its own loader (as
+    # before 2026-12-07), the row still equals version 2; with the parameters set to junk before each
+    # update and a twin model as the reference, the step fails naming the parameter.
+    code, out = rl_loop(tmp_path, "--model", models / "tiny-llama.json", "--steps", 2, "--no-peer",
+                        "--plant-missed-write", 2, failing=True)
+    assert code != 0 and out["validated"] is False, out
+    assert "version 2" in out["error"] and "model.embed_tokens.weight" in out["error"], out["error"][-2000:]
+    assert "never written (junk)" in out["error"], out["error"][-2000:]
 
 
 def no_stale_words(text):
