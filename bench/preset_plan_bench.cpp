@@ -17,6 +17,7 @@
 #include "reshard/plan/plan.hpp"
 #include "reshard/presets/presets.hpp"
 #include "reshard_support/clocks.hpp"
+#include "model_options.hpp"
 
 using reshard::clocks::cpu_seconds;
 using reshard::clocks::seconds_since;
@@ -32,31 +33,28 @@ static long minor_faults() {
 
 int main(int argc, char** argv) {
   CLI::App app{"Time presets + plan() on a whole model"};
-  std::string model, train = "tp=1,pp=4,dp=32,ep=16", infer = "tp=8,dp=16";
+  ModelBenchOptions mo(0);
+  std::string train = "tp=1,pp=4,dp=32,ep=16", infer = "tp=8,dp=16";
   std::vector<std::int64_t> ranks;
-  bool colocate = false, skip_full = false, per_expert = false;
-  int threads = 0;
-  app.add_option("--model", model, "HuggingFace config.json")->required();
+  bool colocate = false, skip_full = false;
+  mo.add_to(app)->required();
   app.add_option("--train", train, "training spec (Megatron)");
   app.add_option("--infer", infer, "inference spec (vLLM)");
   app.add_option("--rank", ranks, "also plan only this global rank (repeatable)");
   app.add_flag("--colocate", colocate, "inference ranks start at 0");
   app.add_flag("--skip-full", skip_full, "do not plan all ranks");
-  app.add_option("--threads", threads, "threads for the full plan (0: one per core)");
-  app.add_flag("--per-expert", per_expert, "one global tensor per expert (default: experts stacked per layer)");
   CLI11_PARSE(app, argc, argv);
   try {
     auto t0 = std::chrono::steady_clock::now();
-    const auto manifest = reshard::presets::model_manifest(model, !per_expert);
+    const auto manifest = reshard::presets::model_manifest(mo.model, !mo.per_expert);
     const double t_manifest = seconds_since(t0);
-    reshard::presets::PresetOptions opt;
+    reshard::presets::PresetOptions opt = mo.presets();
     opt.colocate = colocate;
-    opt.group_experts = !per_expert;
     t0 = std::chrono::steady_clock::now();
     const auto m = reshard::presets::model_layouts(manifest, reshard::presets::parse_parallel_spec(train, "train spec"),
                                                    reshard::presets::parse_parallel_spec(infer, "infer spec"), opt);
     const double t_layouts = seconds_since(t0);
-    fmt::print("model {}: {} tensors, {:.3f} B parameters, {:.1f} GiB (manifest {:.3f} s)\n", model,
+    fmt::print("model {}: {} tensors, {:.3f} B parameters, {:.1f} GiB (manifest {:.3f} s)\n", mo.model,
                manifest.tensors.size(), manifest.parameters() / 1e9, manifest.bytes() / double(1ull << 30),
                t_manifest);
     fmt::print("layouts: train {} ranks, {} tensors, {} buffers; infer {} ranks, {} tensors, {} buffers ({:.3f} s)\n",
@@ -65,9 +63,7 @@ int main(int argc, char** argv) {
     if (!skip_full) {
       t0 = std::chrono::steady_clock::now();
       const double c0 = cpu_seconds();
-      reshard::PlanOptions po;
-      po.threads = threads;
-      const auto s = reshard::plan(m.train, m.infer, po);
+      const auto s = reshard::plan(m.train, m.infer, mo.plan());
       const double t = seconds_since(t0), cpu = cpu_seconds() - c0;
       fmt::print("plan all ranks: {:.3f} s ({:.3f} s CPU), {} copies, {:.2f} GiB over the network, max send {:.2f} GiB, max recv "
                  "{:.2f} GiB\n",

@@ -32,6 +32,7 @@
 #include "reshard/sim/simulate.hpp"
 #include "reshard/sim/stream_traffic.hpp"
 #include "reshard_support/clocks.hpp"
+#include "model_options.hpp"
 
 using namespace reshard;
 
@@ -41,13 +42,13 @@ using reshard::clocks::seconds_since;
 
 int main(int argc, char** argv) {
   CLI::App app{"Times planning and simulating refits at growing cluster sizes", "topology-bench"};
-  std::string model = "examples/models/kimi-k2.json", topology = "h200-8x400g", sizes = "32,64,128";
-  bool hierarchical = false, per_expert = false;
+  ModelBenchOptions mo(1, "examples/models/kimi-k2.json");
+  std::string topology = "h200-8x400g", sizes = "32,64,128";
+  bool hierarchical = false;
   std::string stream = "auto";
-  int threads = 1;
   int infer_tp = 8, pp = 8, ep_stage = 32;
   std::int64_t split_bytes = std::int64_t{1} << 62;
-  app.add_option("--model", model, "HuggingFace config.json");
+  mo.add_to(app);
   app.add_option("--topology", topology, "topology preset or file");
   app.add_option("--sizes", sizes, "training dp values, comma separated (training ranks = dp * pp)");
   app.add_option("--infer-tp", infer_tp, "inference tp");
@@ -57,8 +58,6 @@ int main(int argc, char** argv) {
   app.add_flag("--hierarchical", hierarchical, "plan hierarchically (else the direct plan, topology-aware)");
   app.add_option("--stream", stream, "stream the plan into the traffic: auto (from 4096 ranks), on, off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
-  app.add_option("--threads", threads, "planner threads (0: all cores)");
-  app.add_flag("--per-expert", per_expert, "one tensor per expert (else grouped experts)");
   CLI11_PARSE(app, argc, argv);
   try {
     std::vector<int> dps;
@@ -71,9 +70,7 @@ int main(int argc, char** argv) {
       const std::string train = fmt::format("tp=1,pp={},dp={},ep={}", pp, dp, ep);
       const std::string infer = fmt::format("tp={},dp={},ep={}", infer_tp, infer_dp, infer_tp * infer_dp);
       auto t0 = std::chrono::steady_clock::now();
-      presets::PresetOptions popt;
-      popt.group_experts = !per_expert;
-      auto m = presets::model_layouts(model, train, infer, popt);
+      auto m = presets::model_layouts(mo.model, train, infer, mo.presets());
       const double layouts_s = seconds_since(t0);
       Topology topo = load_topology(topology);
       topo.placement = PlacementKind::separate;
@@ -81,10 +78,9 @@ int main(int argc, char** argv) {
       const std::int64_t ranks = m.train_world + m.infer_world;
       const bool streamed = stream == "on" || (stream == "auto" && ranks >= 4096 && !hierarchical);
       if (streamed && hierarchical) fail("--hierarchical needs the whole plan: use --stream off");
-      PlanOptions po;
+      PlanOptions po = mo.plan();
       po.split_bytes = split_bytes;
       po.balance_limit = 0;  // as reshard-plan --topology: SenderChoice balances the senders
-      po.threads = threads;
       Traffic tr(place);
       std::int64_t copies = 0, stages = 1;
       double plan_s = 0, near_s = 0, traffic_s = 0, record_gb = 0;
@@ -135,7 +131,7 @@ int main(int argc, char** argv) {
       nlohmann::json j = {{"train", train},
                           {"hierarchical", hierarchical},
                           {"streamed", streamed},
-                          {"per_expert", per_expert},
+                          {"per_expert", mo.per_expert},
                           {"split_bytes", split_bytes},
                           {"infer", infer},
                           {"ranks", ranks},

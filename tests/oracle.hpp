@@ -523,15 +523,27 @@ inline std::optional<std::string> unwritten_slot(
   return std::nullopt;
 }
 
-/// Simulates every copy of `s` slot by slot against the contract.
-inline CheckResult check_schedule(const Layout& src, const Layout& dst, const reshard::Schedule& s,
-                                  const CheckOptions& opt = {}) {
+namespace detail {
+/// Replays the copies of `s` slot by slot against the contract, in stage
+/// order: `stage[ci]` (empty = all stage 0) and `from_dst[ci]` (empty = none:
+/// the copy reads the destination buffer of its source rank, which an earlier
+/// stage must have written). check_schedule and staged_oracle::check_staged
+/// are this one walk; a flat schedule is a staged one with a single stage.
+inline CheckResult replay(const Layout& src, const Layout& dst, const reshard::Schedule& s, const CheckOptions& opt,
+                          const std::vector<std::int32_t>& stage, const std::vector<std::uint8_t>& from_dst) {
   CheckResult res;
   auto fault = [&](std::string msg) {
     res.ok = false;
     res.fault = std::move(msg);
     return res;
   };
+  const bool staged = !stage.empty() || !from_dst.empty();
+  if (!stage.empty() && stage.size() != s.copies.size())
+    return fault(fmt::format("{} stages for {} copies", stage.size(), s.copies.size()));
+  if (!from_dst.empty() && from_dst.size() != s.copies.size())
+    return fault(fmt::format("{} src_layout flags for {} copies", from_dst.size(), s.copies.size()));
+  const auto stage_of = [&](std::size_t ci) { return stage.empty() ? 0 : stage[ci]; };
+  const auto reads_dst = [&](std::size_t ci) { return !from_dst.empty() && from_dst[ci] != 0; };
   const auto& sbufs = src.local_buffers();
   const auto& dbufs = dst.local_buffers();
   if (s.src_buffers.size() != sbufs.size() || s.dst_buffers.size() != dbufs.size())
@@ -547,23 +559,43 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
   // Destination tensor id -> source tensor id, by name.
   const std::vector<int> src_of = source_of(src, dst);
   SlotWorld S(src), D(dst);
-  // writer[dst position][buffer][slot] = copy index that wrote it, -1 = none.
+  // writer[dst position, buffer][slot] = the copy that wrote it, -1 = none.
   std::map<std::pair<std::int64_t, std::size_t>, std::vector<std::int32_t>> writer;
+  auto writer_of = [&](std::int64_t pos, std::size_t b) -> std::vector<std::int32_t>& {
+    auto& w = writer[{pos, b}];
+    if (w.empty()) w.assign(D.at(pos).buffers[b].size(), -1);
+    return w;
+  };
+  std::vector<std::size_t> order(s.copies.size());
+  for (std::size_t ci = 0; ci < order.size(); ++ci) order[ci] = ci;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return stage_of(a) < stage_of(b); });
   std::int64_t bytes = 0, local_bytes = 0;
-  for (std::size_t ci = 0; ci < s.copies.size(); ++ci) {
+  for (const std::size_t ci : order) {
     const auto& c = s.copies[ci];
-    const auto where = [&] { return fmt::format("copy {} ({})", ci, describe_copy(c)); };
+    const std::int32_t st = stage_of(ci);
+    const bool via_dst = reads_dst(ci);
+    const auto where = [&] {
+      return staged ? fmt::format("copy {} (stage {}{}, {})", ci, st, via_dst ? ", src_layout dst" : "", describe_copy(c))
+                    : fmt::format("copy {} ({})", ci, describe_copy(c));
+    };
+    if (st < 0) return fault(fmt::format("{}: negative stage", where()));
     if (c.rank < 1 || c.rank > reshard::kMaxBoxRank) return fault(fmt::format("{}: box rank {} is invalid", where(), c.rank));
     for (int d = 0; d < c.rank; ++d)
       if (c.extent(d) < 1)
         return fault(fmt::format("{}: extent {} along box dim {} is empty", where(), c.extent(d), d));
     if (opt.only_rank >= 0 && c.src_rank != opt.only_rank && c.dst_rank != opt.only_rank)
       return fault(fmt::format("{}: does not involve rank {}", where(), opt.only_rank));
-    const auto spos = S.ranks().position(c.src_rank);
+    // A copy reading the destination layout takes its source from D.
+    const Layout& from_layout = via_dst ? dst : src;
+    SlotWorld& F = via_dst ? D : S;
+    const auto& fbufs = via_dst ? dbufs : sbufs;
+    const auto spos = F.ranks().position(c.src_rank);
     const auto dpos = D.ranks().position(c.dst_rank);
-    if (!spos) return fault(fmt::format("{}: source rank {} is not in the source mesh", where(), c.src_rank));
+    if (!spos)
+      return fault(fmt::format("{}: source rank {} is not in the {} mesh", where(), c.src_rank,
+                               via_dst ? "destination" : "source"));
     if (!dpos) return fault(fmt::format("{}: destination rank {} is not in the destination mesh", where(), c.dst_rank));
-    if (c.src_buffer < 0 || static_cast<std::size_t>(c.src_buffer) >= sbufs.size() || c.dst_buffer < 0 ||
+    if (c.src_buffer < 0 || static_cast<std::size_t>(c.src_buffer) >= fbufs.size() || c.dst_buffer < 0 ||
         static_cast<std::size_t>(c.dst_buffer) >= dbufs.size())
       return fault(fmt::format("{}: buffer id out of range", where()));
     if (c.tensor < 0 || static_cast<std::size_t>(c.tensor) >= dst.tensors.size())
@@ -572,24 +604,26 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
     if (c.element_bytes != reshard::element_bytes(dts.dtype))
       return fault(fmt::format("{}: element_bytes {} but '{}' is {}", where(), c.element_bytes, dts.name,
                                reshard::to_string(dts.dtype)));
-    const auto& sr = S.at(*spos);
+    const auto& sr = F.at(*spos);
     const auto& dr = D.at(*dpos);
     const auto sb = static_cast<std::size_t>(c.src_buffer), db = static_cast<std::size_t>(c.dst_buffer);
     if (!sr.present[sb])
-      return fault(fmt::format("{}: rank {} has no source buffer '{}'", where(), c.src_rank, sbufs[sb].name));
+      return fault(fmt::format("{}: rank {} has no source buffer '{}'", where(), c.src_rank, fbufs[sb].name));
     if (!dr.present[db])
       return fault(fmt::format("{}: rank {} has no destination buffer '{}'", where(), c.dst_rank, dbufs[db].name));
     const auto& sslots = sr.buffers[sb];
     const auto& dslots = dr.buffers[db];
-    auto& w = writer[{*dpos, db}];
-    if (w.empty()) w.assign(dslots.size(), -1);
-    const std::optional<std::int64_t> dst_in_src = c.is_local() ? std::nullopt : S.ranks().position(c.dst_rank);
+    auto& w = writer_of(*dpos, db);
+    // What the source slots hold was written by these copies (std::map keeps `w` valid).
+    const std::vector<std::int32_t>* wsrc = via_dst ? &writer_of(*spos, sb) : nullptr;
+    const bool local = c.src_rank == c.dst_rank && !via_dst;
+    const std::optional<std::int64_t> dst_in_src = local ? std::nullopt : S.ranks().position(c.dst_rank);
     std::string msg;
     std::int64_t visited = 0;
-    const bool fine = detail::for_each_element(c, [&](const std::vector<std::int64_t>& i, std::int64_t so, std::int64_t dof) {
+    const bool fine = for_each_element(c, [&](const std::vector<std::int64_t>& i, std::int64_t so, std::int64_t dof) {
       const auto at = [&] { return fmt::format("{} at box index [{}]", where(), fmt::join(i, ",")); };
       if (so < 0 || so >= static_cast<std::int64_t>(sslots.size())) {
-        msg = fmt::format("{}: source offset {} outside '{}' of {} elements on rank {}", at(), so, sbufs[sb].name,
+        msg = fmt::format("{}: source offset {} outside '{}' of {} elements on rank {}", at(), so, fbufs[sb].name,
                           sslots.size(), c.src_rank);
         return false;
       }
@@ -602,11 +636,11 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
       const Slot& to = dslots[static_cast<std::size_t>(dof)];
       if (to.padding()) {
         msg = fmt::format("{}: writes padding at '{}'+{} on rank {} (reading {})", at(), dbufs[db].name, dof,
-                          c.dst_rank, describe_slot(src, from));
+                          c.dst_rank, describe_slot(from_layout, from));
         return false;
       }
       if (from.padding()) {
-        msg = fmt::format("{}: reads padding at '{}'+{} on rank {} (for {})", at(), sbufs[sb].name, so, c.src_rank,
+        msg = fmt::format("{}: reads padding at '{}'+{} on rank {} (for {})", at(), fbufs[sb].name, so, c.src_rank,
                           describe_slot(dst, to));
         return false;
       }
@@ -614,11 +648,22 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
         msg = fmt::format("{}: writes {} but the copy says tensor {}", at(), describe_slot(dst, to), c.tensor);
         return false;
       }
-      if (src_of[static_cast<std::size_t>(to.tensor)] != from.tensor || from.index != to.index) {
+      const int want = via_dst ? to.tensor : src_of[static_cast<std::size_t>(to.tensor)];
+      if (want != from.tensor || from.index != to.index) {
         msg = fmt::format("{}: '{}'+{} on rank {} holds {} but reads {} from '{}'+{} on rank {}", at(), dbufs[db].name,
-                          dof, c.dst_rank, describe_slot(dst, to), describe_slot(src, from), sbufs[sb].name, so,
+                          dof, c.dst_rank, describe_slot(dst, to), describe_slot(from_layout, from), fbufs[sb].name, so,
                           c.src_rank);
         return false;
+      }
+      if (wsrc) {
+        const std::int32_t by = (*wsrc)[static_cast<std::size_t>(so)];
+        if (by < 0 || stage_of(static_cast<std::size_t>(by)) >= st) {
+          msg = fmt::format("{}: reads {} on rank {} before an earlier stage wrote it ({})", at(), describe_slot(dst, from),
+                            c.src_rank,
+                            by < 0 ? std::string("not written yet")
+                                   : fmt::format("written in stage {}", stage_of(static_cast<std::size_t>(by))));
+          return false;
+        }
       }
       auto& wr = w[static_cast<std::size_t>(dof)];
       if (wr >= 0) {
@@ -627,9 +672,9 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
         return false;
       }
       wr = static_cast<std::int32_t>(ci);
-      if (opt.minimal && dst_in_src && S.holds(*dst_in_src, from.tensor, from.index)) {
+      if (opt.minimal && dst_in_src && S.holds(*dst_in_src, src_of[static_cast<std::size_t>(to.tensor)], to.index)) {
         msg = fmt::format("{}: not minimal: rank {} already holds {} in the source layout", at(), c.dst_rank,
-                          describe_slot(src, from));
+                          describe_slot(dst, to));
         return false;
       }
       ++res.elements;
@@ -640,12 +685,19 @@ inline CheckResult check_schedule(const Layout& src, const Layout& dst, const re
     ++res.copies;
     // Bytes counted here, from the elements visited and the tensor's dtype
     // (not the library's Copy::bytes(), which the stats under test use).
-    (c.is_local() ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
+    (c.src_rank == c.dst_rank ? local_bytes : bytes) += visited * reshard::element_bytes(dts.dtype);
   }
   // Completeness: every destination slot holding an element was written.
   if (auto m = unwritten_slot(dst, D, writer, opt.only_rank, res.dst_elements)) return fault(*m);
   if (auto m = stats_fault(s, bytes, local_bytes)) return fault(*m);
   return res;
+}
+}  // namespace detail
+
+/// Simulates every copy of `s` slot by slot against the contract.
+inline CheckResult check_schedule(const Layout& src, const Layout& dst, const reshard::Schedule& s,
+                                  const CheckOptions& opt = {}) {
+  return detail::replay(src, dst, s, opt, {}, {});
 }
 
 // ---------------------------------------------------------------------------

@@ -48,15 +48,11 @@
 #include <fmt/format.h>
 
 #include "reshard/transport/transport.hpp"
+#include "transport_parts.hpp"
 
 namespace queue_transport {
 
-using reshard::Clock;
-using reshard::Deadline;
-using reshard::OpKind;
-using reshard::RegionHandle;
-using reshard::TransferOp;
-using reshard::TransportError;
+using namespace transport_parts;
 
 /// Deliberate violations (none by default), one per conformance rule.
 enum class Flaw {
@@ -133,7 +129,7 @@ class QueueWorld {
   std::uint64_t generation_ = 0;
 };
 
-class QueueTransport {
+class QueueTransport : public WaitIsWaitAny<QueueTransport> {
  public:
   using request = std::shared_ptr<QueueWorld::Group>;
 
@@ -234,11 +230,6 @@ class QueueTransport {
     return false;
   }
 
-  void wait(request& r, Deadline deadline) {
-    request* one[1] = {&r};
-    wait_any(one, deadline);
-  }
-
   std::size_t wait_any(std::span<request* const> rs, Deadline deadline) {
     if (rs.empty()) throw TransportError(fmt::format("queue transport: rank {}: wait_any on no requests", rank()));
     if (w_->flaw_ == Flaw::late_deadline) deadline += std::chrono::seconds(3);
@@ -283,10 +274,6 @@ class QueueTransport {
   }
 
  private:
-  std::string describe(const TransferOp& op) const {
-    return op.kind == OpKind::send ? fmt::format("send of {} bytes to rank {} (tag {:#x})", op.bytes, op.peer, op.tag)
-                                   : fmt::format("receive of {} bytes from rank {} (tag {:#x})", op.bytes, op.peer, op.tag);
-  }
   void throw_if_aborted() const {
     if (w_->aborted_ || (w_->flaw_ == Flaw::deaf_abort && w_->deaf_aborted_[me_])) throw TransportError(w_->reason_);
   }

@@ -38,6 +38,9 @@ client skips step S's ``finish_weight_update``, and step S+1 must be refused for
 the engines' updates land in a staging copy of their parameters, copied in when published, so a failed
 update leaves the live parameters at the last published version.
 
+This file is the driver (the steps, a failure's checks, the repairs, the summary); the actors are in
+rl_actors.py beside it.
+
 The last line with ``--json`` is the summary: ``validated``,
 ``steps``, ``seconds`` (median update time through the backend) and ``peer_seconds`` (median of the
 broadcast + ``load_weights`` path), with bytes, per-step times and any failure.
@@ -45,13 +48,10 @@ broadcast + ``load_weights`` path), with bytes, per-step times and any failure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import shutil
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -59,280 +59,12 @@ import time
 import traceback
 
 import ray
+import ray.cloudpickle
+import rl_actors
+from rl_actors import Rollout, Trainer, free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RolloutClient:
-    """vLLM's weight-sync client protocol over Ray: each call runs on every rollout actor and waits for
-    all of them; a failure names each actor that failed or died."""
-
-    def __init__(self, rollouts):
-        self.rollouts = rollouts
-        self.skip_finish = 0  # a client that forgets finish_weight_update of this version (a test)
-
-    def call(self, method, *args):
-        refs = [getattr(a, method).remote(*args) for a in self.rollouts]
-        errors = []
-        for i, ref in enumerate(refs):
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                errors.append(f"rollout actor {i} (vLLM rank {i}) died")
-            except ray.exceptions.RayTaskError as e:
-                errors.append(f"rollout actor {i}: {e.cause if e.cause is not None else e}")
-        if errors:
-            import reshard
-            raise reshard.Error(f"{method}: " + "; ".join(errors))
-
-    def init_weight_transfer_engine(self, init_info):
-        self.call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self):
-        self.call("start_weight_update")
-
-    def update_weights(self, update_info):
-        self.call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None):
-        if weight_version is not None and int(weight_version) == self.skip_finish:
-            return
-        self.call("finish_weight_update")
-
-
-class Trainer:
-    """One rank of an FSDP2 trainer (gloo) and its end of the weight transfer."""
-
-    def __init__(self, rank, world, cfg, master_port, seed, lr, optimizer, kill_at, master_f32, weights=None):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
-        import torch
-
-        from reshard.engines.cpu import fsdp_model
-        self.torch, self.rank, self.world, self.cfg = torch, rank, world, cfg
-        self.model = fsdp_model(cfg, ray.get(weights[0]) if weights else None, seed=seed, master_f32=master_f32)
-        opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
-        self.opt = opt(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(1000 + rank)
-        self.engine, self.kill_at = None, kill_at
-
-    def ready(self):
-        return True
-
-    def listen_port(self):
-        return free_port()
-
-    def init_transfer(self, store_port, rollouts, delta, transactional=False):
-        import reshard.vllm as rv
-        from vllm.distributed.weight_transfer.base import ModuleSource
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        t0 = time.monotonic()
-        self.client = RolloutClient(rollouts)
-        self.rollouts = rollouts
-        try:
-            self.engine = WeightTransferTrainerFactory.trainer_init(
-                rv.ReshardTrainerInitInfo(rank=self.rank, world_size=self.world, store_port=store_port, delta=delta,
-                                          stall_timeout=STALL_TIMEOUT, transactional=transactional),
-                client=self.client, source=ModuleSource(self.model))
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
-        return {"seconds": time.monotonic() - t0}
-
-    def skip_next_finish(self):
-        """The client forgets the next update's finish_weight_update (a test of the phases)."""
-        self.client.skip_finish = self.engine.version + 1
-
-    def repair(self, rollouts=None):
-        """After a failed update: the transfer set up again (with new rollout actors, when given) and the
-        current weights sent dense. (seconds, the update's report) or the error."""
-        t0 = time.monotonic()
-        client = None
-        if rollouts is not None:
-            client = RolloutClient(rollouts)
-            self.rollouts = rollouts
-        try:
-            rep = self.engine.repair(client)
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
-        return {"seconds": time.monotonic() - t0, "mode": rep["mode"], "version": rep["version"]}
-
-    def train_step(self):
-        ids = self.torch.randint(0, self.cfg["vocab_size"], (2, 16), generator=self.gen)
-        loss = self.model(input_ids=ids).logits.float().pow(2).mean()  # a toy objective, a real step
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
-
-    def full_state(self):
-        """The full state dict (a collective of every trainer rank); rank 0 puts it in Ray's store."""
-        full = {n: p.full_tensor() for n, p in self.model.named_parameters()}
-        return [ray.put(full)] if self.rank == 0 else None
-
-    def send(self):
-        """One update through the backend: (seconds, bytes this rank sent) or the error."""
-        if self.kill_at and self.engine.version + 1 == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash at the start of an update
-        t0 = time.monotonic()
-        try:
-            rep = self.engine.send_weights()
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
-        return {"seconds": time.monotonic() - t0, "bytes": rep["bytes_sent"], "mode": rep["mode"],
-                "version": rep["version"], "rank_bytes": rep.get("rank_bytes")}
-
-    def peer_init(self, port, rollouts):
-        self.rollouts = rollouts
-        if self.rank != 0:
-            return
-        refs = [r.peer_init.remote(port, i + 1, len(rollouts) + 1) for i, r in enumerate(rollouts)]
-        self.peer = peer_group(port, 0, len(rollouts) + 1, host=True)
-        ray.get(refs)
-
-    def peer_send(self):
-        """vLLM's nccl backend's path on gloo: every trainer rank gathers the full tensors (FSDP2), rank 0
-        broadcasts each to every rollout rank, which loads it with load_weights as it arrives."""
-        t0 = time.monotonic()
-        full = [(n, p.full_tensor()) for n, p in self.model.named_parameters()]
-        if self.rank != 0:
-            return None
-        meta = [(n, list(t.shape), str(t.dtype).split(".")[-1]) for n, t in full]
-        refs = [r.peer_receive.remote(meta) for r in self.rollouts]
-        for _, t in full:
-            self.peer.broadcast(t, 0).wait()
-        ray.get(refs)
-        return {"seconds": time.monotonic() - t0, "bytes": sum(t.numel() * t.element_size() for _, t in full)
-                * len(self.rollouts)}
-
-    def close(self):
-        if self.engine is not None:
-            self.engine.shutdown()
-
-
-#: Seconds without progress before a refit's wait gives up (the backend's stall_timeout): short, so that a
-#: stalled rank fails the update in seconds.
-STALL_TIMEOUT = 4.0
-
-
-def peer_group(port, rank, size, host=False):
-    import torch
-    store = torch.distributed.TCPStore("127.0.0.1", port, size, host, timeout=datetime.timedelta(seconds=120))
-    return torch.distributed.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=300))
-
-
-class Rollout:
-    """One rank of a vLLM engine (CPU recipe) and the engine the "reshard" backend gives it."""
-
-    def __init__(self, rank, tp, cfg, master_port, work, expert_parallel, kill_at, stall_at=0):
-        from reshard.engines import cpu
-        work = pathlib.Path(work)
-        os.environ.update(cpu.vllm_env(work / f"rollout{rank}"), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
-        import torch
-        from vllm.config import WeightTransferConfig
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-        import reshard.vllm  # noqa: F401  registers the backend (so does vLLM's plugin loader)
-        self.torch, self.cpu, self.rank, self.kill_at, self.stall_at = torch, cpu, rank, kill_at, stall_at
-        self.model, self.vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work / "model-dir" / str(rank)), tp,
-                                               expert_parallel=expert_parallel)
-        self.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), self.vcfg,
-                                                                torch.device("cpu"), self.model)
-        self.twin, self.junk, self.missed_write = None, "never", None
-
-    def reference(self, full_ref, junk):
-        """The check's twin model (vLLM's loader's reference), and when the live parameters are set to junk
-        before an update: ``every`` update, the ``first`` one, or ``never``."""
-        self.twin = self.cpu.LoadedTwin(self.model, self.vcfg, ray.get(full_ref[0]))
-        self.junk = junk
-
-    def plant_missed_write(self, version, row):
-        """A planted fault: in that version's update, row ``row`` of this rank's embed_tokens keeps what it
-        held before (a write the refit missed)."""
-        self.missed_write = (version, row)
-
-    def ready(self):
-        return True
-
-    # The engine's phases, called by trainer rank 0's RolloutClient.
-    def init_weight_transfer_engine(self, init_info):
-        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
-
-    def start_weight_update(self):
-        if self.junk != "never":
-            self.twin.junk_fill()
-            self.junk = "never" if self.junk == "first" else self.junk
-        self.engine.start_weight_update()
-
-    def update_weights(self, update_info):
-        if self.kill_at and update_info.get("version") == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of an update
-        if self.stall_at and update_info.get("version") == self.stall_at:
-            time.sleep(STALL_TIMEOUT + 2)  # a transient fault: the peers give up on this rank, which lives on
-        missed = self.missed_write and self.missed_write[0] == update_info.get("version")
-        if missed:
-            row = self.model.model.embed_tokens.weight.detach()[self.missed_write[1]]
-            before = row.clone()
-        self.engine.update_weights(update_info)
-        if missed:
-            with self.torch.no_grad():
-                row.copy_(before)
-
-    def finish_weight_update(self):
-        self.engine.finish_weight_update()
-
-    def check(self, full_ref, version):
-        """Every parameter against vLLM's own load_weights of the trainer's full state dict into the twin;
-        ``held``: the bytes that load writes from the checkpoint on this rank."""
-        assert self.engine.version == version, f"published version {self.engine.version}, expected {version}"
-        bad = self.twin.differences(ray.get(full_ref[0]).items())
-        if bad:
-            raise AssertionError(f"vLLM rank {self.rank}, version {version}: {len(bad)} parameters differ from "
-                                 f"vLLM's loader: {bad[:4]}")
-        return {"received": self.engine.last_report["bytes_received"], "held": self.twin.checkpoint_bytes(),
-                "parameters": len(list(self.model.parameters()))}
-
-    def state(self):
-        return {"version": self.engine.version, "failed": self.engine.failed}
-
-    def failure_check(self, new_ref, old_ref):
-        """The engine's report of a failed update against this rank's memory: each parameter compared, element
-        by element, with what vLLM's loader makes of the failed version (`new_ref`) and of the last published
-        one (`old_ref`). Returns the report's counts and every parameter the report misnames."""
-        f = self.engine.failure
-        held = self.cpu.what_parameters_hold(self.model, ray.get(new_ref[0]).items(), ray.get(old_ref[0]).items())
-        named = {n: k for k in ("written", "partial", "untouched") for n in f[k]}
-        # A parameter named partial may hold either version whole (a receive posted, not landed or landed
-        # entirely); one whose two versions agree ("same") may be named anything.
-        wrong = [f"{n}: named {named.get(n)}, holds {h}" for n, h in held.items() if named.get(n) != h
-                 and h != "same" and not (named.get(n) == "partial" and h in ("written", "untouched"))]
-        return {k: len(f[k]) for k in ("written", "partial", "untouched")} | {"misnamed": wrong,
-                                                                            "parameters": len(held)}
-
-    def trace_seconds(self):
-        """How long init_transfer_engine's trace of vLLM's loader took here."""
-        return self.engine.live.seconds
-
-    def peer_init(self, port, rank, size):
-        self.peer = peer_group(port, rank, size)
-
-    def peer_receive(self, meta):
-        torch = self.torch
-
-        def arriving():
-            for name, shape, dtype in meta:
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                self.peer.broadcast(t, 0).wait()
-                yield name, t
-        self.cpu.vllm_load(self.model, arriving())
-
-    def close(self):
-        self.engine.shutdown()
+# The actors' module is this script's sibling, not importable in Ray's workers: sent with its classes.
+ray.cloudpickle.register_pickle_by_value(rl_actors)
 
 
 def run(a) -> dict:
@@ -596,7 +328,8 @@ def main(argv=None) -> int:
                     help="a planted fault: in that step one unchanged embed_tokens row of vLLM rank 0 is not written")
     ap.add_argument("--kill", type=kill_spec, metavar="ROLE:RANK@STEP",
                     help="kill an actor in a step's update, e.g. rollout:1@2 or trainer:1@2")
-    ap.add_argument("--work", help="a folder for vLLM's files, with a short path: vLLM binds sockets in it (default: a temporary one under /tmp, removed); Ray's go to a temporary folder of their own")
+    ap.add_argument("--work", help="a folder for vLLM's files, with a short path: vLLM binds sockets in it "
+                    "(default: a temporary one under /tmp, removed); Ray's go to a temporary folder of their own")
     ap.add_argument("--verbose", action="store_true", help="the actors' logs on stderr")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
     a = ap.parse_args(argv)

@@ -34,17 +34,13 @@
 #include <fmt/format.h>
 
 #include "reshard/transport/transport.hpp"
+#include "../transport_parts.hpp"
 
 namespace mpi_transport {
 
-using reshard::Clock;
-using reshard::Deadline;
-using reshard::OpKind;
-using reshard::RegionHandle;
-using reshard::TransferOp;
-using reshard::TransportError;
+using namespace transport_parts;
 
-class MpiTransport {
+class MpiTransport : public WaitIsWaitAny<MpiTransport> {
  public:
   struct Group {
     std::vector<TransferOp> ops;  // copied: post()'s span is the caller's
@@ -244,10 +240,6 @@ class MpiTransport {
     check_aborted();
     return false;
   }
-  void wait(request& r, Deadline deadline) {
-    request* one[1] = {&r};
-    wait_any(one, deadline);
-  }
   std::size_t wait_any(std::span<request* const> rs, Deadline deadline) {
     if (rs.empty()) throw TransportError(fmt::format("mpi transport: rank {}: wait_any on no requests", me_));
     while (true) {
@@ -283,10 +275,6 @@ class MpiTransport {
   }
 
  private:
-  std::string describe(const TransferOp& op) const {
-    return op.kind == OpKind::send ? fmt::format("send of {} bytes to rank {} (tag {:#x})", op.bytes, op.peer, op.tag)
-                                   : fmt::format("receive of {} bytes from rank {} (tag {:#x})", op.bytes, op.peer, op.tag);
-  }
   /// Completes what MPI finished; true once the whole group is done (throws if it failed).
   bool progress(Group& g) {
     if (!g.done) {

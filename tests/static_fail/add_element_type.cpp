@@ -1,9 +1,6 @@
 // expect: LayoutOf::add<E> takes the tensor's element type
 // context: E = short unsigned int
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 

@@ -1,8 +1,5 @@
 // expect: LayoutOf::add takes a Tensor<Spec, ...>
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 

@@ -1,8 +1,5 @@
 // expect: a mesh axis name has at most 47 characters
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 MeshOf<Axis<"an_axis_name_of_exactly_forty_seven_characters_", 2>> mesh;

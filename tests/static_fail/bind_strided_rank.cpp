@@ -1,10 +1,7 @@
 // expect: a strided view bound to a tensor has one extent and one stride per dim of the tensor
 // context: tensor_dims = 2; long unsigned int view_dims = 3
 #include "reshard/exec/binding.hpp"
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 

@@ -1,9 +1,6 @@
 // expect: reshard::bind_tensor takes the handle st::LayoutOf::add<E>(...) returned
 #include "reshard/exec/binding.hpp"
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 

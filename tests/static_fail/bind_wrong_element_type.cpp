@@ -1,10 +1,7 @@
 // expect: the memory bound to a tensor must be of its element type
 // context: Tensor = float; Given = reshard::bf16_t
 #include "reshard/exec/binding.hpp"
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 

@@ -1,8 +1,5 @@
 // expect: a buffer's parts are the handles LayoutOf::add returned, at least one
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 

@@ -1,9 +1,6 @@
 // expect: the concat dim is beyond the rank of a part
 // context: int dim = 2; int rank = 2
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 2>>;
 using W = Tensor<ShardSpec<Shard<"tp">, Replicate>>;

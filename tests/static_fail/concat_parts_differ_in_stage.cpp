@@ -1,8 +1,5 @@
 // expect: all parts of a buffer must live on the same stage axes
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"pp", 2>, Axis<"tp", 2>>;
 using W = Tensor<ColumnParallel<"tp">>;

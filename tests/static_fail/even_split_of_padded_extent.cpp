@@ -1,9 +1,6 @@
 // expect: an even split must divide the dim's extent; use Chunk or Balanced for uneven dims, or pad it
 // context: long int extent = 10; long int parts = 8
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"ep", 2>, Axis<"tp", 4>>;
 

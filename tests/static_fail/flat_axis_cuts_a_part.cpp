@@ -1,9 +1,6 @@
 // expect: a flat buffer's axes may not cut or stage its parts
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"dp", 2>, Axis<"tp", 2>>;
 

@@ -1,8 +1,5 @@
 // expect: a flat buffer holds a contiguous range: Cyclic is not allowed
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"dp", 2>, Axis<"tp", 2>>;
 

@@ -1,8 +1,5 @@
 // expect: a flat buffer's length differs between ranks: pad it with Padded<P>, not RoundUp<M> or RoundUpPerPart<M>
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"dp", 2>, Axis<"tp", 2>>;
 

@@ -1,9 +1,6 @@
 // expect: the shard spec names an axis that is not in the mesh
 // context: axis = reshard::st::axis_name{"zp"}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"dp", 2>, Axis<"tp", 2>>;
 

@@ -1,8 +1,5 @@
 // expect: LayoutOf<Mesh> takes a MeshOf<Axis<...>...> type
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 using L = LayoutOf<MeshOf<Axis<"tp", 2>>>;

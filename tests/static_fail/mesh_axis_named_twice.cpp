@@ -1,9 +1,6 @@
 // expect: two axes of one mesh have the same name
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 MeshOf<Axis<"tp", 2>, Axis<"dp", 4>> mesh;

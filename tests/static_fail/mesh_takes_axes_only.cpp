@@ -1,8 +1,5 @@
 // expect: MeshOf<...> takes mesh axes only
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 MeshOf<Axis<"tp", 2>> mesh;

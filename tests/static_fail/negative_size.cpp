@@ -1,8 +1,5 @@
 // expect: Sizes<...> lists at least one part size, all >= 0
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardOn<0, Dim<Shard<"tp">, Sizes<1, 0>>>> t{"w", {1}, DType::f32};

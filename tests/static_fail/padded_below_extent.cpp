@@ -1,9 +1,6 @@
 // expect: Padded<P> must be at least the dim's extent
 // context: int dim = 0; long int padded = 8; long int extent = 10
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 4>>;
 

@@ -1,9 +1,6 @@
 // expect: a dim index is >= 0
 // context: int dim = -1
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardOn<0, Shard<"tp">>> t{"w", {8, 8}, DType::f32};

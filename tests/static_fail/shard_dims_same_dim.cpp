@@ -1,9 +1,6 @@
 // expect: two On<dim, ...> entries name the same dim
 // context: int dim = 0
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardDims<On<0, Shard<"ep">>, On<1, Shard<"tp">>>> t{"w", {8, 8}, DType::f32};

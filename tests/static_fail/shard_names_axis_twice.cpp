@@ -1,9 +1,6 @@
 // expect: a Shard<...> names one mesh axis twice (or two overlapping sub-axes of it)
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ColumnParallel<"dp", "tp">> t{"w", {8, 8}, DType::f32};

@@ -1,8 +1,5 @@
 // expect: Shard<...> needs at least one mesh axis; write Replicate for a dim that is not cut
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardSpec<Replicate, Shard<"tp">>> t{"w", {8, 8}, DType::f32};

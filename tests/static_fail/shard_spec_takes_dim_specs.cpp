@@ -1,9 +1,6 @@
 // expect: ShardSpec<...> takes one dim spec per tensor dim: Replicate, Shard<axes...> or Dim<...>
 // context: int dim = 1
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardSpec<Shard<"tp">, Replicate>> t{"w", {8, 8}, DType::f32};

@@ -1,9 +1,6 @@
 // expect: Sizes<...> lists one size per part (the product of the dim's axis sizes)
 // context: long int sizes = 2; long int parts = 4
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 4>>;
 

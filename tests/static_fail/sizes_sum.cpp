@@ -1,9 +1,6 @@
 // expect: Sizes<...> must sum to the dim's extent (its padded extent when padded)
 // context: long int sum = 11; long int extent = 10
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"tp", 4>>;
 

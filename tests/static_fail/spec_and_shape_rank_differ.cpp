@@ -1,9 +1,6 @@
 // expect: the shard spec and the shape have different numbers of dims
 // context: int spec_dims = 2; int shape_dims = 3
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardSpec<Shard<"tp">, Replicate>, Shape<4, 4>> t{"w", {}, DType::f32};

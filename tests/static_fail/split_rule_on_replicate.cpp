@@ -1,8 +1,5 @@
 // expect: a split rule only applies to a dim cut by Shard<axes...>; a Replicate dim is not split
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardOn<0, Dim<Replicate, Padded<16>>>> t{"w", {8, 8}, DType::f32};

@@ -1,9 +1,6 @@
 // expect: a static extent is >= 1, or reshard::st::dynamic
 // context: int dim = 1; long int extent = 0
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<Replicated, Shape<8, dynamic>> t{"w", {4}, DType::f32};

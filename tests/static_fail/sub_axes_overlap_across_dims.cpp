@@ -1,9 +1,6 @@
 // expect: this mesh axis cuts two dims of one tensor; each mesh axis may cut at most one dim
 // context: axis = reshard::st::axis_name{"tp"}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardSpec<Shard<sub_axis("tp", 1, 2)>, Shard<sub_axis("tp", 2)>>> t{"w", {8, 8}, DType::f32};

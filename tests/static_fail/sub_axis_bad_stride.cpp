@@ -1,9 +1,6 @@
 // expect: a sub-axis needs stride >= 1 and size >= 1
 // context: axis_ref{reshard::st::axis_name{"tp"}, 0, 2}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ColumnParallel<sub_axis("tp", 1, 2)>> t{"w", {8, 8}, DType::f32};

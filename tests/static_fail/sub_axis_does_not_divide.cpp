@@ -1,9 +1,6 @@
 // expect: a sub-axis's stride * size must divide its axis size
 // context: axis_ref{reshard::st::axis_name{"tp"}, 3, -1}; long int axis_size = 4
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"dp">, Axis<"tp", 4>>;
 

@@ -1,9 +1,6 @@
 // expect: a tensor has 1 to 8 dims
 // context: int rank = 9
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using R = Replicate;
 

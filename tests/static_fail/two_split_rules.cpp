@@ -1,8 +1,5 @@
 // expect: a dim takes one split rule: Even, Chunk, Balanced, Sizes<...> or Cyclic<B>
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 Tensor<ShardOn<0, Dim<Shard<"tp">, Chunk>>> t{"w", {8, 8}, DType::f32};

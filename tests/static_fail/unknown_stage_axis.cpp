@@ -1,9 +1,6 @@
 // expect: the stage names an axis that is not in the mesh
 // context: axis = reshard::st::axis_name{"pp"}
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 using M = MeshOf<Axis<"dp">, Axis<"tp", 4>>;
 

@@ -1,9 +1,6 @@
 // expect: a mesh axis has size >= 1, or reshard::st::dynamic when its size is given at runtime
 // context: axis = reshard::st::axis_name{"tp"}; long int size = 0
-#include "reshard/layout/static_layout.hpp"
-
-using namespace reshard::st;
-using reshard::DType;
+#include "prelude.hpp"
 
 #ifdef RESHARD_STATIC_FAIL_CONTROL
 MeshOf<Axis<"dp">, Axis<"tp", 1>> mesh(2);

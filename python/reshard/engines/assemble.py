@@ -6,7 +6,8 @@ into one layout (CONTRACT.md section 1): per tensor and dim, which mesh axes
 the ranks that hold it; per parameter, a concat buffer named as the engine
 names it; row ranges of a fused checkpoint tensor as tensors with ``rows_of``
 (:mod:`reshard.engines.rows`). :func:`verify_rank` then checks, run by run of
-slots, that the layout reproduces what the loader wrote on a rank.
+slots, that the layout reproduces what the loader wrote on a rank; :func:`verify_traces` does so for
+traced ranks (the engines' one check, whether every rank is traced in one process or each in its own).
 """
 from __future__ import annotations
 
@@ -219,6 +220,22 @@ def checkpoint_coordinates(layout: Layout, index: Mapping[str, int]):
                 ids[i] = index.get(base, -3)
                 shift[i] = start * math.prod(info["shape"][1:])
     return ids, shift
+
+
+def verify_traces(layout: Layout, traces: Sequence[RankTrace], checkpoint, first_rank: int,
+                  checked: Optional[Sequence[RankTrace]] = None) -> Optional[str]:
+    """:func:`verify_rank` for the ranks of ``checked`` (default: all of ``traces``), on their parameters
+    that no rank of ``traces`` left untraced, in the coordinates of ``checkpoint`` ((name, shape, dtype)
+    in the checkpoint's order): the first rank whose recorded writes the layout does not reproduce, in
+    words, or None."""
+    coordinates = checkpoint_coordinates(layout, {e[0]: k for k, e in enumerate(checkpoint)})
+    untraced = set().union(*(t.untraced for t in traces))
+    for t in traces if checked is None else checked:
+        rank = first_rank + position(layout.mesh, t.coords)
+        why = verify_rank(layout, rank, [pt for pt in t.params if pt.name not in untraced], coordinates)
+        if why:
+            return f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}"
+    return None
 
 
 def verify_rank(layout: Layout, rank: int, params: Sequence[ParamTrace], coordinates) -> Optional[str]:

@@ -273,15 +273,9 @@ def _assemble_and_verify(traces, mine: tr.RankTrace, axes, checkpoint, first_ran
                          origin: str) -> "Tuple[Optional[Layout], Optional[str]]":
     """The whole layout from every rank's trace, checked against this rank's recorded writes."""
     shapes = {e[0]: list(e[1]) for e in checkpoint}
-    index = {e[0]: k for k, e in enumerate(checkpoint)}
     try:
         _, layout = asm.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
-        coordinates = asm.checkpoint_coordinates(layout, index)
-        untraced = set().union(*(t.untraced for t in traces))
-        why = asm.verify_rank(layout, rank, [pt for pt in mine.params if pt.name not in untraced], coordinates)
-        if why:
-            return layout, f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}"
-        return layout, None
+        return layout, asm.verify_traces(layout, traces, checkpoint, first_rank, checked=[mine])
     except Error as e:
         return None, f"rank {rank}: {e}"
 

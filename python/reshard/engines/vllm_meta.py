@@ -242,7 +242,9 @@ def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], fi
     ta = time.perf_counter()
     _, layout = asm.assemble(traces, axes, shapes, first_rank=first_rank, origin=origin)
     tv = time.perf_counter()
-    _verify_all(layout, traces, checkpoint, first_rank)
+    why = asm.verify_traces(layout, traces, checkpoint, first_rank)
+    if why:
+        raise Error(why)
     log.info("assembled in %.1f s, checked against every rank's recorded writes in %.1f s", tv - ta,
              time.perf_counter() - tv)
     untraced: Dict[str, str] = {}
@@ -254,16 +256,6 @@ def _trace_ranks(config_path: pathlib.Path, spec: str, sizes: Dict[str, int], fi
     log.info("traced layout of %s at %s: %.1f s (building %.1f s, tracing %.1f s), %d untraced", config_path.name,
              spec, seconds, build_s, trace_s, len(untraced))
     return TracedLayout(layout, untraced, slow, seconds, build_s, trace_s)
-
-
-def _verify_all(layout: Layout, traces, checkpoint, first_rank: int) -> None:
-    coordinates = asm.checkpoint_coordinates(layout, {n: k for k, (n, _, _) in enumerate(checkpoint)})
-    untraced = set().union(*(t.untraced for t in traces))
-    for t in traces:
-        rank = first_rank + asm.position(layout.mesh, t.coords)
-        why = asm.verify_rank(layout, rank, [pt for pt in t.params if pt.name not in untraced], coordinates)
-        if why:
-            raise Error(f"rank {rank}: the traced layout does not reproduce vLLM's loader on {why}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -113,3 +114,20 @@ def test_fused_expert_checkpoints_half_an_expert_at_a_time(tmp_path, models):
                             tracer=rv.trace_rank_tags, **kw)
     assert recorded.untraced == tags.untraced == {}
     assert layout_doc(recorded.layout) == layout_doc(tags.layout)
+
+
+def test_a_layout_that_does_not_reproduce_the_loader_fails_naming_the_rank(tmp_path, models):
+    # assemble.verify_traces, which both the in-process trace and live_layout run: the layout comes from the
+    # rank's pieces; rank 1's recorded writes say one run starts one element later, so they must disagree.
+    def tracer(model, checkpoint, coords, load=None):
+        t = rv.trace_rank(model, checkpoint, coords, load)
+        if coords["tp"] == 1:
+            p = t.params[0]
+            k = int(np.flatnonzero(p.runs[:, 2] >= 0)[0])
+            p.runs = p.runs.copy()
+            p.runs[k, 3] += 1
+        return t
+
+    with pytest.raises(reshard.Error, match=r"^rank 1: the traced layout does not reproduce vLLM's loader on "
+                                            r"parameter '.*': from slot \d+ the layout says"):
+        rv.traced_layout(models / "tiny-llama.json", "tp=2", work=tmp_path, device="cpu", tracer=tracer)
