@@ -7,6 +7,7 @@ vllm_rl_loop.py.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pathlib
 import signal
@@ -150,17 +151,21 @@ class Trainer:
         self.peer = peer_group(port, 0, len(rollouts) + 1, host=True)
         ray.get(refs)
 
-    def peer_send(self):
+    def peer_send(self, packed=True):
         """vLLM's nccl backend's path on gloo: every trainer rank gathers the full tensors (FSDP2), rank 0
-        broadcasts each to every rollout rank, which loads it with load_weights as it arrives."""
+        broadcasts them to every rollout rank, which loads them with load_weights inside vLLM's layerwise
+        reload. ``packed`` (vLLM 0.33's default): 1 GB buckets, two in flight; else one tensor at a time."""
         t0 = time.monotonic()
         full = [(n, p.full_tensor()) for n, p in self.model.named_parameters()]
         if self.rank != 0:
             return None
         meta = [(n, list(t.shape), str(t.dtype).split(".")[-1]) for n, t in full]
-        refs = [r.peer_receive.remote(meta) for r in self.rollouts]
-        for _, t in full:
-            self.peer.broadcast(t, 0).wait()
+        refs = [r.peer_receive.remote(meta, packed) for r in self.rollouts]
+        if packed:
+            packed_broadcast(self.peer, iter(full))
+        else:
+            for _, t in full:
+                self.peer.broadcast(t, 0).wait()
         ray.get(refs)
         return {"seconds": time.monotonic() - t0, "bytes": sum(t.numel() * t.element_size() for _, t in full)
                 * len(self.rollouts)}
@@ -173,6 +178,56 @@ class Trainer:
 #: Seconds without progress before a refit's wait gives up (the backend's stall_timeout): short, so that a
 #: stalled rank fails the update in seconds.
 STALL_TIMEOUT = 4.0
+
+
+def packed_broadcast(group, tensors):
+    """vLLM 0.33's packed_nccl_broadcast_producer on gloo: its own pack_tensors fills each bucket (past
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES it is sent) while up to DEFAULT_PACKED_NUM_BUFFERS broadcasts are in
+    flight; gloo's work handles stand for its CUDA streams."""
+    from vllm.distributed.weight_transfer.packed_tensor import (
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS,
+        pack_tensors,
+    )
+    in_flight = [None] * DEFAULT_PACKED_NUM_BUFFERS
+    slot = 0
+    while True:
+        if in_flight[slot] is not None:
+            in_flight[slot][0].wait()  # the slot's last broadcast has left: its bucket may go
+            in_flight[slot] = None
+        chunk = pack_tensors(tensors, lambda item: item[1], DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        if chunk is None:
+            break
+        in_flight[slot] = (group.broadcast(chunk.packed_tensor, 0), chunk)
+        slot = (slot + 1) % DEFAULT_PACKED_NUM_BUFFERS
+    for f in in_flight:
+        if f is not None:
+            f[0].wait()
+
+
+def packed_receive(group, meta, load):
+    """vLLM 0.33's packed_nccl_broadcast_consumer on gloo: buckets cut by the same sizes as the producer's,
+    each received whole, split by its own unpack_tensor and handed to ``load``."""
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, unpack_tensor
+    bucket, size = [], 0
+
+    def receive():
+        packed = torch.empty(size, dtype=torch.uint8)
+        group.broadcast(packed, 0).wait()
+        names, shapes, dtypes, sizes = zip(*bucket)
+        load(unpack_tensor(packed, list(names), list(shapes), list(dtypes), list(sizes)))
+
+    for name, shape, dtype in meta:
+        dt = getattr(torch, dtype)
+        nbytes = math.prod(shape) * dt.itemsize
+        bucket.append((name, shape, dt, nbytes))
+        size += nbytes
+        if size > DEFAULT_PACKED_BUFFER_SIZE_BYTES:
+            receive()
+            bucket, size = [], 0
+    if bucket:
+        receive()
 
 
 def peer_group(port, rank, size, host=False):
@@ -275,9 +330,15 @@ class Rollout:
         return self.engine.live.seconds
 
     def peer_init(self, port, rank, size):
-        self.peer = peer_group(port, rank, size)
+        from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
-    def peer_receive(self, meta):
+        self.peer = peer_group(port, rank, size)
+        record_metadata_for_reloading(self.model)  # as vLLM's loader does after its first load
+
+    def peer_receive(self, meta, packed):
+        """vLLM's nccl engine: load_weights inside the layerwise reload (start_weight_update /
+        finish_weight_update), the weights packed or one tensor at a time."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         torch = self.torch
 
         def arriving():
@@ -285,7 +346,12 @@ class Rollout:
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 self.peer.broadcast(t, 0).wait()
                 yield name, t
-        self.cpu.vllm_load(self.model, arriving())
+        initialize_layerwise_reload(self.model)
+        if packed:
+            packed_receive(self.peer, meta, lambda weights: self.cpu.vllm_load(self.model, weights))
+        else:
+            self.cpu.vllm_load(self.model, arriving())
+        finalize_layerwise_reload(self.model, self.vcfg.model_config)
 
     def close(self):
         self.engine.shutdown()

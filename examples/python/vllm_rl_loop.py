@@ -19,8 +19,10 @@ rollout parameter compared, bit for bit, with vLLM's own ``load_weights`` of the
 into a twin model, and the bytes each rollout rank received with those that load writes there
 (:class:`reshard.engines.cpu.LoadedTwin`); then (unless
 ``--no-peer``) the same version through the path vLLM's ``nccl`` backend takes, with gloo in place of
-NCCL: trainer rank 0 broadcasts each full tensor to every rollout rank, which calls ``load_weights``
-(timed the same way, same processes). ``--delta`` makes the backend's updates delta refits;
+NCCL: trainer rank 0 broadcasts the full tensors to every rollout rank, which calls ``load_weights`` inside
+vLLM's layerwise reload (timed the same way, same processes): packed as vLLM 0.33 ships it (its own
+``pack_tensors`` / ``unpack_tensor``, 1 GB buckets, two in flight: ``peer_seconds``), then one tensor at a
+time (``peer_unpacked_seconds``). ``--delta`` makes the backend's updates delta refits;
 ``--master-f32`` keeps the trainer's parameters in f32 (FSDP2's MixedPrecisionPolicy computing in bf16,
 as veRL runs it), which the backend casts to vLLM's bf16 in flight.
 ``--kill rollout:K@S`` (or ``trainer:K@S``) kills that actor inside step S's update: the step must fail
@@ -143,6 +145,7 @@ class Loop:
             peer_port = ray.get(self.trainers[0].listen_port.remote())
             ray.get([t.peer_init.remote(peer_port, self.rollouts) for t in self.trainers])
         self.validated, self.times, self.peer_times, self.sent, self.peer_bytes, self.losses = True, [], [], [], [], []
+        self.peer_unpacked_times = []
         for step in range(1, a.steps + 1):
             self.losses.append(ray.get([t.train_step.remote() for t in self.trainers])[0])
             t_step = time.monotonic()
@@ -175,16 +178,20 @@ class Loop:
             out.setdefault("received", []).append([c["received"] for c in checks])
             out["held"] = [c["held"] for c in checks]
             if a.peer:
-                pres = ray.get([t.peer_send.remote() for t in self.trainers])[0]
+                pres = ray.get([t.peer_send.remote(True) for t in self.trainers])[0]
                 self.peer_times.append(pres["seconds"])
                 self.peer_bytes.append(pres["bytes"])
+                pres = ray.get([t.peer_send.remote(False) for t in self.trainers])[0]
+                self.peer_unpacked_times.append(pres["seconds"])
         if "failure" not in out or out.get("recovery", {}).get("validated"):
             ray.get([t.close.remote() for t in self.trainers] + [r.close.remote() for r in self.rollouts])
         times, peer_times = self.times, self.peer_times
         out.update(validated=self.validated and len(times) == a.steps, steps=len(times), update_seconds=times,
                    peer_update_seconds=peer_times, bytes=self.sent, peer_bytes=self.peer_bytes, losses=self.losses,
                    seconds=statistics.median(times) if times else None,
-                   peer_seconds=statistics.median(peer_times) if peer_times else None)
+                   peer_seconds=statistics.median(peer_times) if peer_times else None,
+                   peer_unpacked_update_seconds=self.peer_unpacked_times,
+                   peer_unpacked_seconds=statistics.median(self.peer_unpacked_times) if peer_times else None)
         if times and peer_times:
             out["speedup"] = out["peer_seconds"] / out["seconds"]
             out["bytes_ratio"] = statistics.median(self.peer_bytes) / statistics.median(self.sent)
