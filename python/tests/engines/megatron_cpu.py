@@ -123,3 +123,28 @@ def bridge_load(model, cfg: dict, tensors: dict, work: pathlib.Path):
     (d / "config.json").write_text(json.dumps(c))
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
     AutoBridge.from_hf_pretrained(str(d)).load_hf_weights([model])
+
+
+def load_experts(model, tensors: dict) -> int:
+    """Each routed expert's weights of a HF checkpoint (``tensors``: HF name -> tensor) into this rank's live
+    MoE ``model``, by Megatron-Core's own expert placement: each MoE layer's ``local_expert_indices``, its
+    ``layer_number`` and the expert-tensor-parallel rank. Independent of reshard's Megatron layout, which
+    the caller checks against the result. linear_fc1 is [gate_r; up_r] (rows of rank r), linear_fc2 is
+    down's columns of rank r. Returns how many local experts were loaded."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    etp, r = mps.get_expert_tensor_parallel_world_size(), mps.get_expert_tensor_parallel_rank()
+    loaded = 0
+    with torch.no_grad():
+        for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
+            if not isinstance(layer.mlp, MoELayer):
+                continue
+            for local, e in zip(layer.mlp.experts.local_experts, layer.mlp.local_expert_indices):
+                hf = f"model.layers.{layer.layer_number - 1}.mlp.experts.{e}"
+                gate, up, down = (tensors[f"{hf}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+                local.linear_fc1.weight.copy_(torch.cat([gate.chunk(etp, 0)[r], up.chunk(etp, 0)[r]]))
+                local.linear_fc2.weight.copy_(down.chunk(etp, 1)[r])
+                loaded += 1
+    return loaded

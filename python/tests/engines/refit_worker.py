@@ -6,8 +6,9 @@
                                          through vLLM's loader (reshard.engines.vllm.live_layout)
 
 Both read and write through a TCPStore the test hosts. The vLLM rank serves version 0 (vLLM's own
-load_weights), then takes version 1 by a reshard refit into its live parameters, then compares every
-parameter, bit for bit, with vLLM's own load_weights of version 1. It also binds the live model to
+load_weights), then takes version 1 by a reshard refit into its live parameters (their checkpoint
+elements set to junk first), then compares every parameter, bit for bit, with vLLM's own load_weights of
+version 1 into a twin model (cpu.LoadedTwin), which also counts the bytes the rank must receive. It also binds the live model to
 reshard.vllm_layout (the preset) and checks that the preset puts every slot where the trace does, and
 that a missing, renamed, reshaped or retyped parameter fails naming it. The result is one JSON file.
 """
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--bridge", action="store_true", help="live Megatron ranks load version 1 by Megatron-Bridge")
     ap.add_argument("--fail-trace", type=int, default=-1, help="this vLLM rank's trace fails (a planted fault)")
+    ap.add_argument("--plant-expert-swap", action="store_true",
+                    help="a planted fault: the Megatron layout swaps local experts 0 and 1 of every MoE layer")
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
@@ -73,7 +76,7 @@ def main():
             src = reshard.layout_from_json(store.get("src_layout").decode(), "the FSDP2 trainer's layout")
             out.update(run_vllm(a, store, src, ckpt, full1, cfg_path))
         elif a.role == "megatron":
-            out["report"] = run_megatron(a, store, reshard.megatron_layout(cfg_path, a.train), cfg_path, full1)
+            out["report"] = run_megatron(a, store, megatron_source(a, cfg_path), cfg_path, full1)
             out["ok"] = True
         elif a.role == "source":
             src = reshard.megatron_layout(cfg_path, a.train)
@@ -83,7 +86,7 @@ def main():
                 out["report"] = r.refit()
             out["ok"] = True
         else:
-            src = ckpt if a.train == "whole" else reshard.megatron_layout(cfg_path, a.train)
+            src = ckpt if a.train == "whole" else megatron_source(a, cfg_path)
             out.update(run_vllm(a, store, src, ckpt, full1, cfg_path))
     except reshard.Error as e:
         out.update(ok=False, error=str(e), kind=type(e).__name__)
@@ -92,26 +95,49 @@ def main():
     pathlib.Path(a.out).write_text(json.dumps(out))
 
 
+def megatron_source(a, cfg_path):
+    """reshard.megatron_layout of the training spec; with --plant-expert-swap, local experts 0 and 1 of
+    every MoE layer swapped (a wrong local expert index, planted)."""
+    src = reshard.megatron_layout(cfg_path, a.train)
+    if not a.plant_expert_swap:
+        return src
+    j = json.loads(src.to_json())
+    by_name = {b["name"]: b for b in j["buffers"]}
+    for b in j["buffers"]:
+        if ".local_experts.0." in b["name"]:
+            other = by_name[b["name"].replace(".local_experts.0.", ".local_experts.1.")]
+            b["parts"], other["parts"] = other["parts"], b["parts"]
+    return reshard.layout_from_json(json.dumps(j), "the Megatron layout with local experts 0 and 1 swapped")
+
+
 def run_megatron(a, store, src, cfg_path, full1):
     """A training rank of a live Megatron-Core GPTModel (local layer spec, gloo, under the Float16Module
     mixed-precision wrapper), bound to reshard.megatron_layout by its own parameter names, version 1
-    loaded by Megatron-Bridge, then refit from its parameters."""
+    loaded by Megatron's own code and checked against what the layout says, then refit from its
+    parameters."""
     import megatron_cpu
     from reshard.engines import bind_parameters
 
     cfg = json.loads(cfg_path.read_text())
     model = megatron_cpu.build(cfg, a.train)
     bufs = bind_parameters(model.named_parameters(), src, a.rank, engine="the live GPTModel")
-    # Version 1 by Megatron-Bridge's own conversion (--bridge); it must equal what the preset says
-    # each parameter holds (the contract oracle over reshard.megatron_layout), real elements only.
-    # Without --bridge the oracle writes version 1 through the model's own parameter names.
+    # Version 1 by Megatron's own code; it must equal what the preset says each parameter holds (the
+    # contract oracle over reshard.megatron_layout), real elements only. --bridge: Megatron-Bridge's
+    # conversion. Without it (Bridge 0.6 fails on SequentialMLP experts) each routed expert is loaded by
+    # Megatron-Core's own expert placement (megatron_cpu.load_experts), so the layout's local expert
+    # indices are checked here; the oracle writes the other parameters by the model's own names.
     expected = oracle.contract_buffers(src, full1, a.rank)
     if a.bridge:
         megatron_cpu.bridge_load(model, cfg, full1, pathlib.Path(a.work))
     else:
         with torch.no_grad():
             for n, t in bufs.items():
-                t.view(-1).copy_(expected[n][0].reshape(-1))
+                if ".local_experts." not in n:
+                    t.view(-1).copy_(expected[n][0].reshape(-1))
+        experts = megatron_cpu.load_experts(model, full1)
+        if experts != sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in bufs):
+            raise reshard.Error(f"rank {a.rank}: Megatron placed {experts} local experts; the layout binds "
+                                f"{sum('.local_experts.' in n for n in bufs) // 2}")
     bad = []
     for n, t in bufs.items():
         v, m = expected[n]
@@ -119,7 +145,7 @@ def run_megatron(a, store, src, cfg_path, full1):
         if not torch.equal(got[m], v[m]):
             bad.append(f"{n}: {int((got[m] != v[m]).sum())} of {int(m.sum())} elements differ")
     if bad:
-        raise reshard.Error(f"rank {a.rank}: Megatron-Bridge's conversion differs from reshard.megatron_layout: "
+        raise reshard.Error(f"rank {a.rank}: Megatron's own load differs from reshard.megatron_layout: "
                             + "; ".join(bad[:6]))
     dst = reshard.layout_from_json(store.get("dst_layout").decode(), "the traced vLLM layout")
     with reshard.Resharder(src, dst, rank=a.rank, buffers=bufs, transport="ucx", store=store) as r:
@@ -162,7 +188,7 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
     work = pathlib.Path(a.work)
     os.environ.update(cpu.vllm_env(work))
     cfg = json.loads(cfg_path.read_text())
-    model, _ = cpu.vllm_model(cpu.vllm_model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
+    model, vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
     vrank = int(os.environ["RANK"])
     # Version 0 served first, as an engine that has loaded its checkpoint.
     cpu.vllm_load(model, oracle.full_tensors(ckpt, seed=0).items())
@@ -185,11 +211,17 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
            "traced_bytes": live.traced_bytes, "global_rank": live.rank}
     if vrank == 0:
         store.set("dst_layout", live.to_json())
-    res["needed_bytes"] = live.real_bytes  # every non-padding slot of its buffers
     res["preset"] = None if a.train == "whole" else check_preset(cfg_path, a, live, params)
+    # The reference: a twin of the model loaded by vLLM's own load_weights. What this rank must receive
+    # is counted from the elements that loader writes (not from reshard's trace), and the refit lands
+    # in memory set to junk there, so every write it misses shows.
+    twin = cpu.LoadedTwin(model, vcfg, full1)
+    res["needed_bytes"] = twin.checkpoint_bytes()
+    res["traced_real_bytes"] = live.real_bytes
+    twin.junk_fill()
     with reshard.Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport="ucx", store=store) as r:
         res["report"] = r.refit()
-    bad = cpu.differing_parameters(model, full1.items())  # against vLLM's own loader
+    bad = twin.differences(full1.items())
     res.update(ok=not bad, mismatches=bad, params=len(params),
                elements=sum(p.numel() for p in params.values()))
     return res

@@ -47,10 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge=False, timeout=420, fail_trace=-1):
+def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge=False, timeout=420, fail_trace=-1,
+              plant_expert_swap=False):
     """train: a Megatron spec (reshard.megatron_layout's ranks: live GPTModel ranks with live_megatron,
     else buffers the contract oracle fills), "fsdp:N" (N FSDP2 ranks) or "whole" (one rank holding the
-    whole checkpoint). fail_trace: that vLLM rank's trace fails, and only the vLLM ranks run."""
+    whole checkpoint). fail_trace: that vLLM rank's trace fails, and only the vLLM ranks run.
+    plant_expert_swap: the layout swaps local experts 0 and 1, and only the training ranks run."""
     S = int(train.split(":")[1]) if train.startswith("fsdp:") else 1 if train == "whole" else \
         len(reshard.megatron_layout(config, train).ranks)
     store_port, vllm_port, train_port = free_port(), free_port(), free_port()
@@ -64,9 +66,12 @@ def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge
         common.append("--bridge")
     if fail_trace >= 0:
         common += ["--fail-trace", str(fail_trace)]
+    if plant_expert_swap:
+        common.append("--plant-expert-swap")
     env0 = dict(os.environ, UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", GLOO_SOCKET_IFNAME="lo",
                 OMP_NUM_THREADS="1")
-    for r in range(S, S + tp) if fail_trace >= 0 else range(S + tp):
+    ranks = range(S, S + tp) if fail_trace >= 0 else range(S) if plant_expert_swap else range(S + tp)
+    for r in ranks:
         role = ("vllm" if r >= S else "fsdp" if train.startswith("fsdp") else "whole" if train == "whole" else
                 "megatron" if live_megatron else "source")
         env = dict(env0)
@@ -95,8 +100,8 @@ def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge
             if p.poll() is None:
                 p.kill()
         del store
-    if fail_trace >= 0:
-        return [results[r] for r in range(S, S + tp)]
+    if fail_trace >= 0 or plant_expert_swap:
+        return [results[r] for r in ranks]
     for r, res in results.items():
         assert res.get("ok"), f"rank {r} ({res['role']}): {res.get('error') or res.get('mismatches')}"
     return [results[r] for r in range(S, S + tp)], [results[r] for r in range(S)]
@@ -139,10 +144,22 @@ def test_qwen3_moe_tp2_from_megatron_layout_ep2(tmp_path, models):
 def test_qwen3_moe_tp2_expert_parallel_from_live_megatron_tp2_ep2(tmp_path, models):
     # Local expert indices on each EP rank (local_experts.0 is expert 0 on one rank, 4 on the other).
     # Megatron-Bridge 0.6's load_hf_weights fails on this SequentialMLP model ("'NoneType' object has
-    # no attribute 'megatron_module'": a parameter without a conversion task), so the contract oracle
-    # writes version 1 through the model's own parameter names.
+    # no attribute 'megatron_module'": a parameter without a conversion task), so each routed expert is
+    # loaded by Megatron-Core's own placement (MoELayer.local_expert_indices) and checked against
+    # reshard.megatron_layout; the oracle writes the other parameters through the model's own names.
     v, _ = run_refit(tmp_path, models / "tiny-qwen3-moe.json", "tp=2,ep=2,etp=1", tp=2, ep=True, live_megatron=True)
     check_vllm_ranks(v)
+
+
+def test_a_wrong_local_expert_index_in_the_megatron_layout_fails_on_the_megatron_side(tmp_path, models):
+    # Planted: the layout swaps local experts 0 and 1. Filled from that layout (before 2026-12-07) the model
+    # agreed with it; loaded by Megatron's own expert placement it differs, and every training rank names
+    # the swapped buffers.
+    t = run_refit(tmp_path, models / "tiny-qwen3-moe.json", "tp=2,ep=2,etp=1", tp=2, ep=True, live_megatron=True,
+                  plant_expert_swap=True, timeout=300)
+    for x in t:
+        assert not x["ok"] and "differs from reshard.megatron_layout" in x["error"], x
+        assert ".mlp.experts.local_experts.0.linear_fc1.weight" in x["error"], x["error"]
 
 
 def test_llama_tp2_from_fsdp2(tmp_path, models):
