@@ -52,6 +52,11 @@ vLLM's loader would (round to nearest even; the sender converts, so the
 engine's dtype crosses the wire); not with ``delta``. Errors name reshard's
 ranks: the trainer's ranks first, then the vLLM ranks (each message says
 which are which).
+The engine's life (docs/vllm.md, :mod:`reshard.vllm.lifecycle`): an update while the engine sleeps
+(its ``sleep`` / ``wake_up`` hooks, called beside vLLM's) is refused; a parameter re-allocated since
+setup is re-bound (the trainer sets up again and sends a dense update) or refused by name; a second
+``init_transfer_engine`` closes the first setup's Resharder; the trainer's ``shutdown`` frees its
+store port; vLLM other than 0.33.x and EPLB are refused at init.
 Not supported yet: sources whose parameters are not plain placements (use
 ``reshard.Resharder`` with a layout, e.g. Megatron-Core's), quantized (FP8)
 destinations through this backend, and parameters vLLM's loader computes
@@ -61,15 +66,17 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from .checks import config_differences, layout_from_param_meta, rank_legend, untraced_error
+from .checks import TARGET_VLLM, config_differences, layout_from_param_meta, rank_legend, untraced_error
 from .coordination import BEAT_SECONDS, TransferSettings, await_engines, gather_bytes, publish_error, raise_published
 from .engine import ReshardInitInfo, ReshardUpdateInfo, ReshardWeightTransferEngine, failure_report
+from .lifecycle import REBIND
 from .trainer import BACKEND, ReshardTrainerEngine, ReshardTrainerInitInfo
 
-__all__ = ["BACKEND", "BEAT_SECONDS", "ReshardInitInfo", "ReshardTrainerEngine", "ReshardTrainerInitInfo",
-           "ReshardUpdateInfo", "ReshardWeightTransferEngine", "TransferSettings", "await_engines",
-           "config_differences", "failure_report", "gather_bytes", "layout_from_param_meta", "publish_error",
-           "raise_published", "rank_legend", "register", "untraced_error"]
+__all__ = ["BACKEND", "BEAT_SECONDS", "REBIND", "ReshardInitInfo", "ReshardTrainerEngine",
+           "ReshardTrainerInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine", "TARGET_VLLM",
+           "TransferSettings", "await_engines", "config_differences", "failure_report", "gather_bytes",
+           "layout_from_param_meta", "publish_error", "raise_published", "rank_legend", "register",
+           "untraced_error"]
 
 
 def register() -> None:

@@ -105,3 +105,24 @@ def untraced_error(untraced: Sequence[str], checkpoint_names: Sequence[str], dif
                      f"refit them in place yet: {', '.join(sorted(computed))}")
     return "reshard backend: " + "; ".join(parts)
 
+
+#: The vLLM release this backend targets: its weight-transfer API, and the loaders the trace follows.
+TARGET_VLLM = "0.33"
+
+
+def check_vllm_version(installed: str) -> None:
+    """Refuses a vLLM other than the targeted release (any 0.33.x), naming both versions."""
+    if installed.split("+")[0].split(".")[:2] != TARGET_VLLM.split("."):
+        raise Error(f"reshard backend: vLLM {installed} is installed, this backend targets vLLM {TARGET_VLLM}.x "
+                    f"(its weight-transfer API and the loaders it traces): install vllm=={TARGET_VLLM}.*")
+
+
+def check_parallel_config(parallel_config: Any) -> None:
+    """Refuses what the backend does not refit yet: EPLB's redundant experts (vLLM moves experts between
+    ranks at run time, so a traced layout would not hold)."""
+    eplb = getattr(parallel_config, "enable_eplb", False)
+    redundant = getattr(getattr(parallel_config, "eplb_config", None), "num_redundant_experts", 0) or 0
+    if eplb or redundant:
+        raise Error(f"reshard backend: enable_eplb={eplb} (num_redundant_experts={redundant}): expert-parallel "
+                    "load balancing moves and replicates experts at run time, which this backend does not "
+                    "refit yet: serve without enable_eplb")

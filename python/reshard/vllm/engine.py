@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import vllm
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from .. import Error, RefitNotCommitted, Resharder, layout_from_json
 from ..engines.rows import split_rows
 from ..engines.vllm import live_layout
-from .checks import config_differences, rank_legend, untraced_error, with_legend
+from .checks import check_parallel_config, check_vllm_version, config_differences, rank_legend, untraced_error, with_legend
 from .coordination import (
     Heartbeat,
     SetupStore,
@@ -27,6 +28,7 @@ from .coordination import (
     raise_published,
     update_report,
 )
+from .lifecycle import REBIND, Fingerprint, SleepState, binding_change, fingerprints
 
 log = logging.getLogger("reshard")
 
@@ -73,6 +75,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.repaired = False                #: set up again since the failure: the next commit clears it
         self.live = None
         self.last_report: Optional[dict] = None
+        self.store: Any = None
+        self.bound: Dict[str, Fingerprint] = {}  #: each bound parameter's storage, shape, dtype, device
+        self.sleep_state = SleepState()
 
     @property
     def failed(self) -> Optional[str]:
@@ -84,11 +89,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         for every other rank before it is raised here."""
         info = init_info
         vrank, vworld = vllm_rank()
+        self.close_endpoint()
         store = torch.distributed.TCPStore(info.store_host, info.store_port, None, False,
                                            timeout=datetime.timedelta(seconds=info.timeout))
         error_key = f"{info.prefix}/setup_error"
-        drop_resharder(self.resharder)
-        self.resharder = None
         store.set(f"{info.prefix}/engines", str(vworld))
         beat = Heartbeat(info.store_host, info.store_port, f"{info.prefix}/beat/{vrank}", info.timeout)
         try:
@@ -100,10 +104,21 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             beat.stop()
         self.started, self.pending = False, None
         self.repaired = self.failure is not None
+        self.bound = fingerprints(self.live.buffers)
+        self.sleep_state.bound_anew()
+
+    def close_endpoint(self) -> None:
+        """Frees the last setup's Resharder (its transport and memory registrations; no collective close:
+        a re-init's peers set up anew) and lets go of its store client and bound parameters."""
+        r, self.resharder = self.resharder, None
+        drop_resharder(r)
+        self.store, self.live, self.staging, self.bound = None, None, None, {}
 
     def _set_up(self, info: ReshardInitInfo, store: Any, error_key: str) -> None:
         if str(self.device) != "cpu":
             raise Error(f"reshard backend: device {self.device}: this build moves host memory only")
+        check_vllm_version(vllm.__version__)
+        check_parallel_config(self.vllm_config.parallel_config)
         t0 = time.monotonic()
         raise_published(store, error_key)  # a trainer rank that failed first
         src = layout_from_json(info.src_layout, "the trainer's layout")
@@ -147,7 +162,21 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                         + (f"to version {self.pending} was received and " if self.pending is not None else "")
                         + "not finished: call finish_weight_update first (it publishes the version or reports "
                         "its failure)")
+        why = self.sleep_state.refusal() or self.sleep_state.rebind or binding_change(self.model, self.bound)
+        if why:
+            raise Error(f"reshard backend: update refused: {why}" + (
+                " (the trainer sets the transfer up again, binding the memory the model uses now, and sends "
+                "a dense update)" if REBIND in why else ""))
         self.started = True
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``sleep(level)`` on this worker: updates are refused until :meth:`wake_up`."""
+        self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        """vLLM's ``wake_up(tags)`` on this worker: after level 1 the bindings are checked and kept (the
+        weights are back where they were); after level 2 the next update re-binds and is dense."""
+        self.sleep_state.wake_up(tags, self.model, self.bound)
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
         if not self.started:
@@ -195,6 +224,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             drop_resharder(r)  # its peers may be gone: no collective close
         elif r is not None:
             r.close()
+        self.close_endpoint()
 
 
 def failure_report(e: Error, version: Optional[int], published: Optional[int], params: List[str], *,

@@ -3,16 +3,19 @@ engines' phases from rank 0 while every rank runs its end of each refit."""
 from __future__ import annotations
 
 import datetime
+import gc
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
+import vllm
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from .. import Error, Resharder, layout_from_json
 from ..engines.rows import split_rows
-from .checks import layout_from_param_meta, rank_legend, with_legend
+from .checks import check_vllm_version, layout_from_param_meta, rank_legend, with_legend
 from .coordination import (
     Background,
     SetupStore,
@@ -25,8 +28,10 @@ from .coordination import (
     publish_error,
     update_report,
 )
+from .lifecycle import REBIND
 
 BACKEND = "reshard"
+log = logging.getLogger("reshard")
 
 
 @dataclass
@@ -56,6 +61,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.info, self.version, self.round, self.resharder, self.last_report = info, 0, 0, None, None
         self.attempts = 0  # start_weight_update calls, refused ones included (each its own store key)
         self.failed = False  # an update failed since the last setup
+        self.rebinding = False  # setting up again because the engines asked for a new binding
         timeout = datetime.timedelta(seconds=info.timeout)
         if self.is_sender:
             self.store = torch.distributed.TCPStore(info.store_host, info.store_port, None, True, timeout=timeout,
@@ -64,6 +70,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             self.store = torch.distributed.TCPStore(info.store_host, info.store_port, None, False, timeout=timeout)
         t0 = time.monotonic()
         try:
+            check_vllm_version(vllm.__version__)
             self.src = layout_from_param_meta(source.metadata, info.world_size)
             mine = {b["name"] for b in self.src.buffers(info.rank)}  # once: a lookup per parameter stays O(1)
             self.buffers = {n: (t.detach() if getattr(t, "requires_grad", False) else t)
@@ -159,7 +166,17 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         if self.resharder is None:
             raise Error(f"reshard trainer rank {self.rank}: not set up (a failed setup or update: repair() it)")
         self._rebind()
-        self._agree_to_start(self.version + 1)
+        try:
+            self._agree_to_start(self.version + 1)
+        except Exception as e:  # the client's error type is the deployment's (a Ray actor's: RayTaskError)
+            if REBIND not in str(e) or self.rebinding:
+                raise
+            log.info("reshard: trainer rank %d: the engines need a new binding, setting up again: %s", self.rank, e)
+            self.rebinding = True  # once: an engine that still refuses after a new setup is an error
+            try:
+                return self.repair()
+            finally:
+                self.rebinding = False
         self.version += 1
         rpc = Background(lambda: self.client.update_weights({"version": self.version})) if self.is_sender else None
         failed: Optional[Error] = None
@@ -190,3 +207,13 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             drop_resharder(r)  # its peers may be gone: no collective close
         elif r is not None:
             r.close()
+        del r
+        self.release_store()
+
+    def release_store(self) -> None:
+        """Lets go of the store; on rank 0, which hosts it, that closes its listening socket and frees the
+        port (nothing else holds the store once the Resharder is gone)."""
+        store = getattr(self, "store", None)
+        self.store = None
+        del store
+        gc.collect()  # a Resharder's reference cycle may still hold the store client
