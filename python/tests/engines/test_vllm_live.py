@@ -122,8 +122,27 @@ def check_vllm_ranks(vllm_ranks, planted_kinds=("missing", "renamed", "reshaped"
     return sum(v["report"]["bytes_received"] for v in vllm_ranks)
 
 
-def test_llama_gqa_tp2_from_megatron_layout_tp2(tmp_path, models):
-    v, _ = run_refit(tmp_path, models / "tiny-llama.json", "tp=2", tp=2)
+# The refits check_vllm_ranks checks alone: (checkpoint config, source layout, vLLM tp, run_refit's options).
+REFITS = {
+    "llama_gqa_tp2_from_megatron_layout_tp2": ("tiny-llama.json", "tp=2", 2, {}),
+    "qwen3_moe_tp2_from_megatron_layout_ep2": ("tiny-qwen3-moe.json", "tp=1,dp=2,ep=2", 2, {}),
+    # Local expert indices on each EP rank (local_experts.0 is expert 0 on one rank, 4 on the other).
+    # Megatron-Bridge 0.6's load_hf_weights fails on this SequentialMLP model ("'NoneType' object has
+    # no attribute 'megatron_module'": a parameter without a conversion task), so each routed expert is
+    # loaded by Megatron-Core's own placement (MoELayer.local_expert_indices) and checked against
+    # reshard.megatron_layout; the oracle writes the other parameters through the model's own names.
+    "qwen3_moe_tp2_expert_parallel_from_live_megatron_tp2_ep2":
+        ("tiny-qwen3-moe.json", "tp=2,ep=2,etp=1", 2, dict(ep=True, live_megatron=True)),
+    # tiny-moe: DeepSeek-V3 style (MLA with q_lora, a dense first layer, routed and shared experts,
+    # e_score_correction_bias), as vLLM's DeepseekV3ForCausalLM builds it on the CPU.
+    "deepseek_mla_moe_tp2_from_megatron_layout_tp2_ep2": ("tiny-moe.json", "tp=2,ep=2,etp=1", 2, {}),
+}
+
+
+@pytest.mark.parametrize("case", REFITS)
+def test_refit(tmp_path, models, case):
+    config, train, tp, options = REFITS[case]
+    v, _ = run_refit(tmp_path, models / config, train, tp=tp, **options)
     check_vllm_ranks(v)
 
 
@@ -134,21 +153,6 @@ def test_llama_kv_heads_replicated_tp4_from_live_megatron_tp2_pp2(tmp_path, mode
     v, t = run_refit(tmp_path, models / "tiny-llama.json", "tp=2,pp=2", tp=4, live_megatron=True, bridge=True)
     check_vllm_ranks(v)
     assert all(x["report"]["parameters"] > 0 for x in t)
-
-
-def test_qwen3_moe_tp2_from_megatron_layout_ep2(tmp_path, models):
-    v, _ = run_refit(tmp_path, models / "tiny-qwen3-moe.json", "tp=1,dp=2,ep=2", tp=2)
-    check_vllm_ranks(v)
-
-
-def test_qwen3_moe_tp2_expert_parallel_from_live_megatron_tp2_ep2(tmp_path, models):
-    # Local expert indices on each EP rank (local_experts.0 is expert 0 on one rank, 4 on the other).
-    # Megatron-Bridge 0.6's load_hf_weights fails on this SequentialMLP model ("'NoneType' object has
-    # no attribute 'megatron_module'": a parameter without a conversion task), so each routed expert is
-    # loaded by Megatron-Core's own placement (MoELayer.local_expert_indices) and checked against
-    # reshard.megatron_layout; the oracle writes the other parameters through the model's own names.
-    v, _ = run_refit(tmp_path, models / "tiny-qwen3-moe.json", "tp=2,ep=2,etp=1", tp=2, ep=True, live_megatron=True)
-    check_vllm_ranks(v)
 
 
 def test_a_wrong_local_expert_index_in_the_megatron_layout_fails_on_the_megatron_side(tmp_path, models):
@@ -167,13 +171,6 @@ def test_llama_tp2_from_fsdp2(tmp_path, models):
     v, t = run_refit(tmp_path, models / "tiny-llama.json", "fsdp:2", tp=2)
     check_vllm_ranks(v)
     assert sum(x["report"]["bytes_sent"] for x in t) == sum(x["needed_bytes"] for x in v)
-
-
-def test_deepseek_mla_moe_tp2_from_megatron_layout_tp2_ep2(tmp_path, models):
-    # tiny-moe: DeepSeek-V3 style (MLA with q_lora, a dense first layer, routed and shared experts,
-    # e_score_correction_bias), as vLLM's DeepseekV3ForCausalLM builds it on the CPU.
-    v, _ = run_refit(tmp_path, models / "tiny-moe.json", "tp=2,ep=2,etp=1", tp=2)
-    check_vllm_ranks(v)
 
 
 @pytest.mark.parametrize("config", ["tiny-phi3.json", "tiny-glm4.json"])
