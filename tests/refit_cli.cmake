@@ -38,8 +38,11 @@ if(TARGET reshard-refit)
   # The traditional refit is the baseline with --delta too (CONTRACT.md §3); --no-baseline drops it.
   reshard_refit_test(refit.delta.tiny-llama 120 ON "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|4|--iterations|2|--json")
   reshard_refit_test(refit.delta.dense-fallback 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--versions|3|--lr|1e-3|--dense-above|0.2|--no-baseline|--json")
+  # An f32 master cast in flight to bf16 (--master-f32): the delta refit diffs the bf16 values.
+  reshard_refit_test(refit.delta.master-f32 120 OFF "--model|${_tiny}|--train|tp=2|--infer|tp=4|--delta|--master-f32|--versions|4|--json")
   reshard_cli_usage_tests(refit.usage ${_reshard_refit} refit
       "delta-versions|2|only go with --delta|--versions|3"
+      "master-f32|2|only go with --delta|--master-f32"
       "hierarchical|2|--hierarchical needs --topology|--hierarchical"
       "transport|2|unknown transport 'carrier-pigeon'|--transport|carrier-pigeon"
       "nccl-delta|2|--transport nccl does not run --delta yet|--transport|nccl|--delta")

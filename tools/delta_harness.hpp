@@ -51,6 +51,10 @@ using namespace reshard;
 struct Options {
   int versions = 5;
   double lr = 1e-6;
+  /// Casts in flight (PlanOptions::cast) for both refits: with f32 source
+  /// buffers (reshard-refit --master-f32) the master itself is the source,
+  /// and the delta refit diffs its destination-dtype values.
+  bool cast = false;
   ExecutorOptions executor;
   DeltaOptions delta;
 };
@@ -241,10 +245,12 @@ Result run(const Layout& src, const Layout& dst, T& t, const Options& o) {
   ro.executor.channel = 0;
   ro.delta = o.delta;
   ro.delta.enabled = true;
+  ro.plan.cast = o.cast;
   Resharder<Layout, T> delta(src, dst, dbufs, t, ro);
   ResharderOptions no;
   no.executor = o.executor;
   no.executor.channel = 16;
+  no.plan.cast = o.cast;
   Resharder<Layout, T> dense(src, dst, nbufs, t, no);
 
   const auto ns = [](Clock::time_point p) { return std::chrono::duration_cast<std::chrono::nanoseconds>(p.time_since_epoch()).count(); };

@@ -4,7 +4,7 @@
 //                 [--model CONFIG.json --train SPEC --infer SPEC [--colocate] [--group-experts]]
 //                 [--staging-budget BYTES] [--no-baseline]
 //                 [--topology NAME|FILE [--placement launch|separate] --hierarchical [--pipeline K]]
-//                 [--delta --versions N [--lr LR] [--dense-above F]]
+//                 [--delta --versions N [--lr LR] [--dense-above F] [--master-f32]]
 // With no arguments: an embedded Llama-like model (8 layers, hidden 2048,
 // bf16, ~700 MB) from Megatron pp=2 x dp=2 x tp=2 to vLLM tp=4 on the
 // in-process transport. Every destination element is checked after every
@@ -13,6 +13,10 @@
 // --delta: N versions of the weights evolved by Adam (tools/delta_harness.hpp),
 // each refit as a delta refit and as a dense refit in the same run, every
 // element of the delta destination checked against the dense one.
+// --master-f32 (with --delta): the sources are the f32 master copy itself
+// (every bf16 / f16 tensor of the training layout made f32), cast to the
+// destination's dtype in flight (PlanOptions::cast) by both refits; no
+// traditional baseline (it has no cast).
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -420,6 +424,9 @@ int main(int argc, char** argv) {
   auto* lo = app.add_option("--lr", lr, "with --delta: Adam learning rate (default 1e-6)")->check(CLI::PositiveNumber);
   auto* dao = app.add_option("--dense-above", dense_above, "with --delta: changed fraction above which a refit goes dense")
                   ->check(CLI::Range(0.0, 1.0));
+  bool master_f32 = false;
+  auto* mfo = app.add_flag("--master-f32", master_f32,
+                           "with --delta: the sources are the f32 master copy, cast in flight to the destination's dtype");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -459,8 +466,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "reshard-refit: --topology and --placement only go with --hierarchical\n");
     return 2;
   }
-  if (!delta && (vo->count() || lo->count() || dao->count())) {
-    fmt::print(stderr, "reshard-refit: --versions, --lr and --dense-above only go with --delta\n");
+  if (!delta && (vo->count() || lo->count() || dao->count() || mfo->count())) {
+    fmt::print(stderr, "reshard-refit: --versions, --lr, --dense-above and --master-f32 only go with --delta\n");
     return 2;
   }
   if (delta && hierarchical) {
@@ -492,7 +499,19 @@ int main(int argc, char** argv) {
       if (!no_baseline && !json) fmt::print("reshard-refit: FP8 destination: no traditional baseline (as with --no-baseline)\n");
       no_baseline = true;
     }
+    if (master_f32) {
+      // The trainer's f32 master copy as the source layout; the traditional
+      // refit has no cast.
+      LayoutSpec f32 = src.spec();
+      for (auto& t : f32.tensors)
+        if (t.dtype == DType::bf16 || t.dtype == DType::f16) t.dtype = DType::f32;
+      f32.origin = src.origin + " (f32 master)";
+      src = Layout(std::move(f32));
+      if (!no_baseline && !json) fmt::print("reshard-refit: --master-f32: no traditional baseline (as with --no-baseline)\n");
+      no_baseline = true;
+    }
     delta_harness::Options dho;
+    dho.cast = master_f32;
     dho.versions = versions;
     dho.lr = lr;
     dho.delta.dense_above = dense_above;

@@ -397,18 +397,26 @@ class Resharder {
       d = bound_pointers(dst_bound_);
       d2 = bound_pointers(dst_back_bound_);
     }
-    // Quantized destinations: the executor runs the expanded schedule, with
-    // this rank's quantizer shadows and staging bound beside its buffers.
+    // Quantized destinations and casts: the executor runs the expanded
+    // schedule, with this rank's quantizer and cast shadows and staging bound
+    // beside its buffers. A schedule that only casts changes the senders'
+    // sources alone (the destination's dtype crosses the wire into the
+    // destination itself), so it also runs double-buffered and as delta
+    // refits: the DeltaExecutor diffs the cast shadow, in the destination's
+    // dtype, against its own shadow of what the receiver holds.
     quant_.reset();
     const Schedule* run_schedule = schedule_.get();
     if (error.empty() && QuantRefit::needed(*schedule_)) {
       try {
-        if (opt_.staged || opt_.double_buffered || opt_.delta.enabled)
-          fail("rank {}: quantized (FP8) destinations and casts in flight run single-buffered, unstaged and dense only "
-               "(not with ResharderOptions::{})", me_, opt_.staged ? "staged" : opt_.double_buffered ? "double_buffered" : "delta");
+        if (opt_.staged)
+          fail("rank {}: quantized (FP8) destinations and casts in flight run unstaged only (not with ResharderOptions::staged)", me_);
+        if (QuantRefit::quantizes(*schedule_) && (opt_.double_buffered || opt_.delta.enabled))
+          fail("rank {}: quantized (FP8) destinations run single-buffered and dense only (not with ResharderOptions::{})", me_,
+               opt_.double_buffered ? "double_buffered" : "delta");
         quant_ = std::make_unique<QuantRefit>(src_, dst_, *schedule_, me_, s, d, opt_.executor.device);
         s = quant_->src_buffers();
         d = quant_->dst_buffers();
+        d2.resize(d.size(), nullptr);  // (a cast leaves the destination ids as they are)
         run_schedule = &quant_->expanded();
       } catch (const std::exception& e) {
         error = e.what();
@@ -431,7 +439,7 @@ class Resharder {
         auto& ex = delta_[static_cast<std::size_t>(set)];
         if (!ex) ex = std::make_unique<DeltaExecutor<TransportT>>();
         ex->set_tensor_names(names);
-        ex->setup(*schedule_, s, dset, transport, eo, opt_.delta, error);
+        ex->setup(*run_schedule, s, dset, transport, eo, opt_.delta, error);
         continue;
       }
       if (opt_.staged) {

@@ -121,8 +121,13 @@ class Resharder:
     model's f32 norms into a bf16 engine) is converted in flight, rounding to
     nearest even as ``Tensor.to()`` does; the sender converts what it sends
     (into a shadow of the destination's dtype, host memory), so the
-    destination's dtype crosses the wire. Not with ``delta`` or
-    ``double_buffered``. Without it such a tensor is an error naming it.
+    destination's dtype crosses the wire. With ``delta=True`` the delta is
+    taken on those cast values: an f32 master refit into bf16 sends only the
+    elements whose bf16 value changed, and the delta shadow holds what the
+    receiver holds (the destination's dtype: half the master's bytes for
+    bf16), bit-exact with a dense cast refit (docs/delta.md, "Casts").
+    Also with ``double_buffered``. Without it such a tensor is an error
+    naming it.
     """
 
     def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",

@@ -384,6 +384,128 @@ def test_delta_refits(models, double, strided):
     assert results[0][2][1]["delta"]["payload_bytes"] < results[0][2][0]["bytes_moved"] // 20
 
 
+# Casts with delta refits: an f32 master copy (Adam at lr 1e-6) refit into bf16 vLLM buffers with
+# cast=True and delta=True. The embedding is bf16 on both sides (not cast); every other tensor is cast
+# f32 -> bf16 (the norms too, as vLLM holds them: at 1.0 a step of lr leaves their bf16 value). Steps
+# 1-5 are Adam steps at lr 1e-6; before step 4 the last destination rank overwrites its buffers and asks
+# for a dense refit; step 6 is a step at lr 1e-2 (every bf16 value changes: the dense fallback).
+CAST_DELTA_LR = [1e-6, 1e-6, 1e-6, 1e-6, 1e-6, 1e-2]
+CAST_DELTA_MODES = ["prime", "delta", "delta", "delta", "dense", "delta", "dense"]
+
+
+def master_layouts(models):
+    """tiny-llama Megatron tp=2 holding an f32 master (its embedding bf16) -> vLLM tp=2 in bf16."""
+    cfg = models / "tiny-llama.json"
+    src = json.loads(reshard.megatron_layout(cfg, "tp=2").to_json())
+    dst = json.loads(reshard.vllm_layout(cfg, "tp=2", first_rank=2).to_json())
+    for t in src["tensors"]:
+        t["dtype"] = "bf16" if "embed" in t["name"] else "f32"
+    return reshard.layout_from_json(src, "f32 master"), reshard.layout_from_json(dst, "bf16 engine")
+
+
+class AdamMaster:
+    """Full f32 master tensors and Adam (beta1 0.9, beta2 0.999, eps 1e-8, bias-corrected): N(0, 0.02)
+    weights (norms 1.0); step k takes lr CAST_DELTA_LR[k - 1] and a fresh N(0, 1e-6) gradient per element.
+    Every process computes the same (one seeded generator, the same torch ops)."""
+
+    def __init__(self, layout):
+        self.g = torch.Generator().manual_seed(77)
+        self.w = {n: torch.ones(layout.tensor(n)["shape"]) if "norm" in n
+                  else 0.02 * torch.randn(layout.tensor(n)["shape"], generator=self.g) for n in sorted(layout.tensors)}
+        self.m = {n: torch.zeros_like(w) for n, w in self.w.items()}
+        self.v = {n: torch.zeros_like(w) for n, w in self.w.items()}
+        self.k = 0
+
+    def step(self):
+        self.k += 1
+        lr, k = CAST_DELTA_LR[self.k - 1], self.k
+        for n, w in self.w.items():
+            grad = 1e-3 * torch.randn(w.shape, generator=self.g)
+            self.m[n].mul_(0.9).add_(grad, alpha=0.1)
+            self.v[n].mul_(0.999).addcmul_(grad, grad, value=0.001)
+            w -= lr * (self.m[n] / (1 - 0.9 ** k)) / ((self.v[n] / (1 - 0.999 ** k)).sqrt() + 1e-8)
+
+
+def bit_check(got, expected, where):
+    """Every real slot equal bit for bit (the oracle's check compares values: -0.0 == 0.0)."""
+    for name, (v, m) in expected.items():
+        ints = {2: torch.int16, 4: torch.int32}[v.element_size()]
+        g = got[name].reshape(v.shape)
+        assert g.dtype == v.dtype, f"{where}: {name} is {g.dtype}, expected {v.dtype}"
+        bad = (g.view(ints) != v.view(ints)) & m
+        assert not bad.any(), f"{where}: {name}: {int(bad.sum())} elements differ bit for bit"
+
+
+def delta_cast_worker(rank, port, models, q):
+    with RankOutcome(rank, q) as outcome:
+        torch.set_num_threads(1)
+        store = torch.distributed.TCPStore("127.0.0.1", port[0], None, False, timeout=datetime.timedelta(seconds=60))
+        src, dst = master_layouts(models)
+        cfg = json.loads((models / "tiny-llama.json").read_text())
+
+        def held(master):  # this source rank's pieces of the master (the embedding as bf16)
+            typed = {n: w.to(reshard.torch_dtype(src.tensor(n)["dtype"])) for n, w in master.items()}
+            return {n: x for n, (x, _) in oracle.contract_buffers(src, typed, rank).items()}
+
+        adam = AdamMaster(src)
+        bufs = {n: x.clone() for n, x in held(adam.w).items()} if rank in src.ranks else {}
+        if rank in dst.ranks:
+            bufs.update(reshard.allocate(dst, rank, fill=POISON))
+        r = reshard.Resharder(src, dst, rank=rank, buffers=bufs, store=store, stall_timeout=10, delta=True, cast=True)
+        reports, checked = [], 0
+        for step in range(len(CAST_DELTA_LR) + 1):
+            if step:
+                adam.step()
+            master = adam.w
+            if step and rank in src.ranks:
+                for n, x in held(master).items():
+                    bufs[n].copy_(x)
+            if step == 4 and rank == dst.ranks[-1]:
+                for t in bufs.values():
+                    t.fill_(POISON)
+                r.invalidate_delta_base()  # this rank alone
+            rep = r.refit()
+            reports.append(rep)
+            if rank in dst.ranks:
+                # The reference: torch's own conversion of the full master, sliced as vLLM holds it.
+                want = {n: w.to(reshard.torch_dtype(dst.tensor(n)["dtype"])) for n, w in master.items()}
+                expected = oracle.vllm_llama_buffers(cfg, want, 2, 2, rank)
+                where = f"step {step} ({rep['delta']['mode']})"
+                checked += oracle.check(bufs, expected, POISON, where)
+                bit_check(bufs, expected, where)
+        r.close()
+        outcome.ok(reports, checked)
+
+
+def test_delta_cast_refits_send_only_the_changed_bf16_values(models):
+    """An f32 master refit into bf16 with delta=True and cast=True: bit-exact against torch's conversion of
+    the full master after every step; after Adam's first step at most 1/20 of the dense bytes cross; the
+    invalidated step and the lr 1e-2 step go dense and stay exact."""
+    src, dst = master_layouts(models)
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    results, codes = run_job(models, ranks, None, timeout=180, target=delta_cast_worker)
+    assert set(results) == set(ranks), (results, codes)
+    for res in results.values():
+        assert res[1] == "ok", res
+    assert results[2][3] > 0 and results[3][3] > 0
+    modes = [results[0][2][k]["delta"]["mode"] for k in range(len(CAST_DELTA_MODES))]
+    assert modes == CAST_DELTA_MODES, modes
+    sent = [sum(res[2][k]["bytes_moved"] for res in results.values()) for k in range(len(modes))]
+    payload = [sum(res[2][k]["delta"]["payload_bytes"] for res in results.values()) for k in range(len(modes))]
+    dense = reshard.plan(src, dst, cast=True).stats["bytes"]  # the destination's dtype, bf16
+    assert sent[0] == dense
+    # The shadows hold what the receivers hold: bf16, not the master's f32 (sources send every byte once).
+    assert sum(results[r][2][1]["delta"]["shadow_bytes"] for r in src.ranks) == dense
+    for k, m in enumerate(modes):
+        print(f"step {k} ({m}): {sent[k]} of {dense} dense bytes sent ({sent[k] / dense:.4f}), payload {payload[k]} "
+              f"({payload[k] / dense:.4f}), changed {results[0][2][k]['delta']['changed_fraction']}")
+        if m == "delta":
+            # Adam's first step moves every weight by exactly lr; from its second on, at most 1/20 of
+            # the payload bytes. (What crosses also rounds each pair's payload up to 64 KiB blocks.)
+            assert payload[k] * (10 if k == 1 else 20) <= dense, (k, payload[k], dense)
+            assert sent[k] <= payload[k] + 2 * 65536 * 2 * len(src.ranks), (k, sent[k], payload[k])
+
+
 def test_delta_options_are_checked(models):
     src, dst = layouts(models)
     with pytest.raises(reshard.Error, match="delta is off"):

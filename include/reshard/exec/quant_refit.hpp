@@ -154,9 +154,13 @@ inline std::int64_t scale_index(const Layout& L, std::int64_t pos, int t, const 
 
 class QuantRefit {
  public:
-  /// Does the schedule quantize anything?
+  /// Does the schedule quantize or cast anything?
   static bool needed(const Schedule& s) {
     return std::any_of(s.copies.begin(), s.copies.end(), [](const Copy& c) { return c.quant != CopyQuant::none; });
+  }
+  /// Does it quantize (FP8: sender, receiver or scale copies), not only cast?
+  static bool quantizes(const Schedule& s) {
+    return std::any_of(s.copies.begin(), s.copies.end(), [](const Copy& c) { return c.quant != CopyQuant::none && c.quant != CopyQuant::cast; });
   }
 
   /// Prepares rank `me`: allocates its shadows and staging and builds the

@@ -49,7 +49,8 @@ rank only). Transport: UCX.
 exactly; docs/delta.md). A trainer parameter whose float dtype differs from
 vLLM's (an FSDP2 f32 master copy into a bf16 engine) is cast in flight as
 vLLM's loader would (round to nearest even; the sender converts, so the
-engine's dtype crosses the wire); not with ``delta``. Errors name reshard's
+engine's dtype crosses the wire); with ``delta`` only the elements whose
+cast value changed move. Errors name reshard's
 ranks: the trainer's ranks first, then the vLLM ranks (each message says
 which are which).
 The engine's life (docs/vllm.md, :mod:`reshard.vllm.lifecycle`): an update while the engine sleeps
