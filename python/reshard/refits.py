@@ -126,8 +126,8 @@ class Resharder:
     elements whose bf16 value changed, and the delta shadow holds what the
     receiver holds (the destination's dtype: half the master's bytes for
     bf16), bit-exact with a dense cast refit (docs/delta.md, "Casts").
-    Also with ``double_buffered``. Without it such a tensor is an error
-    naming it.
+    Also with ``double_buffered``. Without ``cast=True`` such a tensor is
+    an error naming it.
     """
 
     def __init__(self, src: Layout, dst: Layout, rank: int, buffers: RankBuffers, transport: str = "ucx",
