@@ -330,10 +330,15 @@ class Rollout:
         return self.engine.live.seconds
 
     def peer_init(self, port, rank, size):
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
         from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
         self.peer = peer_group(port, rank, size)
-        record_metadata_for_reloading(self.model)  # as vLLM's loader does after its first load
+        # The layerwise reload re-runs each layer's process_weights_after_loading, which for routed experts is
+        # the CPU prepack the CUDA wheel lacks (shared/ENGINES.md): MoE models load without it here.
+        self.layerwise = not any(isinstance(m, RoutedExperts) for m in self.model.modules())
+        if self.layerwise:
+            record_metadata_for_reloading(self.model)  # as vLLM's loader does after its first load
 
     def peer_receive(self, meta, packed):
         """vLLM's nccl engine: load_weights inside the layerwise reload (start_weight_update /
@@ -346,12 +351,14 @@ class Rollout:
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 self.peer.broadcast(t, 0).wait()
                 yield name, t
-        initialize_layerwise_reload(self.model)
+        if self.layerwise:
+            initialize_layerwise_reload(self.model)
         if packed:
             packed_receive(self.peer, meta, lambda weights: self.cpu.vllm_load(self.model, weights))
         else:
             self.cpu.vllm_load(self.model, arriving())
-        finalize_layerwise_reload(self.model, self.vcfg.model_config)
+        if self.layerwise:
+            finalize_layerwise_reload(self.model, self.vcfg.model_config)
 
     def close(self):
         self.engine.shutdown()
