@@ -69,8 +69,10 @@ class Case:
         self.port = free_port()
 
     def trainer(self, **kw):
+        # Both sides share this process (and its GIL): a setup under load may go 10 s without progress
+        # (the fresh-clone test run of ad55192 failed the re-init case so); no case here times a stall.
         info = self.rv.ReshardTrainerInitInfo(rank=0, world_size=1, store_port=self.port, timeout=60,
-                                              stall_timeout=10, **kw)
+                                              stall_timeout=30, **kw)
         self.t = self.rv.ReshardTrainerEngine.trainer_init(info, client=Direct(self.engine), source=self.source)
         return self.t
 
