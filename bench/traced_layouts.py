@@ -17,7 +17,7 @@ source so ``reshard-plan --simulate`` plans and simulates it
 
     python bench/traced_layouts.py [--cases NAME,...] [--out FILE] [--emit DIR]
 
-Needs the vLLM venv (scripts/venvs.sh vllm) with reshard installed.
+Needs the engines venv (scripts/venvs.sh engines) with reshard installed.
 """
 from __future__ import annotations
 

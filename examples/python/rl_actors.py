@@ -64,17 +64,32 @@ class Trainer:
     """One rank of an FSDP2 trainer (gloo) and its end of the weight transfer."""
 
     def __init__(self, rank, world, cfg, master_port, seed, lr, optimizer, kill_at, master_f32, weights=None):
+        self.join(rank, world, cfg, master_port)
+        from reshard.engines.cpu import fsdp_model
+        self.model = fsdp_model(cfg, ray.get(weights[0]) if weights else None, seed=seed, master_f32=master_f32)
+        self.opt = self.optimizer(optimizer, lr)
+        self.gen = self.torch.Generator().manual_seed(1000 + rank)
+        self.kill_at = kill_at
+
+    def join(self, rank, world, cfg, master_port):
+        """This actor as rank ``rank`` of the trainer's gloo group (joined when the model is built)."""
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
         import torch
+        self.torch, self.rank, self.world, self.cfg, self.engine = torch, rank, world, cfg, None
 
-        from reshard.engines.cpu import fsdp_model
-        self.torch, self.rank, self.world, self.cfg = torch, rank, world, cfg
-        self.model = fsdp_model(cfg, ray.get(weights[0]) if weights else None, seed=seed, master_f32=master_f32)
-        opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
-        self.opt = opt(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(1000 + rank)
-        self.engine, self.kill_at = None, kill_at
+    def optimizer(self, name, lr):
+        return {"sgd": self.torch.optim.SGD, "adam": self.torch.optim.Adam}[name](self.model.parameters(), lr=lr)
+
+    def source(self):
+        """What the backend's trainer_init binds: vLLM's ModuleSource over the FSDP2 model."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        return ModuleSource(self.model)
+
+    def full_tensors(self):
+        """The full state dict, HF name -> tensor, on rank 0 (None elsewhere): a collective of every rank."""
+        full = {n: p.full_tensor() for n, p in self.model.named_parameters()}
+        return full if self.rank == 0 else None
 
     def ready(self):
         return True
@@ -83,7 +98,6 @@ class Trainer:
         return free_port()
 
     def init_transfer(self, store_port, rollouts, delta, transactional=False):
-        from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         import reshard.vllm as rv
@@ -95,7 +109,7 @@ class Trainer:
             self.engine = WeightTransferTrainerFactory.trainer_init(
                 rv.ReshardTrainerInitInfo(rank=self.rank, world_size=self.world, store_port=store_port, delta=delta,
                                           stall_timeout=STALL_TIMEOUT, transactional=transactional),
-                client=self.client, source=ModuleSource(self.model))
+                client=self.client, source=self.source())
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
         return {"seconds": time.monotonic() - t0}
@@ -128,8 +142,8 @@ class Trainer:
 
     def full_state(self):
         """The full state dict (a collective of every trainer rank); rank 0 puts it in Ray's store."""
-        full = {n: p.full_tensor() for n, p in self.model.named_parameters()}
-        return [ray.put(full)] if self.rank == 0 else None
+        full = self.full_tensors()
+        return [ray.put(full)] if full is not None else None
 
     def send(self):
         """One update through the backend: (seconds, bytes this rank sent) or the error."""
@@ -152,13 +166,15 @@ class Trainer:
         ray.get(refs)
 
     def peer_send(self, packed=True):
-        """vLLM's nccl backend's path on gloo: every trainer rank gathers the full tensors (FSDP2), rank 0
-        broadcasts them to every rollout rank, which loads them with load_weights inside vLLM's layerwise
-        reload. ``packed`` (vLLM 0.33's default): 1 GB buckets, two in flight; else one tensor at a time."""
+        """vLLM's nccl backend's path on gloo: the trainer gathers the full tensors on rank 0 (FSDP2's
+        full_tensor; Megatron's export), which broadcasts them to every rollout rank, which loads them with
+        load_weights inside vLLM's layerwise reload. ``packed`` (vLLM 0.33's default): 1 GB buckets, two in
+        flight; else one tensor at a time."""
         t0 = time.monotonic()
-        full = [(n, p.full_tensor()) for n, p in self.model.named_parameters()]
-        if self.rank != 0:
+        full = self.full_tensors()
+        if full is None:
             return None
+        full = list(full.items())
         meta = [(n, list(t.shape), str(t.dtype).split(".")[-1]) for n, t in full]
         refs = [r.peer_receive.remote(meta, packed) for r in self.rollouts]
         if packed:

@@ -3,8 +3,9 @@ weight-transfer API with the "reshard" backend, step after step, checked against
 
     python examples/python/vllm_rl_loop.py --model examples/models/tiny-llama.json --steps 3 --json
 
-Trainer actors (``--trainers`` ranks, one gloo group) hold an FSDP2 HuggingFace model and take real
-optimizer steps on a toy objective. Rollout actors (``--rollout-tp`` ranks, ``--expert-parallel`` for an
+Trainer actors (``--trainers`` ranks, one gloo group) hold an FSDP2 HuggingFace model, or with
+``--trainer megatron --train SPEC`` a Megatron-Core GPTModel under that spec (as many actors as it has
+ranks; rl_megatron.py), and take real optimizer steps on a toy objective. Rollout actors (``--rollout-tp`` ranks, ``--expert-parallel`` for an
 MoE) each hold one rank of a live vLLM engine, built on the CPU by vLLM's own loader
 (:mod:`reshard.engines.cpu`), with the engine ``WeightTransferEngineFactory`` makes for
 ``WeightTransferConfig(backend="reshard")``. Trainer rank 0 drives the engines' four phases through a
@@ -63,10 +64,13 @@ import traceback
 import ray
 import ray.cloudpickle
 import rl_actors
+import rl_megatron
 from rl_actors import Rollout, Trainer, free_port
+from rl_megatron import MegatronTrainer
 
-# The actors' module is this script's sibling, not importable in Ray's workers: sent with its classes.
+# The actors' modules are this script's siblings, not importable in Ray's workers: sent with their classes.
 ray.cloudpickle.register_pickle_by_value(rl_actors)
+ray.cloudpickle.register_pickle_by_value(rl_megatron)
 
 
 def run(a) -> dict:
@@ -79,7 +83,8 @@ def run(a) -> dict:
     ray_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=a.verbose,
              runtime_env={"env_vars": env}, _temp_dir=ray_dir)
-    out = {"model": str(a.model), "trainers": a.trainers, "rollout_tp": a.rollout_tp,
+    out = {"model": str(a.model), "trainer": a.trainer, "train": a.train, "trainers": a.trainers,
+           "rollout_tp": a.rollout_tp,
            "expert_parallel": a.expert_parallel, "delta": a.delta, "master_f32": a.master_f32,
            "optimizer": a.optimizer, "lr": a.lr}
     try:
@@ -104,6 +109,10 @@ class Loop:
     def trainers_new(self, weights=None):
         a = self.a
         tport = free_port()
+        if a.trainer == "megatron":
+            actor = ray.remote(num_cpus=0)(MegatronTrainer)
+            return [actor.remote(r, a.trainers, self.cfg, tport, a.seed, a.lr, a.optimizer, str(a.model), a.train)
+                    for r in range(a.trainers)]
         actor = ray.remote(num_cpus=0)(Trainer)
         return [actor.remote(r, a.trainers, self.cfg, tport, a.seed, a.lr, a.optimizer,
                              0 if weights else self.kill.get(("trainer", r), 0), a.master_f32, weights)
@@ -311,6 +320,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(pathlib.Path(__file__).resolve().parents[1] / "models" / "tiny-llama.json"),
                     help="a HuggingFace config.json (Llama, Qwen3, Qwen3-MoE ...)")
+    ap.add_argument("--trainer", choices=["fsdp", "megatron"], default="fsdp",
+                    help="FSDP2 HuggingFace model, or a Megatron-Core GPTModel laid out by --train")
+    ap.add_argument("--train", default="tp=2", metavar="SPEC",
+                    help="the Megatron trainer's parallelism, in reshard.megatron_layout's syntax (tp=2,pp=2; "
+                    "tp=2,ep=2,etp=1): its world size is the number of trainer actors")
     ap.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks")
     ap.add_argument("--rollout-tp", type=int, default=2, help="vLLM tensor-parallel ranks (one rollout actor each)")
     ap.add_argument("--expert-parallel", action="store_true", help="vLLM's enable_expert_parallel (MoE)")
@@ -340,6 +354,15 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="the actors' logs on stderr")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
     a = ap.parse_args(argv)
+    if a.trainer == "megatron":
+        from reshard.engines.megatron import world_size
+        try:
+            a.trainers = world_size(a.train)
+        except Exception as e:
+            ap.error(f"--train: {e}")
+        for flag, given in (("--master-f32", a.master_f32), ("--kill trainer:", a.kill and a.kill[0] == "trainer")):
+            if given:
+                ap.error(f"{flag} is not supported with --trainer megatron (FSDP2 trainers only)")
     if a.kill and a.kill[1] >= (a.trainers if a.kill[0] == "trainer" else a.rollout_tp):
         ap.error(f"--kill {a.kill[0]}:{a.kill[1]}: there are {a.trainers} trainer and {a.rollout_tp} rollout actors")
     try:

@@ -13,7 +13,7 @@ import torch
 import vllm
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from .. import Error, Resharder, layout_from_json
+from .. import Error, Layout, Resharder, layout_from_json
 from ..engines.rows import split_rows
 from .checks import check_vllm_version, layout_from_param_meta, rank_legend, with_legend
 from .coordination import (
@@ -45,6 +45,21 @@ class ReshardTrainerInitInfo(TrainerInitInfo, TransferSettings):
     store_port: int = 0
 
 
+def source_layout(source: Any, world_size: int, rank: int) -> "tuple[Layout, dict]":
+    """The trainer's layout and this rank's buffers: from a source bound to its own reshard layout
+    (``reshard.engines.megatron.MegatronSource``: ``layout`` and ``buffers(rank)``), or from a vLLM
+    ``WeightSource``'s metadata (plain and DTensor parameters) and its ``iter_local()``."""
+    if isinstance(getattr(source, "layout", None), Layout):
+        if len(source.layout.ranks) != world_size:
+            raise Error(f"reshard trainer: the source's layout ({source.layout.origin}) has "
+                        f"{len(source.layout.ranks)} ranks, the trainer world_size is {world_size}")
+        return source.layout, source.buffers(rank)
+    src = layout_from_param_meta(source.metadata, world_size)
+    mine = {b["name"] for b in src.buffers(rank)}  # once: a lookup per parameter stays O(1)
+    return src, {n: (t.detach() if getattr(t, "requires_grad", False) else t)
+                 for n, t in source.iter_local() if n in mine}
+
+
 class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     """Every trainer rank holds one; ``send_weights()`` refits the rollout engine from this rank's pieces."""
     init_info_cls = ReshardTrainerInitInfo
@@ -52,7 +67,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: Any, source: Any = None) -> "ReshardTrainerEngine":
         if source is None:
-            raise Error("reshard trainer: give source= (a WeightSource: e.g. vLLM's ModuleSource(model))")
+            raise Error("reshard trainer: give source= (a WeightSource: vLLM's ModuleSource(model), or "
+                        "reshard.engines.megatron.MegatronSource(model, config, spec) for a Megatron-Core GPTModel)")
         info = init_info
         if info.store_port == 0 and info.world_size > 1:
             raise Error("reshard trainer: with several trainer ranks give a fixed store_port (port 0 picks one "
@@ -71,10 +87,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         t0 = time.monotonic()
         try:
             check_vllm_version(vllm.__version__)
-            self.src = layout_from_param_meta(source.metadata, info.world_size)
-            mine = {b["name"] for b in self.src.buffers(info.rank)}  # once: a lookup per parameter stays O(1)
-            self.buffers = {n: (t.detach() if getattr(t, "requires_grad", False) else t)
-                            for n, t in source.iter_local() if n in mine}
+            self.src, self.buffers = source_layout(source, info.world_size, info.rank)
         except BaseException as e:
             publish_error(self.store, f"{self.prefix}/setup_error", f"trainer rank {info.rank}: {e}")
             raise

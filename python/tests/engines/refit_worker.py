@@ -1,4 +1,4 @@
-"""One process of a refit from a Megatron-Core layout into a live vLLM engine (the vLLM venv).
+"""One process of a refit from a Megatron-Core layout into a live vLLM engine (the engines venv).
 
   refit_worker.py source  --rank R ...   a training rank: reshard.megatron_layout's buffers, filled from the
                                          seeded checkpoint by the contract oracle (oracle.contract_buffers)
@@ -117,14 +117,15 @@ def run_megatron(a, store, src, cfg_path, full1):
     parameters."""
     import megatron_cpu
     from reshard.engines import bind_parameters
+    from reshard.engines.megatron import build, load_experts
 
     cfg = json.loads(cfg_path.read_text())
-    model = megatron_cpu.build(cfg, a.train)
+    model = build(cfg, a.train)
     bufs = bind_parameters(model.named_parameters(), src, a.rank, engine="the live GPTModel")
     # Version 1 by Megatron's own code; it must equal what the preset says each parameter holds (the
     # contract oracle over reshard.megatron_layout), real elements only. --bridge: Megatron-Bridge's
     # conversion. Without it (Bridge 0.6 fails on SequentialMLP experts) each routed expert is loaded by
-    # Megatron-Core's own expert placement (megatron_cpu.load_experts), so the layout's local expert
+    # Megatron-Core's own expert placement (reshard.engines.megatron.load_experts), so the layout's local expert
     # indices are checked here; the oracle writes the other parameters by the model's own names.
     expected = oracle.contract_buffers(src, full1, a.rank)
     if a.bridge:
@@ -134,7 +135,7 @@ def run_megatron(a, store, src, cfg_path, full1):
             for n, t in bufs.items():
                 if ".local_experts." not in n:
                     t.view(-1).copy_(expected[n][0].reshape(-1))
-        experts = megatron_cpu.load_experts(model, full1)
+        experts = load_experts(model, full1)
         if experts != sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in bufs):
             raise reshard.Error(f"rank {a.rank}: Megatron placed {experts} local experts; the layout binds "
                                 f"{sum('.local_experts.' in n for n in bufs) // 2}")

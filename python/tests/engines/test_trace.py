@@ -3,7 +3,7 @@ element-tag trace (every checkpoint element fed as a float64 tag: the reference,
 recorder and independent of it), against reshard's vLLM preset, and on checkpoints that fuse tensors.
 
 Each engine is traced in this one process (reshard.engines.vllm.traced_layout: vLLM's parallel state
-for each rank in turn over fake process groups). Needs the vLLM venv (scripts/engine_tests.sh).
+for each rank in turn over fake process groups). Needs the engines venv (scripts/engine_tests.sh).
 """
 import json
 import subprocess

@@ -6,9 +6,10 @@ through vLLM's load_weights) as separate processes meeting at a TCPStore; UCX on
 data. After the refit every vLLM parameter must equal, bit for bit, vLLM's own load_weights of the same
 checkpoint; the bytes moved must be exactly the elements the vLLM ranks hold (no full tensors, no
 padding); the preset for this vLLM release must place every slot as the trace does; a missing,
-renamed, reshaped or retyped parameter must fail naming it. Needs the vLLM venv
+renamed, reshaped or retyped parameter must fail naming it. Needs the engines venv
 (scripts/engine_tests.sh).
 """
+import importlib.util
 import json
 import os
 import pathlib
@@ -26,19 +27,11 @@ import reshard  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "refit_worker.py"
-# Megatron-Core 0.19 needs Python 3.12: its own venv (scripts/engine_tests.sh makes it and sets this;
-# else where scripts/venvs.sh keeps it).
-MEGATRON_PY = os.environ.get("RESHARD_MEGATRON_PYTHON") or subprocess.run(
-    ["bash", str(HERE.parents[2] / "scripts" / "venvs.sh"), "--python", "megatron"],
-    capture_output=True, text=True, check=True).stdout.strip()
-
-
 def megatron_python() -> str:
-    if not os.path.exists(MEGATRON_PY):
-        if os.environ.get("RESHARD_REQUIRE_MEGATRON"):
-            pytest.fail(f"no Megatron-Core venv at {MEGATRON_PY}")
-        pytest.skip(f"no Megatron-Core venv at {MEGATRON_PY} (scripts/engine_tests.sh makes it)")
-    return MEGATRON_PY
+    """The live Megatron ranks' Python: this one (the engines venv holds vLLM and Megatron-Core alike)."""
+    if importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("Megatron-Core does not import here (scripts/venvs.sh engines installs it)")
+    return sys.executable
 
 
 def free_port() -> int:
