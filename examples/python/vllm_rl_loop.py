@@ -5,8 +5,9 @@ weight-transfer API with the "reshard" backend, step after step, checked against
 
 Trainer actors (``--trainers`` ranks, one gloo group) hold an FSDP2 HuggingFace model, or with
 ``--trainer megatron --train SPEC`` a Megatron-Core GPTModel under that spec (as many actors as it has
-ranks; rl_megatron.py), and take real optimizer steps on a toy objective. Rollout actors (``--rollout-tp`` ranks, ``--expert-parallel`` for an
-MoE) each hold one rank of a live vLLM engine, built on the CPU by vLLM's own loader
+ranks; rl_megatron.py), and take real optimizer steps on a toy objective. Rollout actors
+(``--rollout-tp`` ranks, ``--expert-parallel`` for an MoE) each hold one rank of a live vLLM engine,
+built on the CPU by vLLM's own loader
 (:mod:`reshard.engines.cpu`), with the engine ``WeightTransferEngineFactory`` makes for
 ``WeightTransferConfig(backend="reshard")``. Trainer rank 0 drives the engines' four phases through a
 client that calls the rollout actors over Ray (vLLM's weight-sync client protocol); every trainer rank

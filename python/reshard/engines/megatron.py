@@ -58,6 +58,9 @@ def build(cfg: dict, spec: str, *, seed: Optional[int] = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s = parse_spec(spec)
+    if cfg.get("tie_word_embeddings") and s["pp"] > 1:
+        raise Error(f"Megatron spec '{spec}': tied word embeddings over pipeline stages are not supported here "
+                    "(train_step does not all-reduce the embedding group's gradients)")
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     if dist.get_world_size() != world_size(spec):
@@ -139,8 +142,9 @@ def train_step(model, vocab: int, generator: torch.Generator, *, batch: int = 2,
     data-parallel group, and a replicated parameter's over its tensor-parallel group (they agree already;
     averaging keeps the replicas bit-identical). The forward runs in eval mode (no dropout either way):
     Megatron refuses MoE training under tensor parallelism without sequence parallelism, which torch's
-    norms (no TransformerEngine or Apex on this CPU) do not support. ``generator`` draws the batch: seed it alike on the ranks
-    of one data-parallel replica. The caller's optimizer steps. Returns the loss (on every rank)."""
+    norms (no TransformerEngine or Apex on this CPU) do not support. ``generator`` draws the batch: seed
+    it alike on the ranks of one data-parallel replica. The caller's optimizer steps. Returns the loss
+    (on every rank)."""
     from megatron.core import parallel_state as mps
 
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
