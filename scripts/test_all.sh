@@ -3,8 +3,8 @@
 # test run, in this order, stopping at the first failure:
 #
 #   packages   scripts/setup.sh (Debian's, with apt-get where missing)
-#   venvs      scripts/venvs.sh in the background from the start: the three
-#              Python environments (~20 GB of wheels the first time) download
+#   venvs      scripts/venvs.sh in the background from the start: the two
+#              Python environments (~15 GB of wheels the first time) download
 #              while the C++ build uses the cores; waited for after CTest
 #   build      cmake -S . -B build && cmake --build build -j2
 #   ctest      the C++ suite
