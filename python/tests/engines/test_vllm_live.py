@@ -116,8 +116,9 @@ def check_vllm_ranks(vllm_ranks, planted_kinds=("missing", "renamed", "reshaped"
 
 
 # The refits check_vllm_ranks checks alone: (checkpoint config, source layout, vLLM tp, run_refit's options).
+# (Llama tp=2 from a Megatron layout: the Megatron RL loop case of test_vllm_backend.py refits it from tp=2 x
+# pp=2 through the backend, and test_trace.py holds vLLM tp=2's trace against the preset.)
 REFITS = {
-    "llama_gqa_tp2_from_megatron_layout_tp2": ("tiny-llama.json", "tp=2", 2, {}),
     "qwen3_moe_tp2_from_megatron_layout_ep2": ("tiny-qwen3-moe.json", "tp=1,dp=2,ep=2", 2, {}),
     # Local expert indices on each EP rank (local_experts.0 is expert 0 on one rank, 4 on the other).
     # Megatron-Bridge 0.6's load_hf_weights fails on this SequentialMLP model ("'NoneType' object has
