@@ -285,8 +285,11 @@ def hf_state(model, cfg: dict) -> Optional[Dict[str, torch.Tensor]]:
     replica 0 sends its stage's tensors to rank 0, which receives them in rank order."""
     from megatron.core import parallel_state as mps
 
-    mine = dict(_stage_tensors(model, cfg))
     leader = (mps.get_tensor_model_parallel_rank() == 0 and mps.get_data_parallel_rank(with_context_parallel=True) == 0)
+    mine = {}
+    for n, t in _stage_tensors(model, cfg):  # every rank runs the gathers; only a leader keeps the results
+        if leader:
+            mine[n] = t
     meta = [(n, tuple(t.shape), t.dtype) for n, t in mine.items()] if leader else []
     rank = dist.get_rank()
     metas = [None] * dist.get_world_size() if rank == 0 else None
