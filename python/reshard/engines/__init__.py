@@ -17,7 +17,15 @@ from typing import Any, Iterable, Mapping, Tuple, Union
 
 from .. import Error, Layout, torch_dtype
 
-__all__ = ["bind_parameters"]
+__all__ = ["bind_parameters", "unwrapped_name"]
+
+
+def unwrapped_name(name: str, prefix: str = "module.") -> str:
+    """A parameter's name without the leading ``prefix`` its wrappers add (Megatron's Float16Module and DDP:
+    ``module.``, possibly twice)."""
+    while prefix and name.startswith(prefix):
+        name = name[len(prefix):]
+    return name
 
 
 def bind_parameters(named: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], layout: Layout, rank: int, *,
@@ -34,11 +42,8 @@ def bind_parameters(named: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], 
     one, the parameters the model has that the layout does not know, which is
     where a renamed one shows up).
     """
-    params = {}
-    for name, t in (named.items() if isinstance(named, Mapping) else named):
-        while strip_prefix and name.startswith(strip_prefix):
-            name = name[len(strip_prefix):]
-        params[name] = t
+    params = {unwrapped_name(name, strip_prefix): t
+              for name, t in (named.items() if isinstance(named, Mapping) else named)}
     out, problems = {}, []
     wanted = layout.buffers(rank)
     known = {b["name"] for b in wanted}

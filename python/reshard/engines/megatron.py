@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import Error, megatron_layout
-from . import bind_parameters
+from . import bind_parameters, unwrapped_name
 
 
 def parse_spec(spec: str) -> dict:
@@ -354,9 +354,7 @@ class MegatronSource:
 
     def _named(self) -> Iterator[Tuple[str, torch.Tensor]]:
         for n, p in self.model.named_parameters():
-            while n.startswith("module."):
-                n = n[len("module."):]
-            yield n, p
+            yield unwrapped_name(n), p
 
     def buffers(self, rank: int) -> Dict[str, torch.Tensor]:
         """This rank's parameters by buffer name: their own storage (detached views)."""
