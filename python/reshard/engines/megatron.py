@@ -66,7 +66,10 @@ def build(cfg: dict, spec: str, *, seed: Optional[int] = None):
     if dist.get_world_size() != world_size(spec):
         raise Error(f"Megatron spec '{spec}' needs {world_size(spec)} ranks, the process group has "
                     f"{dist.get_world_size()}")
-    etp = s["etp"] if s["etp"] is not None else s["tp"]
+    # Megatron's default expert TP is tp; where ep x tp does not fit a stage's ranks (tp=2,ep=2 on 2) it is
+    # 1, as reshard.megatron_layout reads the same spec.
+    stage = s["tp"] * s["cp"] * s["dp"]
+    etp = s["etp"] if s["etp"] is not None else (s["tp"] if stage % (s["ep"] * s["tp"]) == 0 else 1)
     mps.initialize_model_parallel(tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
                                   context_parallel_size=s["cp"], expert_model_parallel_size=s["ep"],
                                   expert_tensor_parallel_size=etp)
