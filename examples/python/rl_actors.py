@@ -165,23 +165,25 @@ class Trainer:
         self.peer = peer_group(port, 0, len(rollouts) + 1, host=True)
         ray.get(refs)
 
-    def peer_send(self, packed=True):
+    def peer_send(self, packed=True, block=None):
         """vLLM's nccl backend's path on gloo: the trainer gathers the full tensors on rank 0 (FSDP2's
         full_tensor; Megatron's export), which broadcasts them to every rollout rank, which loads them with
         load_weights inside vLLM's layerwise reload. ``packed`` (vLLM 0.33's default): 1 GB buckets, two in
-        flight; else one tensor at a time."""
+        flight; else one tensor at a time. ``block``: block-FP8 engines: rank 0 quantizes the full tensors
+        first (the reference quantizer) and sends weights and scales."""
+        from reshard.engines.fp8 import reference_checkpoint
         t0 = time.monotonic()
         full = self.full_tensors()
         if full is None:
             return None
-        full = list(full.items())
+        full = list(full.items() if block is None else reference_checkpoint(full.items(), block))
         meta = [(n, list(t.shape), str(t.dtype).split(".")[-1]) for n, t in full]
         refs = [r.peer_receive.remote(meta, packed) for r in self.rollouts]
         if packed:
             packed_broadcast(self.peer, iter(full))
         else:
             for _, t in full:
-                self.peer.broadcast(t, 0).wait()
+                self.peer.broadcast(on_wire(t), 0).wait()
         ray.get(refs)
         return {"seconds": time.monotonic() - t0, "bytes": sum(t.numel() * t.element_size() for _, t in full)
                 * len(self.rollouts)}
@@ -194,6 +196,12 @@ class Trainer:
 #: Seconds without progress before a refit's wait gives up (the backend's stall_timeout): short, so that a
 #: stalled rank fails the update in seconds.
 STALL_TIMEOUT = 4.0
+
+
+def on_wire(t):
+    """A tensor as gloo sends it: FP8 (which gloo does not know) as its bytes."""
+    import torch
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def packed_broadcast(group, tensors):
@@ -265,23 +273,51 @@ class Rollout:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
         import reshard.vllm  # noqa: F401  registers the backend (so does vLLM's plugin loader)
+        from reshard.engines import fp8
         self.torch, self.cpu, self.rank, self.kill_at, self.stall_at = torch, cpu, rank, kill_at, stall_at
+        self.fp8, self.block = fp8, fp8.block_of(cfg)
         self.model, self.vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work / "model-dir" / str(rank)), tp,
                                                expert_parallel=expert_parallel)
         self.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), self.vcfg,
                                                                 torch.device("cpu"), self.model)
-        self.twin, self.junk, self.missed_write = None, "never", None
+        self.twin, self.junk, self.missed_write, self.fp8_fault = None, "never", None, 0
 
     def reference(self, full_ref, junk):
         """The check's twin model (vLLM's loader's reference), and when the live parameters are set to junk
         before an update: ``every`` update, the ``first`` one, or ``never``."""
-        self.twin = self.cpu.LoadedTwin(self.model, self.vcfg, ray.get(full_ref[0]))
+        self.twin = self.cpu.LoadedTwin(self.model, self.vcfg, dict(self.checkpoint(full_ref)))
         self.junk = junk
+
+    def checkpoint(self, full_ref):
+        """What vLLM's loader reads for a trainer's full state: the state itself, or for a block-FP8 engine the
+        FP8 checkpoint the reference quantizer makes of it."""
+        full = ray.get(full_ref[0]).items()
+        return full if self.block is None else self.fp8.reference_checkpoint(full, self.block)
 
     def plant_missed_write(self, version, row):
         """A planted fault: in that version's update, row ``row`` of this rank's embed_tokens keeps what it
         held before (a write the refit missed)."""
         self.missed_write = (version, row)
+
+    def plant_fp8_faults(self, version):
+        """Planted faults in a block-FP8 engine: after that version's update, one scale entry of this rank's
+        first quantized projection is one ulp off, and the first tile of its second one holds the FP8 codes
+        of the tile below it (a tile quantized from the wrong rows)."""
+        self.fp8_fault = version
+
+    def _corrupt_fp8(self):
+        params = dict(self.model.named_parameters())
+        scales = [n for n in params if n.endswith("weight_scale_inv")]
+        if len(scales) < 2:
+            raise RuntimeError("--plant-fp8-faults: the engine has fewer than two quantized projections")
+        torch, (br, _) = self.torch, self.block
+        with torch.no_grad():
+            params[scales[0]].detach().view(torch.int32).view(-1)[0] += 1  # the next float up: one ulp
+            w = params[scales[1][: -len("_scale_inv")]].detach().view(torch.uint8)
+            if w.shape[0] < 2 * br:
+                raise RuntimeError(f"--plant-fp8-faults: '{scales[1]}' has fewer than two row tiles here")
+            w[:br, :br] = w[br:2 * br, :br].clone()
+        return scales[0], scales[1][: -len("_scale_inv")]
 
     def ready(self):
         return True
@@ -306,6 +342,8 @@ class Rollout:
             row = self.model.model.embed_tokens.weight.detach()[self.missed_write[1]]
             before = row.clone()
         self.engine.update_weights(update_info)
+        if self.fp8_fault and self.fp8_fault == update_info.get("version"):
+            self._corrupt_fp8()
         if missed:
             with self.torch.no_grad():
                 row.copy_(before)
@@ -317,7 +355,7 @@ class Rollout:
         """Every parameter against vLLM's own load_weights of the trainer's full state dict into the twin;
         ``held``: the bytes that load writes from the checkpoint on this rank."""
         assert self.engine.version == version, f"published version {self.engine.version}, expected {version}"
-        bad = self.twin.differences(ray.get(full_ref[0]).items())
+        bad = self.twin.differences(self.checkpoint(full_ref))
         if bad:
             raise AssertionError(f"vLLM rank {self.rank}, version {version}: {len(bad)} parameters differ from "
                                  f"vLLM's loader: {bad[:4]}")
@@ -332,7 +370,7 @@ class Rollout:
         by element, with what vLLM's loader makes of the failed version (`new_ref`) and of the last published
         one (`old_ref`). Returns the report's counts and every parameter the report misnames."""
         f = self.engine.failure
-        held = self.cpu.what_parameters_hold(self.model, ray.get(new_ref[0]).items(), ray.get(old_ref[0]).items())
+        held = self.cpu.what_parameters_hold(self.model, self.checkpoint(new_ref), self.checkpoint(old_ref))
         named = {n: k for k in ("written", "partial", "untouched") for n in f[k]}
         # A parameter named partial may hold either version whole (a receive posted, not landed or landed
         # entirely); one whose two versions agree ("same") may be named anything.
@@ -365,7 +403,7 @@ class Rollout:
         def arriving():
             for name, shape, dtype in meta:
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
-                self.peer.broadcast(t, 0).wait()
+                self.peer.broadcast(on_wire(t), 0).wait()
                 yield name, t
         if self.layerwise:
             initialize_layerwise_reload(self.model)

@@ -38,7 +38,11 @@ into the same engines; each repair's update is dense and checked bit for bit. ``
 client skips step S's ``finish_weight_update``, and step S+1 must be refused for it.
 ``--plant-missed-write S`` (a planted fault): in step S, vLLM rank 0 puts back what one row of
 ``embed_tokens`` held before the update, a row the step did not change; the check must fail naming it.
-``--transactional``:
+``--quantization fp8``: the rollout engines serve the model in block FP8 (DeepSeek-V3's
+``quantization_config``); the backend quantizes in flight, the check and the peer use the FP8 checkpoint
+that reshard.engines.fp8's reference quantizer makes of the trainer's state; ``--plant-fp8-faults S``
+(planted faults) leaves one scale one ulp off and one tile quantized from the wrong rows on vLLM rank 0
+after step S's update: the check must fail naming both. ``--transactional``:
 the engines' updates land in a staging copy of their parameters, copied in when published, so a failed
 update leaves the live parameters at the last published version.
 
@@ -69,6 +73,8 @@ import rl_megatron
 from rl_actors import Rollout, Trainer, free_port
 from rl_megatron import MegatronTrainer
 
+from reshard.engines.fp8 import DEEPSEEK_V3_FP8
+
 # The actors' modules are this script's siblings, not importable in Ray's workers: sent with their classes.
 ray.cloudpickle.register_pickle_by_value(rl_actors)
 ray.cloudpickle.register_pickle_by_value(rl_megatron)
@@ -87,7 +93,7 @@ def run(a) -> dict:
     out = {"model": str(a.model), "trainer": a.trainer, "train": a.train, "trainers": a.trainers,
            "rollout_tp": a.rollout_tp,
            "expert_parallel": a.expert_parallel, "delta": a.delta, "master_f32": a.master_f32,
-           "optimizer": a.optimizer, "lr": a.lr}
+           "optimizer": a.optimizer, "lr": a.lr, "quantization": a.quantization}
     try:
         return Loop(a, cfg, work, out).run()
     finally:
@@ -106,6 +112,7 @@ class Loop:
         self.kill = {a.kill[:2]: a.kill[2]} if a.kill else {}
         self.stall = {a.stall[:2]: a.stall[2]} if a.stall else {}
         self.last_full = None  # the last published version's full state (a Ray ref), for a failure's check
+        self.block = tuple(DEEPSEEK_V3_FP8["weight_block_size"]) if a.quantization == "fp8" else None
 
     def trainers_new(self, weights=None):
         a = self.a
@@ -124,7 +131,9 @@ class Loop:
         vport = free_port()
         actor = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
         first = generation == 0
-        cfg = json.loads(pathlib.Path(a.rollout_model).read_text()) if a.rollout_model else self.cfg
+        cfg = json.loads(pathlib.Path(a.rollout_model).read_text()) if a.rollout_model else dict(self.cfg)
+        if a.quantization == "fp8":
+            cfg["quantization_config"] = DEEPSEEK_V3_FP8
         return [actor.remote(r, a.rollout_tp, cfg, vport, str(self.work), a.expert_parallel,
                              self.kill.get(("rollout", r), 0) if first else 0,
                              self.stall.get(("rollout", r), 0) if first else 0) for r in range(a.rollout_tp)]
@@ -161,6 +170,8 @@ class Loop:
             t_step = time.monotonic()
             if step == a.skip_finish:
                 ray.get(self.trainers[0].skip_next_finish.remote())
+            if step == a.plant_fp8_faults:
+                ray.get(self.rollouts[0].plant_fp8_faults.remote(step))
             if step == a.plant_missed_write:
                 ray.get(self.rollouts[0].plant_missed_write.remote(step, self.unchanged_row()))
             res = [outcome(ref) for ref in [t.send.remote() for t in self.trainers]]
@@ -188,10 +199,10 @@ class Loop:
             out.setdefault("received", []).append([c["received"] for c in checks])
             out["held"] = [c["held"] for c in checks]
             if a.peer:
-                pres = ray.get([t.peer_send.remote(True) for t in self.trainers])[0]
+                pres = ray.get([t.peer_send.remote(True, self.block) for t in self.trainers])[0]
                 self.peer_times.append(pres["seconds"])
                 self.peer_bytes.append(pres["bytes"])
-                pres = ray.get([t.peer_send.remote(False) for t in self.trainers])[0]
+                pres = ray.get([t.peer_send.remote(False, self.block) for t in self.trainers])[0]
                 self.peer_unpacked_times.append(pres["seconds"])
         if "failure" not in out or out.get("recovery", {}).get("validated"):
             ray.get([t.close.remote() for t in self.trainers] + [r.close.remote() for r in self.rollouts])
@@ -336,6 +347,10 @@ def main(argv=None) -> int:
     ap.add_argument("--delta", action="store_true", help="delta refits through the backend")
     ap.add_argument("--master-f32", action="store_true",
                     help="f32 trainer parameters computed in bf16 (FSDP2 MixedPrecisionPolicy): cast in flight")
+    ap.add_argument("--quantization", choices=["fp8"],
+                    help="the rollout engines serve the model in block FP8 (DeepSeek-V3's quantization_config), "
+                    "quantized in flight from the trainer's BF16; checked against vLLM's load_weights of the FP8 "
+                    "checkpoint the reference quantizer makes (the peer sends that checkpoint)")
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip the broadcast + load_weights peer")
     ap.add_argument("--stall", type=kill_spec, metavar="rollout:RANK@STEP",
                     help="a rollout actor misses a step's update for a while (a transient fault), e.g. rollout:1@2")
@@ -348,6 +363,9 @@ def main(argv=None) -> int:
                     "everywhere at once, naming it)")
     ap.add_argument("--plant-missed-write", type=int, default=0, metavar="STEP",
                     help="a planted fault: in that step one unchanged embed_tokens row of vLLM rank 0 is not written")
+    ap.add_argument("--plant-fp8-faults", type=int, default=0, metavar="STEP",
+                    help="planted faults (with --quantization fp8): after that step's update, vLLM rank 0 holds one "
+                    "scale entry one ulp off and one tile quantized from the wrong rows")
     ap.add_argument("--kill", type=kill_spec, metavar="ROLE:RANK@STEP",
                     help="kill an actor in a step's update, e.g. rollout:1@2 or trainer:1@2")
     ap.add_argument("--work", help="a folder for vLLM's files, with a short path: vLLM binds sockets in it "
@@ -364,6 +382,8 @@ def main(argv=None) -> int:
         for flag, given in (("--master-f32", a.master_f32), ("--kill trainer:", a.kill and a.kill[0] == "trainer")):
             if given:
                 ap.error(f"{flag} is not supported with --trainer megatron (FSDP2 trainers only)")
+    if a.plant_fp8_faults and a.quantization != "fp8":
+        ap.error("--plant-fp8-faults needs --quantization fp8")
     if a.kill and a.kill[1] >= (a.trainers if a.kill[0] == "trainer" else a.rollout_tp):
         ap.error(f"--kill {a.kill[0]}:{a.kill[1]}: there are {a.trainers} trainer and {a.rollout_tp} rollout actors")
     try:

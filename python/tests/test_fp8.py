@@ -75,3 +75,51 @@ def test_fp8_matches_torch_cast(scheme, src_rows):
         want, want_scale = torch_mx(full)
         assert torch.equal(got_scale, want_scale)
     assert torch.equal(got, want)
+
+
+def test_the_engines_reference_quantizer_agrees_with_the_core_on_partial_tiles():
+    # reshard.engines.fp8.reference_quantize (torch ops, the reference of the FP8 engine tests and the peer's
+    # quantizer) against the core's quantizer: 200 x 300 in 128 x 128 tiles (partial tiles at both ends).
+    from reshard.engines.fp8 import reference_quantize, tiles
+    src = reshard.layout_from_json(json.dumps({"mesh": {"axes": [["tp", 1]]}, "tensors": [
+        {"name": "w", "shape": [200, 300], "dtype": "bf16"}]}))
+    dst = reshard.layout_from_json(json.dumps({"mesh": {"axes": [["tp", 1]], "first_rank": 1}, "tensors": [
+        {"name": "w", "shape": [200, 300], "dtype": "fp8e4m3",
+         "quant": {"scheme": "block", "block": [128, 128], "scale": "w_scale_inv"}},
+        {"name": "w_scale_inv", "shape": tiles([200, 300], [128, 128]), "dtype": "f32"}]}))
+    g = torch.Generator().manual_seed(7)
+    full = (torch.randn(200, 300, generator=g) * torch.exp2(torch.randint(-12, 8, (200, 300), generator=g))).bfloat16()
+    full[128:, 256:] = 0  # an all-zero tile: amax clamps to 1e-4
+    w, s = torch.zeros(200, 300, dtype=torch.uint8), torch.zeros(2, 3)
+    reshard.refit_local(src, dst, {0: {"w": full}, 1: {"w": w, "w_scale_inv": s}})
+    q, scale = reference_quantize(full, (128, 128))
+    assert torch.equal(w, q.view(torch.uint8)) and torch.equal(s.view(torch.int32), scale.view(torch.int32))
+
+
+def test_a_traced_fp8_layout_marks_its_quantized_tensors_and_stores_each_scale_alone():
+    # What vLLM's loader makes of an FP8 checkpoint at tp=2: q and k fused in one parameter, their scales
+    # fused in another. quantized_layout marks q and k quant (block, their scales) and takes the fused scale
+    # buffer apart (the core stores a scale tensor alone; the engine binds each to its rows).
+    from reshard.engines.fp8 import quantized_layout
+    tensors = [{"name": "q.weight", "shape": [512, 256], "dtype": "fp8e4m3", "dims": ["tp", None]},
+               {"name": "k.weight", "shape": [256, 256], "dtype": "fp8e4m3", "dims": ["tp", None]},
+               {"name": "q.weight_scale_inv", "shape": [4, 2], "dtype": "f32", "dims": ["tp", None]},
+               {"name": "k.weight_scale_inv", "shape": [2, 2], "dtype": "f32", "dims": ["tp", None]},
+               {"name": "norm.weight", "shape": [256], "dtype": "bf16"}]
+    traced = reshard.layout_from_json(json.dumps({"mesh": {"axes": [["tp", 2]]}, "tensors": tensors, "buffers": [
+        {"name": "qk.weight", "parts": ["q.weight", "k.weight"]},
+        {"name": "qk.weight_scale_inv", "parts": ["q.weight_scale_inv", "k.weight_scale_inv"]}]}))
+    layout, apart = quantized_layout(traced, {"q.weight", "k.weight"}, (128, 128))
+    assert apart == {"qk.weight_scale_inv": ["q.weight_scale_inv", "k.weight_scale_inv"]}
+    doc = json.loads(layout.to_json())
+    quant = {t["name"]: t.get("quant") for t in doc["tensors"]}
+    assert quant["q.weight"] == {"scheme": "block", "block": [128, 128], "scale": "q.weight_scale_inv"}
+    assert quant["k.weight"]["scale"] == "k.weight_scale_inv" and quant["norm.weight"] is None
+    assert [b["name"] for b in doc["buffers"]] == ["qk.weight"]
+    assert {b["name"]: b["shape"] for b in layout.buffers(0)}["q.weight_scale_inv"] == (2, 2)
+    # A scale fused beside a tensor that is no scale cannot be bound by rows: refused, naming the buffer.
+    extra = {"name": "bias_table", "shape": [4, 2], "dtype": "f32", "dims": ["tp", None]}
+    mixed = reshard.layout_from_json(json.dumps({"mesh": {"axes": [["tp", 2]]}, "tensors": tensors + [extra],
+                                                 "buffers": [{"name": "odd", "parts": ["q.weight_scale_inv", "bias_table"]}]}))
+    with pytest.raises(reshard.Error, match="buffer 'odd' holds scale tensors"):
+        quantized_layout(mixed, {"q.weight"}, (128, 128))

@@ -113,14 +113,24 @@ def vllm_model(model_path: pathlib.Path, tp: int, *, expert_parallel: bool = Fal
 
 def vllm_module(cfg, device: str = "cpu"):
     """vLLM's model class of ``cfg`` (a VllmConfig whose parallel state is set up), built bare by vLLM's
-    own loader on ``device``. A process may build several: attention layers register their names in the
+    own loader on ``device``; a block-FP8 model with :func:`reshard.engines.fp8.allow_block_fp8_on_cpu`, and
+    post-processed as after a load. A process may build several: attention layers register their names in the
     config's forward context, cleared first (no forward runs here)."""
     from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from .fp8 import allow_block_fp8_on_cpu, block_of
+
+    fp8 = block_of(cfg.model_config.hf_config) is not None
+    if fp8:
+        allow_block_fp8_on_cpu()
     cfg.compilation_config.static_forward_context.clear()
     with set_default_torch_dtype(torch.bfloat16), torch.device(device):
-        return get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
+        model = get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
+    if fp8:  # as vLLM's loader after a load: the FP8 layers' post-processing (the unused KV-cache scales go)
+        process_weights_after_loading(model, cfg.model_config, torch.device(device))
+    return model
 
 
 def vllm_load(model, tensors: Iterable[Tuple[str, torch.Tensor]]):
@@ -180,13 +190,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
 
 
-#: Bit patterns a refit never writes: a quiet NaN with a payload no cast or copy of real weights makes.
-JUNK_BITS = {1: 0x7D, 2: 0x7FA5, 4: 0x7FC0A5A5, 8: 0x7FF8A5A5A5A5A5A5}
+#: Bit patterns a refit never writes: a quiet NaN with a payload no cast or copy of real weights makes (FP8:
+#: e4m3's NaN, which the saturating quantizer never makes).
+JUNK_BITS = {1: 0x7F, 2: 0x7FA5, 4: 0x7FC0A5A5, 8: 0x7FF8A5A5A5A5A5A5}
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _negated(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every sign bit flipped: -t for any float dtype, FP8 included (which torch cannot negate)."""
+    bits = _as_bits(t)
+    return torch.bitwise_xor(bits, torch.iinfo(bits.dtype).min).view(t.dtype)
 
 
 def _junk(t: torch.Tensor) -> int:
@@ -216,7 +233,7 @@ class LoadedTwin:
             raise ValueError(f"the twin model's parameters differ from the live model's: {missing[:4]}")
         self._load_from_junk(checkpoint.items())
         first = {n: _as_bits(p.detach()).clone() for n, p in self.twin_params.items()}
-        self._load_from_junk((n, torch.neg(t)) for n, t in checkpoint.items())
+        self._load_from_junk((n, _negated(t)) for n, t in checkpoint.items())
         self.from_checkpoint = {n: first.pop(n) != _as_bits(p.detach()) for n, p in self.twin_params.items()}
 
     def _load_from_junk(self, tensors) -> None:

@@ -56,6 +56,12 @@ class LiveLayout:
     real_bytes: int                #: of those, the checkpoint elements' (what a refit writes here)
     rank: int                      #: this rank's global rank in the layout
     seconds: float = 0.0           #: the trace, exchange, assembly and check
+    #: the model's parameters whose storage the buffers are (by parameter name; the buffers themselves where
+    #: None): a buffer may be a view of one (a scale tensor's rows of a fused scale parameter)
+    parameters: Optional[Dict[str, Any]] = None
+
+    def bound_parameters(self) -> Dict[str, Any]:
+        return self.buffers if self.parameters is None else self.parameters
 
     def to_json(self) -> str:
         return self.layout.to_json()

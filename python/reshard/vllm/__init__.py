@@ -58,10 +58,12 @@ The engine's life (docs/vllm.md, :mod:`reshard.vllm.lifecycle`): an update while
 setup is re-bound (the trainer sets up again and sends a dense update) or refused by name; a second
 ``init_transfer_engine`` closes the first setup's Resharder; the trainer's ``shutdown`` frees its
 store port; vLLM other than 0.33.x and EPLB are refused at init.
-Not supported yet: sources whose parameters are not plain placements (use
-``reshard.Resharder`` with a layout, e.g. Megatron-Core's), quantized (FP8)
-destinations through this backend, and parameters vLLM's loader computes
-rather than copies (named at init).
+A block-FP8 engine (DeepSeek-V3's ``quantization_config``) is refit from BF16 trainers with the quantizing
+done in flight (:mod:`reshard.engines.fp8`; docs/vllm.md, "Block-FP8 rollouts"); FP8 modules whose
+post-processing re-lays their weights are refused at init, naming them.
+Not supported yet: sources whose parameters are neither plain placements nor a Megatron-Core GPTModel (use
+``reshard.Resharder`` with a layout), and parameters vLLM's loader computes rather than copies (named at
+init).
 """
 from __future__ import annotations
 

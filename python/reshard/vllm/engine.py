@@ -14,6 +14,7 @@ import vllm
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from .. import Error, RefitNotCommitted, Resharder, layout_from_json
+from ..engines.fp8 import block_of, quantized_live_layout
 from ..engines.rows import split_rows
 from ..engines.vllm import live_layout
 from .checks import check_parallel_config, check_vllm_version, config_differences, rank_legend, untraced_error, with_legend
@@ -104,7 +105,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             beat.stop()
         self.started, self.pending = False, None
         self.repaired = self.failure is not None
-        self.bound = fingerprints(self.live.buffers)
+        self.bound = fingerprints(self.live.bound_parameters())
         self.sleep_state.bound_anew()
 
     def close_endpoint(self) -> None:
@@ -127,7 +128,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if differences:
             raise Error(untraced_error([], [n for n, _ in ckpt], differences))
         dtypes = [(t["name"], t["shape"], t["dtype"]) for t in json.loads(info.src_layout)["tensors"]]
-        live = live_layout(self.model, dtypes, first_rank=info.trainer_world)
+        block = block_of(self.model_config.hf_config)
+        if block is None:
+            live = live_layout(self.model, dtypes, first_rank=info.trainer_world)
+        else:  # quantized in flight into vLLM's FP8 parameters and their scales
+            live = quantized_live_layout(self.model, dtypes, block, first_rank=info.trainer_world)
         if live.untraced:
             raise Error(untraced_error(list(live.untraced), [n for n, _ in ckpt], []))
         t0 = log_phase(f"vLLM rank {live.rank - info.trainer_world}: layout traced through vLLM's loader", t0)

@@ -79,16 +79,36 @@ def test_rl_loop_from_a_megatron_core_trainer_through_vllm_weight_transfer_api(t
     assert 1.9 < out["bytes_ratio"] <= 2, out["bytes_ratio"]
 
 
-def test_a_write_missed_in_step_2_of_a_row_the_step_left_unchanged_fails_the_check(tmp_path, models):
-    # A planted fault: in step 2, vLLM rank 0 keeps what one embed_tokens row held before the update, a
-    # row that step 2's training did not change. Checked in the same model against its own loader (as
-    # before 2026-12-07), the row still equals version 2; with the parameters set to junk before each
-    # update and a twin model as the reference, the step fails naming the parameter.
-    code, out = rl_loop(tmp_path, "--model", models / "tiny-llama.json", "--steps", 2, "--no-peer",
-                        "--plant-missed-write", 2, failing=True)
+def test_rl_loop_into_block_fp8_engines_quantized_in_flight(tmp_path, models):
+    # vLLM engines serving the model in block FP8 (DeepSeek-V3's quantization_config: e4m3 weights, a
+    # weight_scale_inv per 128x128 tile, fused per projection as vLLM holds them; built on this CPU with its
+    # kernel selection stubbed, no GEMM runs), refit from FSDP2's BF16 with the quantizing done in flight.
+    # Checked after every step against vLLM's own load_weights of the FP8 checkpoint that the reference
+    # quantizer (torch ops) makes of the trainer's state, into a twin model.
+    code, out = rl_loop(tmp_path, "--model", models / "tiny-llama-fp8.json", "--quantization", "fp8", "--steps", 3)
+    assert code == 0 and out["validated"] is True and out["steps"] == 3, out
+    # Each vLLM rank received exactly its share of the FP8 checkpoint (counted from what vLLM's loader writes
+    # there: FP8 weights, their scales, the BF16 embeddings, norms and lm_head): the trainer's shards are
+    # whole tiles, so each sender quantized its tiles and sent FP8 and scales.
+    assert all(r == out["held"] for r in out["received"]), (out["received"], out["held"])
+    # The peer sends the whole FP8 checkpoint to each of the 2 vLLM ranks.
+    assert 1.9 < out["bytes_ratio"] <= 2, out["bytes_ratio"]
+
+
+def test_planted_faults_a_missed_write_a_scale_an_ulp_off_a_tile_from_wrong_rows_fail_the_check(tmp_path, models):
+    # Planted faults in step 2 on vLLM rank 0 of block-FP8 engines: one embed_tokens row keeps what it held
+    # before the update, a row that step 2's training did not change (checked in the same model against
+    # its own loader, as before 2026-12-07, it would still equal version 2; with the parameters set to junk
+    # before each update and a twin model as the reference it shows); one scale entry is one ulp off; one
+    # tile holds the FP8 codes of the tile below it. The step fails naming each.
+    code, out = rl_loop(tmp_path, "--model", models / "tiny-llama-fp8.json", "--quantization", "fp8", "--steps", 2,
+                        "--no-peer", "--plant-missed-write", 2, "--plant-fp8-faults", 2, failing=True)
     assert code != 0 and out["validated"] is False, out
-    assert "version 2" in out["error"] and "model.embed_tokens.weight" in out["error"], out["error"][-2000:]
-    assert "never written (junk)" in out["error"], out["error"][-2000:]
+    err = out["error"][-3000:]
+    assert "version 2: 3 parameters differ" in err, err
+    assert "model.embed_tokens.weight" in err and "never written (junk)" in err, err
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale_inv: 1 of" in err, err
+    assert "model.layers.0.self_attn.o_proj.weight: " in err, err
 
 
 def no_stale_words(text):
