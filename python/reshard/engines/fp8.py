@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import re
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .. import Error, layout_from_json
 
@@ -155,10 +155,10 @@ def post_processing_refusals(model: Any) -> List[str]:
     checkpoint layout a refit writes, with the transform (empty: the refit leaves the model as a fresh load
     would). Known to keep the layout: the CPU block kernel under :func:`allow_block_fp8_on_cpu`. Refused until
     their post-processing is re-run after each update: other linear kernels (the GPU ones transpose, pad or
-    requantize scales: DeepGEMM's UE8M0, CUTLASS's column-major scales; the AMX one packs weights for VNNI),
-    FP8 MoE experts (shuffled or padded for their kernel; on the CPU, where vLLM has no FP8 MoE kernel,
-    :func:`allow_block_fp8_on_cpu` keeps their layout), and MLA's dequantized ``W_UK_T`` / ``W_UV`` copies of
-    an FP8 ``kv_b_proj``."""
+    requantize scales: DeepGEMM's UE8M0, CUTLASS's column-major scales; the AMX one packs weights for VNNI)
+    and FP8 MoE experts (shuffled or padded for their kernel; on the CPU, where vLLM has no FP8 MoE kernel,
+    :func:`allow_block_fp8_on_cpu` keeps their layout). MLA's dequantized ``W_UK_T`` / ``W_UV`` are redone
+    after each refit instead (:func:`post_processing_refresh`)."""
     out = []
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
@@ -168,10 +168,34 @@ def post_processing_refusals(model: Any) -> List[str]:
                        "scales)")
         elif type(qm).__name__ == "Fp8MoEMethod" and not _layout_kept(qm):
             out.append(f"{name}: FP8 MoE experts, backend {getattr(qm, 'fp8_backend', '?')} (re-laid for its kernel)")
-        elif hasattr(m, "W_UK_T") and getattr(getattr(m, "kv_b_proj", None), "weight", None) is not None and \
-                m.kv_b_proj.weight.dtype != getattr(m, "W_UK_T").dtype:
-            out.append(f"{name}: MLA's W_UK_T / W_UV, dequantized copies of the FP8 kv_b_proj")
     return out
+
+
+def _mla_copies(model: Any) -> List[Tuple[str, Any]]:
+    """MLA modules whose W_UK_T / W_UV are dequantized copies of an FP8 kv_b_proj (in BF16 they are views of
+    kv_b_proj's weight and follow a refit by themselves)."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "W_UK_T") and getattr(getattr(m, "kv_b_proj", None), "weight", None) is not None
+            and m.kv_b_proj.weight.dtype != m.W_UK_T.dtype]
+
+
+def post_processing_refresh(model: Any, act_dtype: Any) -> Optional[Callable[[], None]]:
+    """What brings the tensors vLLM's post-processing derives from refit ones up to date after a refit,
+    in place (None: nothing to redo): each MLA module's own ``process_weights_after_loading`` again (its
+    W_UK_T / W_UV from the new FP8 kv_b_proj and its scale), as vLLM's layerwise reload does. Each keeps
+    its storage, so CUDA graphs captured over them stay valid; one that moved raises, naming it."""
+    mla = _mla_copies(model)
+    if not mla:
+        return None
+
+    def refresh() -> None:
+        for name, m in mla:
+            before = (m.W_UK_T.data_ptr(), m.W_UV.data_ptr())
+            m.process_weights_after_loading(act_dtype)
+            if (m.W_UK_T.data_ptr(), m.W_UV.data_ptr()) != before:
+                raise Error(f"{name}: MLA's post-processing re-allocated W_UK_T / W_UV instead of rewriting them "
+                            "in place (memory captured CUDA graphs read)")
+    return refresh
 
 
 def _layout_kept(moe_method: Any) -> bool:
@@ -180,11 +204,12 @@ def _layout_kept(moe_method: Any) -> bool:
 
 
 def quantized_live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int], Any]], block: Sequence[int],
-                          *, first_rank: int = 0):
+                          *, act_dtype: Any, first_rank: int = 0):
     """A live block-FP8 vLLM model's layout (see the module's docstring): a
-    :class:`reshard.engines.vllm.LiveLayout` whose quantized tensors carry ``quant`` and whose scale tensors
-    are bound to their rows of vLLM's fused scale parameters. ``checkpoint``: the trainer's BF16 tensors
-    ``(name, shape, dtype)``."""
+    :class:`reshard.engines.vllm.LiveLayout` whose quantized tensors carry ``quant``, whose scale tensors
+    are bound to their rows of vLLM's fused scale parameters, and whose ``refresh()`` redoes what vLLM
+    derives from them (:func:`post_processing_refresh`; ``act_dtype``: the model's dtype). ``checkpoint``:
+    the trainer's BF16 tensors ``(name, shape, dtype)``."""
     from .vllm import _gather_torch, _vllm_mesh, live_layout
 
     refused = post_processing_refusals(model)
@@ -213,7 +238,13 @@ def quantized_live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[i
             raise Error(f"rank {live.rank}: '{fused}' holds {flat.numel()} scale entries, its parts {at}")
     log.info("block FP8 layout of rank %d: %d quantized tensors, %d fused scale parameters bound by rows",
              live.rank, len(quantized), len(views))
-    return dataclasses.replace(live, layout=layout, buffers=buffers, parameters=dict(live.buffers))
+    # Parameters post-processing derives (MLA's W_UK_T / W_UV) are no loader's: the refresh redoes them.
+    derived = {f"{n}.{t}": getattr(m, t) for n, m in _mla_copies(model) for t in ("W_UK_T", "W_UV")}
+    return dataclasses.replace(live, layout=layout, buffers=buffers, parameters=dict(live.buffers),
+                               post_processing=post_processing_refresh(model, act_dtype),
+                               untraced={n: why for n, why in live.untraced.items() if n not in derived},
+                               untraced_bytes=live.untraced_bytes - sum(t.numel() * t.element_size()
+                                                                        for t in derived.values()))
 
 
 def quantized_layout(layout: Any, quantized: "set[str]", block: Sequence[int]) -> "Tuple[Any, Dict[str, List[str]]]":

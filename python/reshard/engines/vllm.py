@@ -59,9 +59,17 @@ class LiveLayout:
     #: the model's parameters whose storage the buffers are (by parameter name; the buffers themselves where
     #: None): a buffer may be a view of one (a scale tensor's rows of a fused scale parameter)
     parameters: Optional[Dict[str, Any]] = None
+    #: redoes, in place, what the engine's post-processing derives from refit parameters (None: nothing)
+    post_processing: Optional[Callable[[], None]] = None
 
     def bound_parameters(self) -> Dict[str, Any]:
         return self.buffers if self.parameters is None else self.parameters
+
+    def refresh(self) -> None:
+        """After a refit: every parameter the engine derives from refit ones brought up to date, in place
+        (MLA's W_UK_T / W_UV of an FP8 kv_b_proj); nothing where the engine derives nothing."""
+        if self.post_processing is not None:
+            self.post_processing()
 
     def to_json(self) -> str:
         return self.layout.to_json()

@@ -132,7 +132,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if block is None:
             live = live_layout(self.model, dtypes, first_rank=info.trainer_world)
         else:  # quantized in flight into vLLM's FP8 parameters and their scales
-            live = quantized_live_layout(self.model, dtypes, block, first_rank=info.trainer_world)
+            live = quantized_live_layout(self.model, dtypes, block, act_dtype=self.model_config.dtype,
+                                         first_rank=info.trainer_world)
         if live.untraced:
             raise Error(untraced_error(list(live.untraced), [n for n, _ in ckpt], []))
         t0 = log_phase(f"vLLM rank {live.rank - info.trainer_world}: layout traced through vLLM's loader", t0)
@@ -220,6 +221,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 for n, t in self.live.buffers.items():
                     t.copy_(self.staging[n])
             self.last_report["swap_seconds"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        self.live.refresh()  # what vLLM derives from the new weights (MLA's W_UK_T / W_UV of FP8 models)
+        self.last_report["refresh_seconds"] = time.monotonic() - t0
         self.version, self.pending, self.started = self.pending, None, False
         self.failure, self.repaired = None, False  # a repair's update committed: every element written
 

@@ -1,7 +1,8 @@
 """One vLLM rank (tp=1) of a tiny DeepSeek-V3-style model (MLA + MoE), built on this CPU by vLLM's own
 loader, for test_fp8_engines.py. Prints one JSON line.
 
-    python fp8_worker.py CONFIG WORK PORT fp8   the model in block FP8: what reshard's FP8 setup says of it
+    python fp8_worker.py CONFIG WORK PORT fp8   the model in block FP8: what reshard's FP8 setup refuses where
+                                               its MoE experts are re-laid for a kernel (as on a GPU)
     python fp8_worker.py CONFIG WORK PORT bf16  in BF16, MLA's post-processing run: are W_UK_T / W_UV views
                                                of kv_b_proj's weight (so a refit of kv_b_proj reaches them)?
 """
@@ -26,12 +27,16 @@ if kind == "fp8":
     cfg["quantization_config"] = fp8.DEEPSEEK_V3_FP8
 model, vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, pathlib.Path(work)), 1)
 if kind == "fp8":
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
     ckpt = [(n, list(s), "bf16") for n, s, _ in checkpoint_tensors(config)]
+    out = {"kept": fp8.post_processing_refusals(model)}
+    Fp8MoEMethod._reshard_allowed = False  # as where vLLM has an FP8 MoE kernel: the experts are re-laid for it
     try:
-        fp8.quantized_live_layout(model, ckpt, fp8.block_of(cfg))
-        print(json.dumps({"refused": None}))
+        fp8.quantized_live_layout(model, ckpt, fp8.block_of(cfg), act_dtype=vcfg.model_config.dtype)
+        out["refused"] = None
     except reshard.Error as e:
-        print(json.dumps({"refused": str(e)}))
+        out["refused"] = str(e)
+    print(json.dumps(out))
 else:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     mla = [m for m in model.modules() if is_deferred_attention_layer(m)]

@@ -46,6 +46,9 @@ def main():
     ap.add_argument("--fail-trace", type=int, default=-1, help="this vLLM rank's trace fails (a planted fault)")
     ap.add_argument("--plant-expert-swap", action="store_true",
                     help="a planted fault: the Megatron layout swaps local experts 0 and 1 of every MoE layer")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the vLLM engine serves block FP8 (DeepSeek-V3's quantization_config): quantized in flight, "
+                    "checked against vLLM's load_weights of the reference FP8 checkpoint")
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
@@ -188,13 +191,19 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
 
     work = pathlib.Path(a.work)
     os.environ.update(cpu.vllm_env(work))
+    from reshard.engines import fp8
     cfg = json.loads(cfg_path.read_text())
+    if a.fp8:
+        cfg["quantization_config"] = fp8.DEEPSEEK_V3_FP8
     model, vcfg = cpu.vllm_model(cpu.vllm_model_dir(cfg, work.parent / "model-dir"), a.tp, expert_parallel=a.ep)
     vrank = int(os.environ["RANK"])
+
+    def checkpoint_of(full):  # what vLLM's loader reads: the state, or its reference FP8 checkpoint
+        return dict(fp8.reference_checkpoint(full.items(), fp8.block_of(cfg))) if a.fp8 else full
     # Version 0 served first, as an engine that has loaded its checkpoint.
-    cpu.vllm_load(model, oracle.full_tensors(ckpt, seed=0).items())
+    cpu.vllm_load(model, checkpoint_of(oracle.full_tensors(ckpt, seed=0)).items())
     params = dict(model.named_parameters())
-    checkpoint = [(n, tuple(t.shape)) for n, t in full1.items()]
+    checkpoint = [(n, tuple(t.shape), "bf16") for n, t in full1.items()]
     load = None
     if vrank == a.fail_trace:
         def load(weights):
@@ -202,7 +211,11 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
             raise RuntimeError("planted: this rank's loader fails")
     t0 = time.monotonic()
     try:
-        live = rv.live_layout(model, checkpoint, first_rank=a.first_rank, load=load)
+        if a.fp8:
+            live = fp8.quantized_live_layout(model, checkpoint, fp8.block_of(cfg), act_dtype=vcfg.model_config.dtype,
+                                             first_rank=a.first_rank)
+        else:
+            live = rv.live_layout(model, checkpoint, first_rank=a.first_rank, load=load)
     except reshard.Error as e:
         if a.fail_trace < 0:
             raise
@@ -212,20 +225,39 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
            "traced_bytes": live.traced_bytes, "global_rank": live.rank}
     if vrank == 0:
         store.set("dst_layout", live.to_json())
-    res["preset"] = None if a.train == "whole" else check_preset(cfg_path, a, live, params)
+    res["preset"] = None if a.train == "whole" or a.fp8 else check_preset(cfg_path, a, live, params)
     # The reference: a twin of the model loaded by vLLM's own load_weights. What this rank must receive
     # is counted from the elements that loader writes (not from reshard's trace), and the refit lands
     # in memory set to junk there, so every write it misses shows.
-    twin = cpu.LoadedTwin(model, vcfg, full1)
+    twin = cpu.LoadedTwin(model, vcfg, checkpoint_of(full1))
     res["needed_bytes"] = twin.checkpoint_bytes()
     res["traced_real_bytes"] = live.real_bytes
     twin.junk_fill()
     with reshard.Resharder(src, live.layout, rank=live.rank, buffers=live.buffers, transport="ucx", store=store) as r:
         res["report"] = r.refit()
-    bad = twin.differences(full1.items())
+    live.refresh()  # what vLLM derives from the refit weights (MLA's W_UK_T / W_UV of an FP8 kv_b_proj)
+    bad = twin.differences(checkpoint_of(full1).items())
+    if a.fp8:
+        res["derived"] = derived_differences(model, twin.twin, vcfg)
+        bad += res["derived"]["differ"]
     res.update(ok=not bad, mismatches=bad, params=len(params),
                elements=sum(p.numel() for p in params.values()))
     return res
+
+
+def derived_differences(model, twin, vcfg):
+    """MLA's W_UK_T / W_UV of the live model (refreshed after the refit) against the twin's, which vLLM's
+    own MLA post-processing derives from the twin's loaded weights: names of those that differ."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    live = [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
+    ref = dict((n, m) for n, m in twin.named_modules() if is_deferred_attention_layer(m))
+    differ = []
+    for n, m in live:
+        ref[n].process_weights_after_loading(vcfg.model_config.dtype)
+        for t in ("W_UK_T", "W_UV"):
+            if not torch.equal(getattr(m, t).view(torch.int16), getattr(ref[n], t).view(torch.int16)):
+                differ.append(f"{n}.{t}")
+    return {"compared": 2 * len(live), "differ": differ}
 
 
 def check_preset(cfg_path, a, live, params):

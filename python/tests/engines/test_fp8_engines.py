@@ -1,7 +1,7 @@
-"""Block-FP8 vLLM engines and vLLM's post-processing of MLA (reshard.engines.fp8): a DeepSeek-V3-style model
-(MLA + MoE) built on this CPU by vLLM's own loader, one process (fp8_worker.py).
+"""vLLM's post-processing of a DeepSeek-V3-style model (MLA + MoE) and refits (reshard.engines.fp8): the
+model built on this CPU by vLLM's own loader, one process (fp8_worker.py).
 
-(The FP8 refits themselves run in the RL loop: test_vllm_backend.py.)
+(The FP8 refits themselves: the RL loop in test_vllm_backend.py, DeepSeek-V3 style in test_vllm_live.py.)
 """
 import json
 import os
@@ -28,17 +28,17 @@ def worker(tmp_path, models, kind):
     return json.loads(lines[-1])
 
 
-def test_fp8_mla_whose_post_processing_dequantizes_kv_b_proj_is_refused_naming_each_module(tmp_path, models):
-    # In block FP8, vLLM's MLA post-processing keeps dequantized BF16 copies of each FP8 kv_b_proj (W_UK_T,
-    # W_UV) that load_weights never writes: a refit that does not redo them would leave them stale, so the
-    # FP8 setup refuses, naming each MLA module and the transform (never silently). The MoE experts, which
-    # keep their checkpoint layout on the CPU (no FP8 MoE kernel here), and the linear layers pass.
+def test_fp8_moe_experts_re_laid_for_a_kernel_are_refused_naming_each_layer(tmp_path, models):
+    # As built here (no FP8 MoE kernel on this CPU) the model keeps its checkpoint layout everywhere and
+    # nothing is refused. Where vLLM has an FP8 MoE kernel (a GPU), its post-processing re-lays the experts
+    # (shuffled, padded) into a layout a refit does not write: the FP8 setup refuses, naming each MoE layer
+    # and its backend, never silently.
     out = worker(tmp_path, models, "fp8")
+    assert out["kept"] == [], out["kept"]
     refused = out["refused"]
-    assert refused and "4 FP8 modules" in refused, refused
-    for layer in range(4):
-        assert f"model.layers.{layer}.self_attn.mla_attn.mla_attn: MLA's W_UK_T / W_UV" in refused, refused
-    assert "experts" not in refused and "kernel" not in refused, refused
+    assert refused and "3 FP8 modules" in refused, refused
+    for layer in range(1, 4):
+        assert f"model.layers.{layer}.mlp.experts.routed_experts: FP8 MoE experts, backend" in refused, refused
 
 
 def test_bf16_mla_w_uk_t_and_w_uv_are_views_of_kv_b_proj_and_follow_its_refit(tmp_path, models):

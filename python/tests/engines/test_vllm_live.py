@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge=False, timeout=420, fail_trace=-1,
-              plant_expert_swap=False):
+              plant_expert_swap=False, fp8=False):
     """train: a Megatron spec (reshard.megatron_layout's ranks: live GPTModel ranks with live_megatron,
     else buffers the contract oracle fills), "fsdp:N" (N FSDP2 ranks) or "whole" (one rank holding the
     whole checkpoint). fail_trace: that vLLM rank's trace fails, and only the vLLM ranks run.
@@ -61,6 +61,8 @@ def run_refit(tmp_path, config, train, tp, ep=False, live_megatron=False, bridge
         common += ["--fail-trace", str(fail_trace)]
     if plant_expert_swap:
         common.append("--plant-expert-swap")
+    if fp8:
+        common.append("--fp8")
     env0 = dict(os.environ, UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", GLOO_SOCKET_IFNAME="lo",
                 OMP_NUM_THREADS="1")
     ranks = range(S, S + tp) if fail_trace >= 0 else range(S) if plant_expert_swap else range(S + tp)
@@ -108,7 +110,7 @@ def check_vllm_ranks(vllm_ranks, planted_kinds=("missing", "renamed", "reshaped"
         assert v["untraced"] == {}, f"parameters left to another path: {v['untraced']}"
         assert v["mismatches"] == []
         pre = v["preset"]
-        for kind in planted_kinds:
+        for kind in planted_kinds if pre is not None else ():
             msg = pre["errors"][kind]
             assert msg is not None, f"a {kind} parameter was accepted"
             assert f"'{pre['planted']}'" in msg, f"{kind}: the error does not name '{pre['planted']}': {msg}"
@@ -138,6 +140,17 @@ def test_refit(tmp_path, models, case):
     config, train, tp, options = REFITS[case]
     v, _ = run_refit(tmp_path, models / config, train, tp=tp, **options)
     check_vllm_ranks(v)
+
+
+def test_deepseek_mla_moe_in_block_fp8_tp2_expert_parallel_from_megatron_layout_tp2_ep2(tmp_path, models):
+    # DeepSeek-V3 style (MLA + MoE) served in block FP8 (every projection's shards whole 128-row tiles:
+    # tiny-moe-fp8.json), quantized in flight from a Megatron layout's BF16: each vLLM parameter equals vLLM's
+    # load_weights of the reference FP8 checkpoint, each rank received exactly its share of that checkpoint
+    # (FP8 weights, scales, the BF16 rest), and after the refit's refresh each MLA layer's W_UK_T / W_UV
+    # (dequantized copies of the FP8 kv_b_proj) equal what vLLM's own post-processing derives in the twin.
+    v, _ = run_refit(tmp_path, models / "tiny-moe-fp8.json", "tp=2,ep=2,etp=1", tp=2, ep=True, fp8=True)
+    check_vllm_ranks(v)
+    assert all(r["derived"] == {"compared": 8, "differ": []} for r in v), [r["derived"] for r in v]
 
 
 def test_llama_kv_heads_replicated_tp4_from_live_megatron_tp2_pp2(tmp_path, models):
