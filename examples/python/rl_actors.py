@@ -260,6 +260,17 @@ def peer_group(port, rank, size, host=False):
     return torch.distributed.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=300))
 
 
+class Restreamed:
+    """A checkpoint read as a stream as often as it is asked for (LoadedTwin reads it twice): a quantized
+    copy of the whole model is never held (at 1 GB and tp=4, four of them broke the machine's memory)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def items(self):
+        return self.stream()
+
+
 class Rollout:
     """One rank of a vLLM engine (CPU recipe) and the engine the "reshard" backend gives it."""
 
@@ -285,7 +296,7 @@ class Rollout:
     def reference(self, full_ref, junk):
         """The check's twin model (vLLM's loader's reference), and when the live parameters are set to junk
         before an update: ``every`` update, the ``first`` one, or ``never``."""
-        self.twin = self.cpu.LoadedTwin(self.model, self.vcfg, dict(self.checkpoint(full_ref)))
+        self.twin = self.cpu.LoadedTwin(self.model, self.vcfg, Restreamed(lambda: self.checkpoint(full_ref)))
         self.junk = junk
 
     def checkpoint(self, full_ref):

@@ -113,9 +113,11 @@ def vllm_model(model_path: pathlib.Path, tp: int, *, expert_parallel: bool = Fal
 
 def vllm_module(cfg, device: str = "cpu"):
     """vLLM's model class of ``cfg`` (a VllmConfig whose parallel state is set up), built bare by vLLM's
-    own loader on ``device``; a block-FP8 model with :func:`reshard.engines.fp8.allow_block_fp8_on_cpu`, and
-    post-processed as after a load. A process may build several: attention layers register their names in the
-    config's forward context, cleared first (no forward runs here)."""
+    own loader on ``device``; a block-FP8 model with :func:`reshard.engines.fp8.allow_block_fp8_on_cpu`; then
+    post-processed as after a load (a block-FP8 model whole; otherwise MLA only). A process may build
+    several: attention layers register their names in the config's forward context, cleared first (no
+    forward runs here)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -128,8 +130,15 @@ def vllm_module(cfg, device: str = "cpu"):
     cfg.compilation_config.static_forward_context.clear()
     with set_default_torch_dtype(torch.bfloat16), torch.device(device):
         model = get_model_loader(cfg.load_config).create_model(vllm_config=cfg, model_config=cfg.model_config)
-    if fp8:  # as vLLM's loader after a load: the FP8 layers' post-processing (the unused KV-cache scales go)
+    # As vLLM's loader after a load: a block-FP8 model's post-processing (the unused KV-cache scales go, MLA
+    # dequantizes W_UK_T / W_UV); otherwise MLA's alone (W_UK_T / W_UV views of kv_b_proj), as the others' is a
+    # CPU prepack the CUDA wheel lacks.
+    if fp8:
         process_weights_after_loading(model, cfg.model_config, torch.device(device))
+    else:
+        for m in model.modules():
+            if is_deferred_attention_layer(m):
+                m.process_weights_after_loading(cfg.model_config.dtype)
     return model
 
 
@@ -222,12 +231,17 @@ class LoadedTwin:
     leaves alone or fills with a constant (vocabulary padding) are not the checkpoint's: a refit need not
     write them. Before a dense refit the live model's checkpoint elements are set to junk
     (:meth:`junk_fill`), so a write the refit misses shows however little the value changed; the bytes
-    a rank must receive are counted from these elements (:meth:`checkpoint_bytes`), not from reshard."""
+    a rank must receive are counted from these elements (:meth:`checkpoint_bytes`), not from reshard.
+    Parameters that are views into another's storage (MLA's BF16 W_UK_T / W_UV) are that one's elements:
+    left out, never counted twice."""
 
     def __init__(self, model, vllm_config, checkpoint: Mapping[str, torch.Tensor]):
-        self.params = dict(model.named_parameters())
+        from .vllm import views_of_other_parameters
+
+        views = views_of_other_parameters(model)
+        self.params = {n: p for n, p in model.named_parameters() if n not in views}
         self.twin = vllm_module(vllm_config)
-        self.twin_params = dict(self.twin.named_parameters())
+        self.twin_params = {n: p for n, p in self.twin.named_parameters() if n not in views}
         missing = sorted(set(self.params) ^ set(self.twin_params))
         if missing:
             raise ValueError(f"the twin model's parameters differ from the live model's: {missing[:4]}")

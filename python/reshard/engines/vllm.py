@@ -100,7 +100,8 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
     from . import record as rec
 
     names, shapes, dtypes = _checkpoint_entries(checkpoint)
-    params = list(model.named_parameters())
+    views = views_of_other_parameters(model)
+    params = [(n, p) for n, p in model.named_parameters() if n not in views]
     saved = [p.data for _, p in params]
     load = load or model.load_weights
     recorder = rec.Recorder()
@@ -138,6 +139,24 @@ def trace_rank(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]], coor
         else:
             traced.append(pt)
     return tr.RankTrace(dict(coords), traced, untraced, ubytes, slow)
+
+
+def views_of_other_parameters(model: Any) -> Dict[str, str]:
+    """Parameters that are views into part of another parameter's storage (name -> that parameter), such as
+    MLA's ``W_UK_T`` / ``W_UV`` of a BF16 ``kv_b_proj`` after vLLM's post-processing: they follow their
+    owner, so the trace leaves them out (a refit writes the owner). Parameters sharing a whole storage (tied
+    embeddings) are no views."""
+    from . import record as rec
+
+    by_storage: Dict[int, List[Tuple[str, Any]]] = {}
+    for n, p in model.named_parameters():
+        by_storage.setdefault(rec.storage_key(p.data), []).append((n, p.data))
+    out: Dict[str, str] = {}
+    for group in by_storage.values():
+        whole = [n for n, t in group if t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()]
+        if len(group) > 1 and whole:
+            out.update({n: whole[0] for n, _ in group if n not in whole})
+    return out
 
 
 _EXPERT = re.compile(r"^(.*)\.(\d+)\.[^.]+(?:\.[^.]+)*$")
@@ -179,7 +198,8 @@ def trace_rank_tags(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int]]],
     import torch
 
     names, shapes, _ = _checkpoint_entries(checkpoint)
-    params = [(n, p) for n, p in model.named_parameters()]
+    views = views_of_other_parameters(model)
+    params = [(n, p) for n, p in model.named_parameters() if n not in views]
     saved = [p.data for _, p in params]
     load = load or model.load_weights
     slots: Dict[str, Any] = {}

@@ -200,8 +200,9 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
 
     def checkpoint_of(full):  # what vLLM's loader reads: the state, or its reference FP8 checkpoint
         return dict(fp8.reference_checkpoint(full.items(), fp8.block_of(cfg))) if a.fp8 else full
-    # Version 0 served first, as an engine that has loaded its checkpoint.
+    # Version 0 served first, as an engine that has loaded its checkpoint (and post-processed it: vllm_model).
     cpu.vllm_load(model, checkpoint_of(oracle.full_tensors(ckpt, seed=0)).items())
+    mla = mla_layers(model)
     params = dict(model.named_parameters())
     checkpoint = [(n, tuple(t.shape), "bf16") for n, t in full1.items()]
     load = None
@@ -237,20 +238,28 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
         res["report"] = r.refit()
     live.refresh()  # what vLLM derives from the refit weights (MLA's W_UK_T / W_UV of an FP8 kv_b_proj)
     bad = twin.differences(checkpoint_of(full1).items())
-    if a.fp8:
-        res["derived"] = derived_differences(model, twin.twin, vcfg)
+    if mla:
+        res["derived"] = derived_differences(mla, twin.twin, vcfg)
         bad += res["derived"]["differ"]
+    if a.fp8:  # where vLLM has an FP8 MoE kernel (a GPU), it re-lays the experts: the FP8 setup must refuse them
+        from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+        Fp8MoEMethod._reshard_allowed = False
+        res["refused_with_moe_kernel"] = fp8.post_processing_refusals(model)
     res.update(ok=not bad, mismatches=bad, params=len(params),
                elements=sum(p.numel() for p in params.values()))
     return res
 
 
-def derived_differences(model, twin, vcfg):
-    """MLA's W_UK_T / W_UV of the live model (refreshed after the refit) against the twin's, which vLLM's
-    own MLA post-processing derives from the twin's loaded weights: names of those that differ."""
+def mla_layers(model):
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    live = [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
-    ref = dict((n, m) for n, m in twin.named_modules() if is_deferred_attention_layer(m))
+    return [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
+
+
+def derived_differences(live, twin, vcfg):
+    """MLA's W_UK_T / W_UV of the live model after the refit (views of kv_b_proj in BF16; in FP8 dequantized
+    copies, refreshed) against the twin's, which vLLM's own MLA post-processing derives from the twin's
+    loaded weights: names of those that differ."""
+    ref = dict(mla_layers(twin))
     differ = []
     for n, m in live:
         ref[n].process_weights_after_loading(vcfg.model_config.dtype)

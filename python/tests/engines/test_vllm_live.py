@@ -109,6 +109,8 @@ def check_vllm_ranks(vllm_ranks, planted_kinds=("missing", "renamed", "reshaped"
         assert got == needed, f"rank {v['rank']} received {got} B; it holds {needed} B of the checkpoint"
         assert v["untraced"] == {}, f"parameters left to another path: {v['untraced']}"
         assert v["mismatches"] == []
+        # MLA: W_UK_T / W_UV (views of kv_b_proj in BF16, refreshed copies in FP8) as vLLM derives them.
+        assert v.get("derived", {}).get("differ", []) == [], v["derived"]
         pre = v["preset"]
         for kind in planted_kinds if pre is not None else ():
             msg = pre["errors"][kind]
@@ -129,9 +131,6 @@ REFITS = {
     # reshard.megatron_layout; the oracle writes the other parameters through the model's own names.
     "qwen3_moe_tp2_expert_parallel_from_live_megatron_tp2_ep2":
         ("tiny-qwen3-moe.json", "tp=2,ep=2,etp=1", 2, dict(ep=True, live_megatron=True)),
-    # tiny-moe: DeepSeek-V3 style (MLA with q_lora, a dense first layer, routed and shared experts,
-    # e_score_correction_bias), as vLLM's DeepseekV3ForCausalLM builds it on the CPU.
-    "deepseek_mla_moe_tp2_from_megatron_layout_tp2_ep2": ("tiny-moe.json", "tp=2,ep=2,etp=1", 2, {}),
 }
 
 
@@ -142,15 +141,29 @@ def test_refit(tmp_path, models, case):
     check_vllm_ranks(v)
 
 
+def test_deepseek_mla_moe_tp2_from_megatron_layout_tp2_ep2(tmp_path, models):
+    # tiny-moe: DeepSeek-V3 style (MLA with q_lora, a dense first layer, routed and shared experts,
+    # e_score_correction_bias), as vLLM's DeepseekV3ForCausalLM builds it on the CPU, MLA post-processed as
+    # after a load: its W_UK_T / W_UV are views of kv_b_proj and follow the refit (8 per rank checked).
+    v, _ = run_refit(tmp_path, models / "tiny-moe.json", "tp=2,ep=2,etp=1", tp=2)
+    check_vllm_ranks(v)
+    assert all(r["derived"] == {"compared": 8, "differ": []} for r in v), [r["derived"] for r in v]
+
+
 def test_deepseek_mla_moe_in_block_fp8_tp2_expert_parallel_from_megatron_layout_tp2_ep2(tmp_path, models):
     # DeepSeek-V3 style (MLA + MoE) served in block FP8 (every projection's shards whole 128-row tiles:
     # tiny-moe-fp8.json), quantized in flight from a Megatron layout's BF16: each vLLM parameter equals vLLM's
     # load_weights of the reference FP8 checkpoint, each rank received exactly its share of that checkpoint
     # (FP8 weights, scales, the BF16 rest), and after the refit's refresh each MLA layer's W_UK_T / W_UV
     # (dequantized copies of the FP8 kv_b_proj) equal what vLLM's own post-processing derives in the twin.
+    # Where vLLM has an FP8 MoE kernel (a GPU) the experts are re-laid for it: withdrawn the CPU's allowance,
+    # the FP8 setup refuses them, naming each MoE layer (never silently).
     v, _ = run_refit(tmp_path, models / "tiny-moe-fp8.json", "tp=2,ep=2,etp=1", tp=2, ep=True, fp8=True)
     check_vllm_ranks(v)
     assert all(r["derived"] == {"compared": 8, "differ": []} for r in v), [r["derived"] for r in v]
+    for r in v:
+        assert [x.split(":")[0] for x in r["refused_with_moe_kernel"]] == \
+            [f"model.layers.{i}.mlp.experts.routed_experts" for i in (1, 2, 3)], r["refused_with_moe_kernel"]
 
 
 def test_llama_kv_heads_replicated_tp4_from_live_megatron_tp2_pp2(tmp_path, models):
