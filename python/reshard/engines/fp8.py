@@ -224,13 +224,15 @@ def quantized_live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[i
     live = live_layout(model, fp8_checkpoint(checkpoint, quantized, block), first_rank=first_rank)
     layout, views = quantized_layout(live.layout, quantized, block)
     buffers = dict(live.buffers)
+    specs = {s["name"]: s for s in layout.buffers(live.rank)}
     for fused, parts in views.items():
+        if fused not in live.buffers:  # another stage's, or experts this rank does not hold
+            continue
         buffers.pop(fused)
         if not live.buffers[fused].is_contiguous():
             raise Error(f"rank {live.rank}: vLLM's scale parameter '{fused}' is not contiguous: its parts' rows "
                         "cannot be bound as views")
         flat, at = live.buffers[fused].view(-1), 0
-        specs = {s["name"]: s for s in layout.buffers(live.rank)}
         for spec in (specs[p] for p in parts if p in specs):  # memory order; parts this rank lacks add nothing
             buffers[spec["name"]] = flat[at:at + spec["elements"]].view(spec["shape"])
             at += spec["elements"]
