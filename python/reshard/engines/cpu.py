@@ -137,7 +137,7 @@ def vllm_module(cfg, device: str = "cpu"):
         process_weights_after_loading(model, cfg.model_config, torch.device(device))
     else:
         for m in model.modules():
-            if is_deferred_attention_layer(m):
+            if is_deferred_attention_layer(m) and hasattr(m, "kv_b_proj"):  # MLA
                 m.process_weights_after_loading(cfg.model_config.dtype)
     return model
 

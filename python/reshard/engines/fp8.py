@@ -163,7 +163,7 @@ def post_processing_refusals(model: Any) -> List[str]:
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
         kernel = getattr(qm, "fp8_linear", None)
-        if kernel is not None and not getattr(type(kernel), "_reshard_allowed", False):
+        if kernel is not None and not vars(type(kernel)).get("_reshard_allowed", False):  # not a subclass's
             out.append(f"{name}: FP8 linear kernel {type(kernel).__name__} (its post-processing may re-lay weights or "
                        "scales)")
         elif type(qm).__name__ == "Fp8MoEMethod" and not _layout_kept(qm):
@@ -200,7 +200,7 @@ def post_processing_refresh(model: Any, act_dtype: Any) -> Optional[Callable[[],
 
 def _layout_kept(moe_method: Any) -> bool:
     backend = getattr(moe_method, "fp8_backend", None)
-    return getattr(type(moe_method), "_reshard_allowed", False) and getattr(backend, "name", None) == "NONE"
+    return vars(type(moe_method)).get("_reshard_allowed", False) and getattr(backend, "name", None) == "NONE"
 
 
 def quantized_live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[int], Any]], block: Sequence[int],

@@ -252,7 +252,7 @@ def run_vllm(a, store, src, ckpt, full1, cfg_path):
 
 def mla_layers(model):
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    return [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
+    return [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m) and hasattr(m, "kv_b_proj")]
 
 
 def derived_differences(live, twin, vcfg):
