@@ -193,13 +193,13 @@ def test_llama_tp2_from_fsdp2(tmp_path, models):
     assert sum(x["report"]["bytes_sent"] for x in t) == sum(x["needed_bytes"] for x in v)
 
 
-@pytest.mark.parametrize("config", ["tiny-phi3.json", "tiny-glm4.json"])
-def test_fused_checkpoint_tp2_from_whole_tensors(tmp_path, models, config):
-    # Phi-3's checkpoint fuses qkv_proj and gate_up_proj, GLM-4's gate_up_proj: each vLLM rank holds
-    # row ranges of them ([q_r; k_r; v_r]). The trace names each range a tensor (rows_of), the source's
-    # whole tensors are split to match (reshard.engines.rows.split_rows), nothing is left untraced, and
-    # every parameter equals vLLM's own load_weights bit for bit.
-    v, t = run_refit(tmp_path, models / config, "whole", tp=2)
+def test_fused_checkpoint_tp2_from_whole_tensors(tmp_path, models):
+    # Phi-3's checkpoint fuses qkv_proj and gate_up_proj: each vLLM rank holds row ranges of them
+    # ([q_r; k_r; v_r]). The trace names each range a tensor (rows_of), the source's whole tensors are split
+    # to match (reshard.engines.rows.split_rows), nothing is left untraced, and every parameter equals vLLM's
+    # own load_weights bit for bit. (GLM-4, whose checkpoint fuses gate_up_proj only, was a second case
+    # until 2026-12-08, dropped for .ci/run's time: test_trace.py still traces its row ranges.)
+    v, t = run_refit(tmp_path, models / "tiny-phi3.json", "whole", tp=2)
     check_vllm_ranks(v, planted_kinds=())
     assert sum(x["report"]["bytes_sent"] for x in t) == sum(x["needed_bytes"] for x in v)
 
