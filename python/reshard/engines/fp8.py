@@ -179,12 +179,12 @@ def _mla_copies(model: Any) -> List[Tuple[str, Any]]:
             and m.kv_b_proj.weight.dtype != m.W_UK_T.dtype]
 
 
-def post_processing_refresh(model: Any, act_dtype: Any) -> Optional[Callable[[], None]]:
+def post_processing_refresh(mla: List[Tuple[str, Any]], act_dtype: Any) -> Optional[Callable[[], None]]:
     """What brings the tensors vLLM's post-processing derives from refit ones up to date after a refit,
-    in place (None: nothing to redo): each MLA module's own ``process_weights_after_loading`` again (its
-    W_UK_T / W_UV from the new FP8 kv_b_proj and its scale), as vLLM's layerwise reload does. Each keeps
-    its storage, so CUDA graphs captured over them stay valid; one that moved raises, naming it."""
-    mla = _mla_copies(model)
+    in place (None: nothing to redo): each MLA module's (``mla``: :func:`_mla_copies`) own
+    ``process_weights_after_loading`` again (its W_UK_T / W_UV from the new FP8 kv_b_proj and its scale), as
+    vLLM's layerwise reload does. Each keeps its storage, so CUDA graphs captured over them stay valid; one
+    that moved raises, naming it."""
     if not mla:
         return None
 
@@ -241,9 +241,10 @@ def quantized_live_layout(model: Any, checkpoint: Sequence[Tuple[str, Sequence[i
     log.info("block FP8 layout of rank %d: %d quantized tensors, %d fused scale parameters bound by rows",
              live.rank, len(quantized), len(views))
     # Parameters post-processing derives (MLA's W_UK_T / W_UV) are no loader's: the refresh redoes them.
-    derived = {f"{n}.{t}": getattr(m, t) for n, m in _mla_copies(model) for t in ("W_UK_T", "W_UV")}
+    mla = _mla_copies(model)
+    derived = {f"{n}.{t}": getattr(m, t) for n, m in mla for t in ("W_UK_T", "W_UV")}
     return dataclasses.replace(live, layout=layout, buffers=buffers, parameters=dict(live.buffers),
-                               post_processing=post_processing_refresh(model, act_dtype),
+                               post_processing=post_processing_refresh(mla, act_dtype),
                                untraced={n: why for n, why in live.untraced.items() if n not in derived},
                                untraced_bytes=live.untraced_bytes - sum(t.numel() * t.element_size()
                                                                         for t in derived.values()))
